@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: a virtualenv in .venv with zerosafe, its tests' dependencies and
+# DeepSpeed (the test oracle). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt)
+# torch first, pinned: an unpinned torch would pull several GB of CUDA wheels.
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" -e '.[test,s3,dask,dev,fast]'
+# DeepSpeed (tests only) is a source package that needs torch at build time.
+if ! .venv/bin/python -c 'import deepspeed' 2>/dev/null; then
+    DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation deepspeed==0.19.8
+fi
+.venv/bin/zerosafe --version
