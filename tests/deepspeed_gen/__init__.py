@@ -1,0 +1,230 @@
+"""Real DeepSpeed ZeRO checkpoints for tests, and DeepSpeed's own converter as an oracle.
+
+Everything that imports DeepSpeed runs in a subprocess (`DS_ACCELERATOR=cpu`), so a test
+process never imports it.
+
+    SPECS                                   name -> spec (the keys of `train_zero.py`, plus `world_size`)
+    train_checkpoint(spec, dest)            train with torchrun; returns the checkpoint folder,
+                                            live weights at dest/"live.safetensors"
+    deepspeed_fp32_state_dict(ckpt, file)   run `get_fp32_state_dict_from_zero_checkpoint`,
+                                            save its state dict to `file`; returns aliases / error
+    spec_key(spec)                          hash of the spec and of train_zero.py (cache key)
+
+fp16 on CPU: DeepSpeed's CPU accelerator reports fp16 as unsupported unless oneDNN has native
+fp16 kernels (AVX512-FP16/AMX), and `deepspeed.initialize` then refuses fp16 configs. torch
+computes fp16 on any CPU, so the launcher below answers that capability query with True before
+running `train_zero.py`; nothing else of DeepSpeed is changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SPECS",
+    "TRAIN_SCRIPT",
+    "deepspeed_fp32_state_dict",
+    "spec_key",
+    "train_checkpoint",
+]
+
+TRAIN_SCRIPT = Path(__file__).with_name("train_zero.py")
+LIVE_NAME = "live.safetensors"
+CKPT_NAME = "ckpt"
+_FORMAT = "deepspeed_gen/1"  # bump when the layout of what train_checkpoint writes changes
+
+# About 8 checkpoints, combining features; each trains in 10-35 s on a 2-core CPU machine.
+# Dims are odd on purpose so ZeRO's flat partitions need padding and params straddle ranks.
+SPECS: dict[str, dict[str, Any]] = {
+    # ZeRO-1 + frozen params: DeepSpeed's converter silently drops the frozen ones.
+    "z1-bf16-ws2-frozen-groups": {
+        "world_size": 2, "stage": 1, "precision": "bf16", "frozen": True, "groups": 2, "steps": 2,
+    },
+    # bf16 + ZeRO-1 + fp32 grad accumulation -> BF16_Optimizer; DeepSpeed's converter refuses it.
+    "z1-bf16opt-ws2-tied-frozen": {
+        "world_size": 2, "stage": 1, "precision": "bf16", "grad_accum_dtype": "fp32",
+        "tied": True, "frozen": True, "groups": 2, "steps": 2,
+    },
+    "z1-fp32-ws1-tied": {
+        "world_size": 1, "stage": 1, "precision": "fp32", "tied": True, "steps": 2,
+        "dims": [61, 24, 37], "layers": 3,
+    },
+    "z2-fp16-ws3-rr-frozen-groups": {
+        "world_size": 3, "stage": 2, "precision": "fp16", "round_robin": True,
+        "frozen": True, "groups": 2, "steps": 3,
+    },
+    "z2-bf16-ws4-tied-groups": {
+        "world_size": 4, "stage": 2, "precision": "bf16", "tied": True, "groups": 2, "steps": 2,
+        "dims": [53, 28, 45],
+    },
+    "z3-fp32-ws3-subgroups-tied-frozen": {
+        "world_size": 3, "stage": 3, "precision": "fp32", "tied": True, "frozen": True,
+        "sub_group_size": 500, "steps": 2,
+    },
+    "z3-fp16-ws2-groups-tied-persist": {
+        "world_size": 2, "stage": 3, "precision": "fp16", "tied": True, "groups": 2,
+        "persistence_threshold": 100, "steps": 3,
+    },
+    "z3-bf16-ws4-frozen-groups-subgroups": {
+        "world_size": 4, "stage": 3, "precision": "bf16", "frozen": True, "groups": 2,
+        "sub_group_size": 1000, "steps": 2, "dims": [71, 36, 59],
+    },
+}  # fmt: skip
+
+_LAUNCHER = """\
+import runpy, sys
+import torch
+from deepspeed.accelerator import cpu_accelerator as _cpu
+_cpu.CPU_Accelerator.is_fp16_supported = lambda self: True
+_cpu.CPU_Accelerator.supported_dtypes = lambda self: [torch.float32, torch.bfloat16, torch.float16]
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+_ORACLE = """\
+import json, sys, traceback
+ckpt, out_file, info_file = sys.argv[1:4]
+info = {"error": None, "aliases": {}, "names": [], "dtypes": {}}
+try:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    sd = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+except Exception as e:
+    info["error"] = f"{type(e).__name__}: {e}"
+    info["traceback"] = traceback.format_exc()
+else:
+    from safetensors.torch import save_file
+    seen = {}
+    unique = {}
+    for name, t in sd.items():
+        info["names"].append(name)
+        info["dtypes"][name] = str(t.dtype).replace("torch.", "")
+        if id(t) in seen:  # DeepSpeed restores a tied alias as the target's tensor object
+            info["aliases"][name] = seen[id(t)]
+            continue
+        seen[id(t)] = name
+        unique[name] = t.detach().clone().contiguous()
+    save_file(unique, out_file, metadata={"aliases": json.dumps(info["aliases"])})
+with open(info_file, "w") as f:
+    json.dump(info, f, indent=1)
+"""
+
+
+def spec_key(spec: dict[str, Any]) -> str:
+    """A stable key for a spec trained by the current `train_zero.py` (for caches)."""
+    h = hashlib.sha256()
+    h.update(_FORMAT.encode())
+    h.update(json.dumps(spec, sort_keys=True).encode())
+    h.update(TRAIN_SCRIPT.read_bytes())
+    h.update(_LAUNCHER.encode())
+    return h.hexdigest()[:20]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _tail(path: Path, chars: int = 6000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    lines = [ln for ln in text.splitlines() if "[WARNING] [real_accelerator.py" not in ln]
+    return "\n".join(lines)[-chars:]
+
+
+def train_checkpoint(
+    spec: dict[str, Any], dest: Path, *, attempts: int = 3, timeout: float = 600
+) -> Path:
+    """Train `spec` with real DeepSpeed on CPU ranks; returns the checkpoint folder.
+
+    Writes dest/"ckpt" (the checkpoint), dest/"live.safetensors" (the live weights and
+    buffers at the end of training), dest/"spec.json" and dest/"train.log". gloo with more
+    ranks than cores sometimes aborts at random, so a failed run is retried from scratch.
+
+    Raises:
+        RuntimeError: With the log's tail, when every attempt failed.
+    """
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    spec_file = dest / "spec.json"
+    spec_file.write_text(json.dumps(spec, sort_keys=True, indent=1))
+    ckpt, live, log = dest / CKPT_NAME, dest / LIVE_NAME, dest / "train.log"
+    world = int(spec.get("world_size", 1))
+    failures = []
+    for attempt in range(1, attempts + 1):
+        shutil.rmtree(ckpt, ignore_errors=True)
+        live.unlink(missing_ok=True)
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "1", "--nproc_per_node", str(world),
+            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+            "--no-python", sys.executable, "-c", _LAUNCHER,
+            str(TRAIN_SCRIPT), str(spec_file), str(ckpt), str(live),
+        ]  # fmt: skip
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=dest, timeout=timeout
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if rc == 0 and live.is_file() and (ckpt / "latest").is_file():
+            return ckpt
+        failures.append(f"attempt {attempt}: exit {rc}")
+        shutil.copyfile(log, dest / f"train.attempt{attempt}.log")
+        time.sleep(1)
+    raise RuntimeError(
+        f"training {spec} failed {attempts} times ({'; '.join(failures)}); log tail:\n{_tail(log)}"
+    )
+
+
+def deepspeed_fp32_state_dict(
+    ckpt_dir: Path, out_file: Path, *, timeout: float = 600
+) -> dict[str, Any]:
+    """Run DeepSpeed's `get_fp32_state_dict_from_zero_checkpoint` on `ckpt_dir` in a subprocess.
+
+    The state dict goes to `out_file` (safetensors; a tied alias is stored once, under its
+    target). Returns (and writes next to `out_file` as .json) a dict with
+    `error` (None, or the exception DeepSpeed raised, as text), `aliases` (alias -> target),
+    `names` (every name DeepSpeed returned, aliases included), `dtypes` and `file`
+    (`out_file` as a string, or None when DeepSpeed raised).
+
+    Raises:
+        RuntimeError: When the subprocess itself failed (not when DeepSpeed raised).
+    """
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    info_file = out_file.with_suffix(".json")
+    out_file.unlink(missing_ok=True)
+    info_file.unlink(missing_ok=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", _ORACLE, str(ckpt_dir), str(out_file), str(info_file)],
+        capture_output=True, text=True, env=_env(), timeout=timeout,
+    )  # fmt: skip
+    if proc.returncode != 0 or not info_file.is_file():
+        raise RuntimeError(
+            f"DeepSpeed's converter subprocess failed (exit {proc.returncode}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    info: dict[str, Any] = json.loads(info_file.read_text())
+    info["file"] = None if info["error"] else str(out_file)
+    info["log"] = proc.stdout[-3000:]
+    return info

@@ -1,0 +1,43 @@
+"""Helpers shared by tests: load an output folder, compare tensors byte for byte."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+def load_output(out: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """All tensors of an output folder, and its zerosafe manifest ({} if none)."""
+    index = out / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        part = load_file(str(out / f))
+        assert not set(part) & set(tensors), f"tensor stored twice: {set(part) & set(tensors)}"
+        tensors.update(part)
+    manifest_path = out / "zerosafe-manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    return tensors, manifest
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (NaN and -0.0 compare by bits)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """The exact fp32 value of a floating tensor; other dtypes unchanged."""
+    return t.to(torch.float32) if t.is_floating_point() else t

@@ -1,0 +1,75 @@
+"""Run a conversion in this process while a thread samples its RSS; print JSON.
+
+    python tests/memory_probe.py engine|flow CKPT OUT OPTIONS_JSON
+
+First converts the shipped sample (so every lazy import and allocator warm-up is done), takes
+the RSS then as the baseline, and reports the peak RSS of the real conversion above it.
+Separate from pytest so the peak is this process's own (ru_maxrss would be inherited).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    kind, ckpt, out, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    proc = psutil.Process()
+    if kind == "engine":
+        from zerosafe.config import ConvertOptions
+        from zerosafe.convert import convert_checkpoint
+
+        def run(src: str, dst: str) -> dict:
+            return convert_checkpoint(src, dst, ConvertOptions(**options))
+    else:
+        from flows.runtime import configure_embedded_prefect
+
+        configure_embedded_prefect()
+        from flows.convert import convert
+
+        def run(src: str, dst: str) -> dict:
+            return convert(source=src, destination=dst, **options)
+
+    with tempfile.TemporaryDirectory() as warm:
+        run(str(REPO / "examples" / "zero3-bf16-ws3"), os.path.join(warm, "o"))
+    baseline = proc.memory_info().rss
+    peak = baseline
+    stop = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, proc.memory_info().rss)
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    started = time.monotonic()
+    summary = run(ckpt, out)
+    stop.set()
+    sampler.join()
+    print(
+        json.dumps(
+            {
+                "baseline_rss": baseline,
+                "peak_rss": peak,
+                "seconds": time.monotonic() - started,
+                "status": summary["status"],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

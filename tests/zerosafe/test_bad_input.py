@@ -1,0 +1,291 @@
+"""Bad input: one readable error naming the file and the fix, exit code 2, nothing complete."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerosafe.cli import main
+from zerosafe.config import ConvertOptions
+from zerosafe.convert import convert_checkpoint
+from zerosafe.errors import (
+    CheckpointFormatError,
+    IntegrityError,
+    LayoutMismatchError,
+    OutputExistsError,
+    UnsafePickleError,
+    UnsupportedCheckpointError,
+)
+
+TAG = "global_step2"
+
+
+def _optim(ckpt: Path, rank: int) -> Path:
+    return ckpt / TAG / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def _model(ckpt: Path, rank: int) -> Path:
+    return ckpt / TAG / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def _convert_fails(ckpt: Path, out: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
+    code = main(["convert", "--no-flow", str(ckpt), str(out), *extra])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("zerosafe: error: ") and err.count("\n") == 1, err
+    assert not (out / "zerosafe-complete.json").exists()
+    assert not (out / "model.safetensors.index.json").exists()
+    return err
+
+
+def test_missing_rank_file(sample_ckpt: Path, tmp_path: Path, capsys) -> None:
+    _optim(sample_ckpt, 1).unlink()
+    err = _convert_fails(sample_ckpt, tmp_path / "out", capsys)
+    assert "rank(s) [1] missing (bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt)" in err
+    assert "Copy the whole tag folder" in err
+    with pytest.raises(CheckpointFormatError, match=r"optimizer file for rank\(s\) \[1\] missing"):
+        convert_checkpoint(str(sample_ckpt), str(tmp_path / "out2"))
+
+
+def test_stale_rank_files_from_a_larger_run(sample_ckpt: Path, tmp_path: Path, capsys) -> None:
+    for rank in (3, 4):
+        shutil.copy(_optim(sample_ckpt, 2), _optim(sample_ckpt, rank))
+    err = _convert_fails(sample_ckpt, tmp_path / "out", capsys)
+    assert "stale optimizer files for rank(s) [3, 4]" in err
+    assert "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt" in err and "Move them out" in err
+
+
+def test_world_sizes_disagree(sample_ckpt: Path, tmp_path: Path, capsys) -> None:
+    # Test-only fixture surgery: the model states of this checkpoint hold no DeepSpeed classes.
+    path = _model(sample_ckpt, 0)
+    states = torch.load(path, weights_only=True)
+    states["dp_world_size"] = 4
+    torch.save(states, path)
+    err = _convert_fails(sample_ckpt, tmp_path / "out", capsys)
+    assert "dp_world_size=4" in err and "partitioned over 3 ranks" in err and str(path) in err
+
+
+def test_truncated_file(sample_ckpt: Path, tmp_path: Path, capsys) -> None:
+    path = _optim(sample_ckpt, 2)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) * 2 // 3])
+    err = _convert_fails(sample_ckpt, tmp_path / "out", capsys)
+    assert str(path) in err and "truncated" in err
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_flipped_bit_in_fp32_data_fails_the_crc(
+    sample_ckpt: Path, tmp_path: Path, direct: bool
+) -> None:
+    from zerosafe.storage import Storage
+    from zerosafe.torch_zip import TorchZipFile
+
+    path = _optim(sample_ckpt, 1)
+    zf = TorchZipFile(Storage().open_source(str(path)))
+    group = zf.load()["optimizer_state_dict"]["fp32_flat_groups"][0]
+    offset = zf.tensor_offset(group) + 8
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0x01
+    path.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    with pytest.raises(IntegrityError, match=r"do not match their recorded CRC32.*zero_pp_rank_1"):
+        convert_checkpoint(str(sample_ckpt), str(out), ConvertOptions(direct=direct))
+    assert not (out / "zerosafe-complete.json").exists()
+
+
+def _write_pt(path: Path, obj: object, **kw: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, path, **kw)
+
+
+def _fake_ckpt(tmp_path: Path, optim: object, *, legacy: bool = False) -> Path:
+    ckpt = tmp_path / "fake"
+    _write_pt(
+        ckpt / TAG / "mp_rank_00_model_states.pt",
+        {"param_shapes": [{"w": torch.Size([3])}], "module": {}, "dp_world_size": 1},
+    )
+    kw = {"_use_new_zipfile_serialization": False} if legacy else {}
+    _write_pt(ckpt / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt", optim, **kw)
+    (ckpt / "latest").write_text(TAG)
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    ("optim", "legacy", "error", "match"),
+    [
+        (
+            {"optimizer_state_dict": {"state": {}, "param_groups": []}},
+            False,
+            CheckpointFormatError,
+            "not a ZeRO checkpoint",
+        ),
+        ({"something": 1}, False, CheckpointFormatError, "no 'optimizer_state_dict'"),
+        (
+            {"optimizer_state_dict": {"zero_stage": 0, "partition_count": [1]}},
+            False,
+            UnsupportedCheckpointError,
+            "ZeRO stage 0 is not supported",
+        ),
+        (
+            {"optimizer_state_dict": {"zero_stage": 2}},
+            True,
+            CheckpointFormatError,
+            "legacy .*Re-save it",
+        ),
+    ],
+)
+def test_files_that_are_not_zero_checkpoints(
+    tmp_path: Path, capsys, optim, legacy, error, match
+) -> None:
+    ckpt = _fake_ckpt(tmp_path, optim, legacy=legacy)
+    with pytest.raises(error, match=match) as e:
+        convert_checkpoint(str(ckpt), str(tmp_path / "out"))
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in str(e.value)
+    _convert_fails(ckpt, tmp_path / "out", capsys)
+
+
+class _Evil:
+    marker = ""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_that_would_run_code_is_refused_and_nothing_runs(
+    sample_ckpt: Path, tmp_path: Path, capsys
+) -> None:
+    marker = tmp_path / "ran"
+    _Evil.marker = str(marker)
+    torch.save({"optimizer_state_dict": {"zero_stage": _Evil()}}, _optim(sample_ckpt, 1))
+    err = _convert_fails(sample_ckpt, tmp_path / "out", capsys)
+    assert "posix.system" in err and "not on zerosafe's allowlist" in err
+    assert "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt" in err
+    assert not marker.exists()
+    with pytest.raises(UnsafePickleError):
+        convert_checkpoint(str(sample_ckpt), str(tmp_path / "out"))
+    assert main(["inspect", str(sample_ckpt)]) == 2
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("zero_pp_rank_0_mp_rank_01_model_states.pt", "tensor-parallel .*mp_rank_01"),
+        ("layer_01-model_00-model_states.pt", "pipeline-parallel"),
+        ("expp_rank_0_mp_rank_00_optim_states.pt", "MoE expert"),
+    ],
+)
+def test_unsupported_layouts_are_named(
+    sample_ckpt: Path, tmp_path: Path, name: str, match: str
+) -> None:
+    shutil.copy(_model(sample_ckpt, 0), sample_ckpt / TAG / name)
+    with pytest.raises(UnsupportedCheckpointError, match=match) as e:
+        convert_checkpoint(str(sample_ckpt), str(tmp_path / "out"))
+    assert name in str(e.value) and "not supported yet" in str(e.value)
+
+
+def test_not_a_checkpoint_folder(tmp_path: Path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    err = _convert_fails(tmp_path / "empty", tmp_path / "out", capsys)
+    assert "no 'latest' file" in err
+    err = _convert_fails(tmp_path / "nope", tmp_path / "out", capsys)
+    assert "no such checkpoint folder" in err
+
+
+def test_latest_names_a_missing_tag_and_unknown_tag(
+    sample_ckpt: Path, tmp_path: Path, capsys
+) -> None:
+    err = _convert_fails(sample_ckpt, tmp_path / "out", capsys, "--tag", "global_step9")
+    assert "tag 'global_step9' not found" in err and TAG in err
+    (sample_ckpt / "latest").write_text("global_step7")
+    err = _convert_fails(sample_ckpt, tmp_path / "out", capsys)
+    assert "still saving it" in err
+
+
+def test_output_policy_noop_refuse_overwrite(sample_ckpt: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    assert main(["convert", "--no-flow", str(sample_ckpt), str(out)]) == 0
+    capsys.readouterr()
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert main(["convert", "--no-flow", str(sample_ckpt), str(out)]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    code = main(["convert", "--no-flow", str(sample_ckpt), str(out), "--dtype", "bf16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "already holds a complete conversion" in err and "--overwrite" in err
+    with pytest.raises(OutputExistsError):
+        convert_checkpoint(str(sample_ckpt), str(out), ConvertOptions(dtype="bf16"))
+    assert (
+        main(["convert", "--no-flow", str(sample_ckpt), str(out), "--dtype", "bf16", "--overwrite"])
+        == 0
+    )
+    from safetensors.torch import load_file
+
+    assert load_file(str(out / "model.safetensors"))["embed.weight"].dtype == torch.bfloat16
+
+
+def test_foreign_model_files_are_not_overwritten(sample_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"someone else's weights")
+    with pytest.raises(OutputExistsError, match="model files not written by this job"):
+        convert_checkpoint(str(sample_ckpt), str(out))
+    assert (out / "model.safetensors").read_bytes() == b"someone else's weights"
+
+
+def test_layout_mismatch_is_named(sample_ckpt: Path, tmp_path: Path) -> None:
+    # A model-states file from another model: param shapes no longer match the partitions.
+    path = _model(sample_ckpt, 0)
+    states = torch.load(path, weights_only=True)
+    first = states["param_shapes"][0]
+    name = next(iter(first))
+    first[name] = torch.Size([first[name][0] + 5, *first[name][1:]])
+    for rank in range(3):
+        s = torch.load(_model(sample_ckpt, rank), weights_only=True)
+        s["param_shapes"] = states["param_shapes"]
+        torch.save(s, _model(sample_ckpt, rank))
+    with pytest.raises(
+        LayoutMismatchError, match=r"needs exactly .*another world size or another model"
+    ):
+        convert_checkpoint(str(sample_ckpt), str(tmp_path / "out"))
+
+
+def test_cli_error_is_one_line_for_subprocess(sample_ckpt: Path, tmp_path: Path) -> None:
+    _optim(sample_ckpt, 0).unlink()
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerosafe.cli", "convert", "--no-flow", str(sample_ckpt), str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+
+
+def test_check_lowp_stops_publishing_when_16bit_weights_disagree(tmp_path: Path) -> None:
+    """A real DeepSpeed ZeRO-1 checkpoint whose saved bf16 copy of one weight was altered:
+    the fp32 output is still what the masters say, but the cross-check names the tensor and
+    nothing is published."""
+    from tests.conftest import SHARED_FIXTURES
+    from zerosafe.errors import VerificationError
+
+    src = SHARED_FIXTURES / "z1-bf16-ws2-basic" / "checkpoint"
+    if not src.exists():
+        pytest.skip("shared fixtures not present")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    for f in ckpt.rglob("*"):
+        f.chmod(0o644 if f.is_file() else 0o755)
+    model = ckpt / "global_step3" / "mp_rank_00_model_states.pt"
+    states = torch.load(model, weights_only=True)  # test-only surgery; no DeepSpeed classes here
+    states["module"]["l1.weight"][0, 0] += 1.0
+    torch.save(states, model)
+    out = tmp_path / "out"
+    with pytest.raises(VerificationError, match=r"l1\.weight: lowp: cast to bfloat16 differs"):
+        convert_checkpoint(str(ckpt), str(out), ConvertOptions(check_lowp=True))
+    assert not (out / "zerosafe-complete.json").exists()
+    convert_checkpoint(str(ckpt), str(tmp_path / "unchecked"))  # the masters alone convert fine

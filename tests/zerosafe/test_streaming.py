@@ -1,0 +1,104 @@
+"""The copy pipeline: casts equal torch's `.to()` bit for bit, across chunk boundaries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zerosafe.crc import CrcLedger
+from zerosafe.safetensors_writer import HeaderEntry, SafetensorsStreamWriter
+from zerosafe.storage import Storage
+from zerosafe.streaming import CopyJob, copy_stream
+
+
+def _special_fp32(n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g) * torch.logspace(-45, 38, n, base=2.0)
+    specials = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            65504.0,
+            65520.0,
+            1e-45,
+            3.4e38,
+            1.00390625,
+            1.01171875,
+        ],
+        dtype=torch.float32,
+    )
+    # bit patterns exactly halfway between two bf16 values (ties to even) and random bits
+    ties = (torch.arange(64, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)
+    raw = (
+        torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int64)
+        .to(torch.int32)
+        .view(torch.float32)
+    )
+    return torch.cat([x, specials, ties, raw])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_chunked_cast_equals_torch_to(tmp_path: Path, out_dtype: torch.dtype) -> None:
+    src = _special_fp32(50_001)
+    src_path = tmp_path / "src.bin"
+    src_path.write_bytes(src.numpy().tobytes())
+    name = str(out_dtype).removeprefix("torch.")
+    out_path = tmp_path / "out.safetensors"
+    storage = Storage()
+    source = storage.open_source(str(src_path))
+    writer = SafetensorsStreamWriter(
+        storage.open_sink(str(out_path)), [HeaderEntry("t", name, (src.numel(),))]
+    )
+    # two jobs with an odd split, and chunks much smaller than the tensor
+    half = 4 * 12_345
+    jobs = [
+        CopyJob(0, source, 0, half, "float32", name),
+        CopyJob(0, source, half, src.numel() * 4 - half, "float32", name),
+    ]
+    copy_stream(jobs, writer, chunk_bytes=4096 + 12)
+    writer.finish()
+    got = load_file(str(out_path))["t"]
+    want = src.to(out_dtype)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_ledger_gets_crc_of_every_range(tmp_path: Path) -> None:
+    import zlib
+
+    data = bytes(range(256)) * 100
+    (tmp_path / "src.bin").write_bytes(data)
+    storage = Storage()
+    source = storage.open_source(str(tmp_path / "src.bin"))
+    writer = SafetensorsStreamWriter(
+        storage.open_sink(str(tmp_path / "o.safetensors")),
+        [HeaderEntry("t", "uint8", (len(data),))],
+    )
+    ledger = CrcLedger()
+    copy_stream(
+        [CopyJob(0, source, 0, len(data), "uint8", "uint8", "rec", 0)],
+        writer,
+        chunk_bytes=1000,
+        ledger=ledger,
+    )
+    writer.finish()
+    assert ledger.check({"rec": (len(data), zlib.crc32(data))}).checked == ["rec"]
+
+
+def test_read_error_aborts_cleanly(tmp_path: Path) -> None:
+    (tmp_path / "src.bin").write_bytes(b"\x00" * 100)
+    storage = Storage()
+    source = storage.open_source(str(tmp_path / "src.bin"))
+    out = tmp_path / "o.safetensors"
+    writer = SafetensorsStreamWriter(
+        storage.open_sink(str(out)), [HeaderEntry("t", "uint8", (200,))]
+    )
+    with pytest.raises(Exception, match="truncated"):
+        copy_stream([CopyJob(0, source, 0, 200, "uint8", "uint8")], writer, chunk_bytes=64)
+    writer.abort()
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["src.bin"]

@@ -1,0 +1,134 @@
+"""The ZeRO layout math against a brute-force simulation of DeepSpeed's flat buffers.
+
+Each element of each param gets a unique id (param * 10**6 + index); the simulation builds
+the flat partitions exactly as DeepSpeed lays them out, and the pieces must read every id
+back from where it landed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zerosafe.errors import LayoutMismatchError
+from zerosafe.zero_layout import (
+    split_by_segments,
+    zero3_partition_numel,
+    zero3_pieces,
+    zero12_partition_pieces,
+)
+
+PAD = -1
+
+
+def _ids(param: int, numel: int) -> np.ndarray:
+    return param * 10**6 + np.arange(numel, dtype=np.int64)
+
+
+def _simulate_zero12(numels, paddings, world_size, saved_trimmed):
+    """Flat buffer of ids in order, each param followed by its padding, tail padded to a
+    multiple of 2 * world_size, cut into equal partitions; trailing padding optionally not
+    saved (ZeRO's optimizer) or saved (BF16_Optimizer)."""
+    parts = []
+    for i, (n, pad) in enumerate(zip(numels, paddings, strict=True)):
+        parts.append(_ids(i, n))
+        parts.append(np.full(pad, PAD, dtype=np.int64))
+    flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    align = 2 * world_size
+    total = -(-max(len(flat), 1) // align) * align
+    flat = np.concatenate([flat, np.full(total - len(flat), PAD, dtype=np.int64)])
+    partition = total // world_size
+    ranks = [flat[r * partition : (r + 1) * partition] for r in range(world_size)]
+    real_end = len(np.concatenate(parts)) if parts else 0
+    if saved_trimmed:  # the last partitions do not store padding past the real data
+        ranks = [
+            rk[: max(0, min(partition, real_end - r * partition))] for r, rk in enumerate(ranks)
+        ]
+    return partition, ranks
+
+
+def _reconstruct(pieces, numels, ranks):
+    out = [np.full(n, -2, dtype=np.int64) for n in numels]
+    for p in pieces:
+        out[p.param][p.dst_offset : p.dst_offset + p.numel] = ranks[p.rank][
+            p.src_offset : p.src_offset + p.numel
+        ]
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    numels=st.lists(st.integers(0, 70), min_size=1, max_size=9),
+    world_size=st.integers(1, 8),
+    pad_seed=st.integers(0, 3),
+    trimmed=st.booleans(),
+)
+def test_zero12_pieces_match_simulation(numels, world_size, pad_seed, trimmed):
+    paddings = [(pad_seed * (i + 1)) % 3 if i < len(numels) - 1 else 0 for i in range(len(numels))]
+    partition, ranks = _simulate_zero12(numels, paddings, world_size, trimmed)
+    pieces = zero12_partition_pieces(numels, paddings, partition, [len(r) for r in ranks])
+    got = _reconstruct(pieces, numels, ranks)
+    for i, n in enumerate(numels):
+        np.testing.assert_array_equal(got[i], _ids(i, n))
+    # pieces never overlap and never touch padding
+    for p in pieces:
+        assert (ranks[p.rank][p.src_offset : p.src_offset + p.numel] != PAD).all()
+
+
+def test_zero12_refuses_partitions_too_small():
+    with pytest.raises(LayoutMismatchError, match="another world size"):
+        zero12_partition_pieces([10, 10], [0, 0], 4, [4, 4])
+
+
+def test_zero12_refuses_params_in_unsaved_tail():
+    # 2 ranks x 6 = 12 slots, params need 11, but the last rank saved only 3 of 6
+    with pytest.raises(LayoutMismatchError, match="saved only 3"):
+        zero12_partition_pieces([11], [0], 6, [6, 3])
+
+
+def _simulate_zero3(numels, world_size):
+    per_rank = [[] for _ in range(world_size)]
+    for i, n in enumerate(numels):
+        c = zero3_partition_numel(n, world_size)
+        padded = np.concatenate([_ids(i, n), np.full(c * world_size - n, PAD, dtype=np.int64)])
+        for r in range(world_size):
+            per_rank[r].append(padded[r * c : (r + 1) * c])
+    return [np.concatenate(p) if p else np.zeros(0, np.int64) for p in per_rank]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    numels=st.lists(st.integers(0, 60), min_size=1, max_size=8),
+    world_size=st.integers(1, 8),
+    cuts=st.lists(st.integers(0, 200), max_size=4),
+)
+def test_zero3_pieces_match_simulation_with_subgroups(numels, world_size, cuts):
+    ranks = _simulate_zero3(numels, world_size)
+    pieces, per_rank = zero3_pieces(numels, world_size)
+    assert all(len(r) == per_rank for r in ranks)
+    # sub-groups: each rank's flat space saved as several tensors cut at the same points
+    bounds = sorted({min(c, per_rank) for c in cuts} | {0, per_rank})
+    segments = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    seg_arrays = [[r[a:b] for a, b in zip(bounds, bounds[1:], strict=False)] for r in ranks]
+    out = [np.full(n, -2, dtype=np.int64) for n in numels]
+    for p in pieces:
+        for seg, off, count, run in split_by_segments(p.src_offset, p.numel, segments):
+            out[p.param][p.dst_offset + run : p.dst_offset + run + count] = seg_arrays[p.rank][seg][
+                off : off + count
+            ]
+    for i, n in enumerate(numels):
+        np.testing.assert_array_equal(out[i], _ids(i, n))
+
+
+def test_split_by_segments_refuses_overrun():
+    with pytest.raises(LayoutMismatchError):
+        split_by_segments(5, 10, [4, 4])
+
+
+@pytest.mark.parametrize(
+    ("numel", "world_size", "want"), [(0, 3, 0), (1, 3, 1), (9, 3, 3), (10, 3, 4), (4848, 2, 2424)]
+)
+def test_zero3_partition_numel(numel, world_size, want):
+    assert zero3_partition_numel(numel, world_size) == want

@@ -1,0 +1,53 @@
+"""zerosafe: DeepSpeed ZeRO checkpoints to verified safetensors, streaming, without DeepSpeed.
+
+The engine is a plain library (no Prefect): read a checkpoint's metadata lazily
+(`open_zero_checkpoint`), plan the conversion (`build_plan`), run the stages
+(`extract_part`, `merge_shard`, `verify_shard`, `publish`), or all of them in order
+(`convert_checkpoint`). Any `torch.save` file converts to one safetensors file with
+`convert_pt` and loads back, lazily, with `load_pt_like` (or `load_pt` for resuming).
+"""
+
+from zerosafe._version import __version__
+from zerosafe.config import ConvertOptions
+from zerosafe.errors import (
+    CheckpointFormatError,
+    ConfigError,
+    ConversionError,
+    IntegrityError,
+    LayoutMismatchError,
+    OutputExistsError,
+    StorageError,
+    UnsafePickleError,
+    UnsupportedCheckpointError,
+)
+from zerosafe.plan import Plan, build_plan, load_plan, save_plan
+from zerosafe.pt2st import convert_pt, load_pt, load_pt_like
+from zerosafe.storage import Storage
+from zerosafe.torch_zip import TensorRecord, TorchZipFile
+from zerosafe.zero_checkpoint import ZeroCheckpoint, open_zero_checkpoint
+
+__all__ = [
+    "CheckpointFormatError",
+    "ConfigError",
+    "ConversionError",
+    "ConvertOptions",
+    "IntegrityError",
+    "LayoutMismatchError",
+    "OutputExistsError",
+    "Plan",
+    "Storage",
+    "StorageError",
+    "TensorRecord",
+    "TorchZipFile",
+    "UnsafePickleError",
+    "UnsupportedCheckpointError",
+    "ZeroCheckpoint",
+    "__version__",
+    "build_plan",
+    "convert_pt",
+    "load_plan",
+    "load_pt",
+    "load_pt_like",
+    "open_zero_checkpoint",
+    "save_plan",
+]

@@ -1,0 +1,121 @@
+"""Options of one conversion, as the engine sees them (plain dataclasses, no pydantic).
+
+The flows validate user input (CLI flags, YAML job files, Prefect parameters) into
+`flows.config.JobConfig` and hand the engine a `ConvertOptions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from zerosafe.dtypes import ALIASES, DTYPES
+from zerosafe.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "DEFAULT_MEMORY_BYTES",
+    "ConvertOptions",
+    "normalize_dtype",
+]
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+DEFAULT_MEMORY_BYTES = 1 * 10**9
+PIPELINE_BUFFERS = 8
+"""Chunk buffers one running task holds at most (reads in flight, cast output, write queue)."""
+TASK_OVERHEAD_BYTES = 32 * 2**20
+"""What a task holds besides its chunk buffers (plan, headers, Python objects)."""
+MIN_CHUNK_BYTES = 1 * 2**20
+MAX_CHUNK_BYTES = 64 * 2**20
+
+OUTPUT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def normalize_dtype(name: str) -> str:
+    """`fp32`/`bf16`/`fp16` or torch names -> a torch name allowed for output."""
+    key = ALIASES.get(name, name)
+    if key not in OUTPUT_DTYPES:
+        raise ConfigError(f"`dtype` must be one of fp32, bf16, fp16 (got '{name}')")
+    assert key in DTYPES
+    return key
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ConvertOptions:
+    """How to convert. Fields that change output bytes are part of the job's identity."""
+
+    dtype: str = "float32"
+    """Output dtype of every floating tensor (params, frozen params, float buffers)."""
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    """Largest output file's tensor bytes; a bigger single tensor gets a file of its own."""
+    tied: Literal["dedupe", "copy"] = "dedupe"
+    """`dedupe`: store a tied alias once and record it; `copy`: write it as a real tensor."""
+    exclude_frozen: bool = False
+    """Leave frozen (requires_grad=False) params out of the output."""
+    direct: bool = False
+    """Merge straight from the source's fp32 records (local/NFS), with no intermediate copy."""
+    memory_bytes: int = DEFAULT_MEMORY_BYTES
+    """Memory budget of one worker: the tasks it runs at once hold at most this much."""
+    max_parallel_tasks: int = 2
+    """Tasks one worker runs at once (further bounded by `memory_bytes`)."""
+    extract_part_bytes: int = 2 * 10**9
+    """Staged mode: a rank's fp32 bytes are extracted in parts of at most this size."""
+    overwrite: bool = False
+    """Replace a complete output from another source or other options."""
+    keep_work: bool = False
+    """Keep the work area (plan, intermediates) after a verified publish."""
+    check_finite: bool = True
+    """Verify fails on NaN/Inf values (allow them with False)."""
+    check_lowp: bool = False
+    """ZeRO-1/2: before publishing, check each tensor cast to the training dtype equals the
+    16-bit weight in the model states (reads those weights: 2 more bytes per parameter)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.tied not in ("dedupe", "copy"):
+            raise ConfigError(f"`tied` must be 'dedupe' or 'copy' (got '{self.tied}')")
+        if self.max_shard_bytes <= 0:
+            raise ConfigError(f"`max_shard_bytes` must be positive (got {self.max_shard_bytes})")
+        if self.max_parallel_tasks < 1:
+            raise ConfigError(
+                f"`max_parallel_tasks` must be at least 1 (got {self.max_parallel_tasks})"
+            )
+        if self.extract_part_bytes < MIN_CHUNK_BYTES:
+            raise ConfigError(f"`extract_part_bytes` must be at least {MIN_CHUNK_BYTES}")
+        floor = TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * MIN_CHUNK_BYTES
+        if self.memory_bytes < floor:
+            raise ConfigError(
+                f"`memory` budget {self.memory_bytes} bytes is below the minimum of {floor} "
+                f"bytes ({floor // 2**20} MiB) that one task needs"
+            )
+
+    @property
+    def parallel_tasks(self) -> int:
+        """Tasks that fit the budget at once (at least 1)."""
+        per_task_floor = TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * MIN_CHUNK_BYTES
+        return max(1, min(self.max_parallel_tasks, self.memory_bytes // per_task_floor))
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes per copy chunk, so `parallel_tasks` tasks fit in `memory_bytes`."""
+        per_task = self.memory_bytes // self.parallel_tasks - TASK_OVERHEAD_BYTES
+        chunk = per_task // PIPELINE_BUFFERS
+        chunk = max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, chunk))
+        return chunk - chunk % 4096
+
+    @property
+    def task_memory_bytes(self) -> int:
+        """What one running copy task holds at most."""
+        return TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * self.chunk_bytes
+
+    def identity(self) -> dict[str, Any]:
+        """The options that change output bytes (part of the job key)."""
+        return {
+            "dtype": self.dtype,
+            "max_shard_bytes": self.max_shard_bytes,
+            "tied": self.tied,
+            "exclude_frozen": self.exclude_frozen,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

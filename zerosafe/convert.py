@@ -1,0 +1,220 @@
+"""All stages in order, in one process: the engine's own driver, with no Prefect.
+
+`flows/convert.py` runs the same stage functions as Prefect tasks (cached, resumable,
+parallel); this driver is for library users and for tests of the engine alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from zerosafe.config import ConvertOptions
+from zerosafe.errors import StorageError
+from zerosafe.output import default_work_url, prepare_output, publish, quick_done
+from zerosafe.plan import Plan, build_plan, save_plan
+from zerosafe.progress import NullProgress, Progress
+from zerosafe.stages import DirectLocator, StagedLocator, check_integrity, extract_part, merge_shard
+from zerosafe.storage import Storage, is_local, join_url, local_path
+from zerosafe.units import format_bytes
+from zerosafe.verify import verify_shard
+from zerosafe.verify_output import lowp_report
+from zerosafe.zero_checkpoint import open_zero_checkpoint
+
+__all__ = ["WorkLayout", "check_free_space", "convert_checkpoint", "peak_rss_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkLayout:
+    """Where one job keeps its work files."""
+
+    root: str
+
+    @property
+    def plan(self) -> str:
+        return join_url(self.root, "plan")
+
+    @property
+    def intermediate(self) -> str:
+        return join_url(self.root, "intermediate")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _same_device(a: str, b: str) -> bool:
+    def dev(path: str) -> int:
+        path = os.path.abspath(local_path(path))
+        while not os.path.exists(path):
+            path = os.path.dirname(path)
+        return os.stat(path).st_dev
+
+    return is_local(a) and is_local(b) and dev(a) == dev(b)
+
+
+def check_free_space(
+    storage: Storage, plan: Plan, out_url: str, work_url: str, *, direct: bool
+) -> None:
+    """Refuse to start when the output (and, staged, the intermediates) cannot fit.
+
+    Raises:
+        StorageError: Naming the path, the bytes needed and the bytes free.
+    """
+    out_bytes = sum(s.data_bytes for s in plan.shards)
+    work_bytes = 0 if direct else plan.slot_bytes
+    needs = [(out_url, out_bytes), (work_url, work_bytes)]
+    if _same_device(out_url, work_url):
+        needs = [(out_url, out_bytes + work_bytes)]
+    for url, need in needs:
+        free = storage.free_bytes(url)
+        if free is not None and need > free:
+            raise StorageError(
+                f"{url}: the conversion needs {format_bytes(need)} there but only "
+                f"{format_bytes(free)} is free. Free space, choose another output"
+                + ("" if direct else ", or use --direct (no intermediate copy) for a local source")
+                + ", then run the same command again."
+            )
+
+
+def convert_checkpoint(
+    ckpt_url: str,
+    out_url: str,
+    options: ConvertOptions | None = None,
+    *,
+    tag: str | None = None,
+    storage: Storage | None = None,
+    work_url: str | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Convert a ZeRO checkpoint tag into verified safetensors in `out_url`.
+
+    Args:
+        ckpt_url: The checkpoint folder (holding `latest`) or a tag folder.
+        out_url: The output folder.
+        options: Output dtype, shard size, memory budget, tied/frozen policy, direct mode.
+        tag: The tag to convert instead of the one `latest` names.
+        storage: Storage to read and write through (its counter records the bytes).
+        work_url: Where to keep the plan and intermediates; by default inside `out_url`.
+        progress: Receives byte progress.
+
+    Returns:
+        A JSON-able summary of the run.
+    """
+    options = options or ConvertOptions()
+    storage = storage or Storage()
+    progress = progress or NullProgress()
+    started = time.monotonic()
+    done = quick_done(storage, ckpt_url, tag, out_url, options)
+    if done is not None:
+        return {"status": "already-complete", "output": out_url, "job_key": done}
+    ckpt = open_zero_checkpoint(storage, ckpt_url, tag=tag)
+    plan = build_plan(ckpt, options)
+    for warning in plan.warnings:
+        log.warning("%s", warning)
+    state = prepare_output(storage, out_url, plan.plan_id, overwrite=options.overwrite)
+    if state.kind == "done":
+        return {"status": "already-complete", "output": out_url, "job_key": plan.plan_id}
+    work = WorkLayout(work_url or default_work_url(out_url, plan.plan_id))
+    check_free_space(storage, plan, out_url, work.root, direct=options.direct)
+    save_plan(plan, storage, work.plan)
+    chunk = options.chunk_bytes
+
+    extracts: list[dict[str, Any]] = []
+    if options.direct:
+        locator: DirectLocator | StagedLocator = DirectLocator(plan, storage)
+    else:
+        progress.start("extract", plan.slot_bytes)
+        for i in range(len(plan.parts)):
+            extracts.append(
+                extract_part(
+                    plan,
+                    i,
+                    storage,
+                    work.intermediate,
+                    chunk_bytes=chunk,
+                    on_bytes=progress.advance,
+                )
+            )
+        progress.finish()
+        locator = StagedLocator(plan, storage, work.intermediate)
+
+    merges = []
+    progress.start("merge", plan.slot_bytes)
+    try:
+        for shard in range(len(plan.shards)):
+            merges.append(
+                merge_shard(
+                    plan,
+                    shard,
+                    storage,
+                    out_url,
+                    locator,
+                    chunk_bytes=chunk,
+                    on_bytes=progress.advance,
+                )
+            )
+    finally:
+        locator.close()
+    progress.finish()
+
+    verifies = []
+    progress.start("verify", sum(s.data_bytes for s in plan.shards))
+    for m in merges:
+        report = verify_shard(
+            storage, join_url(out_url, m["file"]), expected=m["tensors"],
+            check_finite=options.check_finite, chunk_bytes=chunk, on_bytes=progress.advance,
+        )  # fmt: skip
+        verifies.append(report.as_dict())
+    progress.finish()
+    if options.check_lowp:
+        verifies.append(lowp_report(storage, plan.source, out_url, merges))
+
+    integrity = check_integrity(
+        plan, storage, [e["ledger"] for e in extracts] + [m["ledger"] for m in merges],
+        intermediate_url=None if options.direct else work.intermediate,
+    ).as_dict()  # fmt: skip
+    seconds = time.monotonic() - started
+    stats = {
+        "seconds": round(seconds, 3),
+        "bytes_read": storage.counter.bytes_read,
+        "source_bytes_read": storage.counter.bytes_read_from({f.url for f in plan.files}),
+        "fp32_bytes": plan.fp32_bytes,
+        "bytes_written": storage.counter.bytes_written,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "mode": "direct" if options.direct else "staged",
+    }
+    manifest = publish(
+        plan,
+        storage,
+        out_url,
+        options=options,
+        merges=merges,
+        verifies=verifies,
+        integrity=integrity,
+        stats=stats,
+    )
+    if not options.keep_work:
+        storage.remove_tree(work.root)
+        parent = work.root.rsplit("/", 1)[0]
+        if is_local(parent) and not storage.listdir(parent):
+            storage.remove_tree(parent)
+    return {
+        "status": "converted",
+        "output": out_url,
+        "job_key": plan.plan_id,
+        "files": [f["file"] for f in manifest["files"]],
+        "num_tensors": len(manifest["tensors"]),
+        "aliases": plan.aliases,
+        "integrity": integrity,
+        "notes": plan.notes,
+        "warnings": plan.warnings,
+        **stats,
+    }
