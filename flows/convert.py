@@ -1,0 +1,410 @@
+"""The flow `convert`: inspect -> extract[part] -> merge[shard] -> verify[shard] -> publish.
+
+Deployments reference `flows/convert.py:convert`. Its parameters are the job config's fields,
+flat (so the Prefect UI shows a form and `--param dtype=bf16` works), plus `conf`, a YAML job
+file they override. `zerosafe convert` runs this same flow, embedded.
+
+Each stage task is cached by (stage, plan id, unit, content fingerprint of its inputs) with
+results persisted in the work area, so a killed run started again skips every task whose
+output is complete and still present. Before submitting a task the flow checks that output
+on disk and refreshes the cache where it vanished or changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    update_progress_artifact,
+)
+from prefect.futures import PrefectFuture, as_completed
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.config import JobConfig, load_job_config
+from tasks._common import Job, read_journal, set_progress
+from tasks._common import progress as task_progress
+from tasks.credentials import storage_for
+from tasks.extract import extract, extract_is_present
+from tasks.inspect import inspect
+from tasks.merge import expected_shard_bytes, merge, shard_identity
+from tasks.publish import publish
+from tasks.verify import verify
+from zerosafe.config import ConvertOptions
+from zerosafe.errors import VerificationError
+from zerosafe.lease import work_lease
+from zerosafe.storage import Storage, join_url
+from zerosafe.units import format_bytes
+
+__all__ = ["convert", "run_convert"]
+
+
+def _task_runner(cfg: JobConfig) -> Any:
+    if cfg.runner == "dask":
+        from prefect_dask.task_runners import DaskTaskRunner
+
+        return DaskTaskRunner(address=cfg.dask_address)
+    return ThreadPoolTaskRunner(max_workers=cfg.options().parallel_tasks)
+
+
+@flow(name="convert", log_prints=False)
+def convert(
+    source: str | None = None,
+    destination: str | None = None,
+    conf: str | None = None,
+    tag: str | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | None = None,
+    memory: str | None = None,
+    max_parallel_tasks: int | None = None,
+    mode: str | None = None,
+    tied: str | None = None,
+    exclude_frozen: bool | None = None,
+    overwrite: bool | None = None,
+    keep_work: bool | None = None,
+    allow_nonfinite: bool | None = None,
+    check_lowp: bool | None = None,
+    extract_part_size: str | None = None,
+    work_dir: str | None = None,
+    runner: str | None = None,
+    dask_address: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    timeout_seconds: int | None = None,
+) -> dict[str, Any]:
+    """Convert one DeepSpeed ZeRO checkpoint tag into verified safetensors.
+
+    Args:
+        source: The checkpoint folder (holding `latest`) or a tag folder.
+        destination: The output folder.
+        conf: A YAML job file (see conf/example.yaml); the other parameters override it.
+    """
+    params = {k: v for k, v in locals().items() if k != "conf"}
+    cfg = load_job_config(conf, **params)
+    job_flow = run_job.with_options(
+        task_runner=_task_runner(cfg), timeout_seconds=cfg.timeout_seconds
+    )
+    return job_flow(cfg.model_dump())
+
+
+def _result_storage(work: str, storage_options: dict[str, Any]) -> Any:
+    """Where task results and cache records live: the job's work area, so every worker (and
+    the next run) finds them. A local area is given as a `Path`; a remote one as a saved
+    block (Prefect reads a plain string as a block name, and refuses unsaved blocks) whose
+    settings are the job's secret-free storage options: credentials stay a reference, resolved
+    where the results are read or written (`flows.results`)."""
+    from zerosafe.storage import is_local, local_path
+
+    url = join_url(work, "results")
+    if is_local(url):
+        return Path(local_path(url)).resolve()
+    from flows.results import WorkAreaResults
+
+    block = WorkAreaResults(basepath=url, settings=storage_options)
+    block.save(f"zerosafe-results-{hashlib.sha256(url.encode()).hexdigest()[:16]}", overwrite=True)
+    return block
+
+
+def _fingerprint(*values: Any) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+class _Progress:
+    """The run's progress artifact, advanced by the bytes each finished task handled."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total = max(total_bytes, 1)
+        self.done = 0
+        task_progress().start("convert", total_bytes)  # the terminal bar, when run embedded
+        artifact_id = create_progress_artifact(
+            progress=0.0, description="zerosafe: bytes processed (extract, merge, verify)"
+        )
+        assert isinstance(artifact_id, UUID)  # the sync API, called from a sync flow
+        self.id = artifact_id
+
+    def add(self, num_bytes: int) -> None:
+        self.done += num_bytes
+        update_progress_artifact(self.id, progress=min(100.0, 100.0 * self.done / self.total))
+
+
+@flow(name="convert-job", log_prints=False)
+def run_job(config: dict[str, Any]) -> dict[str, Any]:
+    """The stages of one validated job (a subflow, so `convert` can pick the task runner)."""
+    started = time.monotonic()
+    started_wall = time.time()
+    log = get_run_logger()
+    cfg = JobConfig(**config)
+    options = cfg.options()
+    info = inspect(
+        cfg.source, cfg.destination, _options_dict(options), tag=cfg.tag,
+        work_dir=cfg.work_dir, storage_options=cfg.storage_options,
+    )  # fmt: skip
+    if info["state"] == "done":
+        log.info("%s already holds this conversion; nothing to do", cfg.destination)
+        create_markdown_artifact(
+            f"`{cfg.destination}` already holds this conversion (job `{info['plan_id'][:16]}`); nothing to do.",
+            key="zerosafe-summary",
+        )
+        return {"status": "already-complete", "output": cfg.destination, "job_key": info["plan_id"]}
+    job = Job(
+        cfg.source,
+        cfg.destination,
+        info["work"],
+        info["plan_id"],
+        _options_dict(options),
+        cfg.storage_options,
+    ).as_dict()
+    storage = storage_for(cfg.storage_options)
+    with work_lease(
+        storage, info["work"], clean=[cfg.destination, join_url(info["work"], "intermediate")]
+    ):
+        result = _run_stages(cfg, options, info, job, storage, since=started_wall)
+    seconds = time.monotonic() - started
+    result["seconds"] = round(seconds, 3)
+    result["throughput_bytes_per_second"] = round(result["source_bytes_read"] / max(seconds, 1e-9))
+    _summary_artifact(cfg, info, result)
+    return result
+
+
+def _options_dict(options: ConvertOptions) -> dict[str, Any]:
+    return options.as_dict()
+
+
+def _run_stages(
+    cfg: JobConfig,
+    options: ConvertOptions,
+    info: dict[str, Any],
+    job: dict[str, Any],
+    storage: Storage,
+    *,
+    since: float,
+) -> dict[str, Any]:
+    parts, shards = info["parts"], info["shards"]
+    count = len(shards)
+    results = _result_storage(info["work"], cfg.storage_options)
+
+    def run(task: Any, *, refresh: bool = False) -> Any:
+        return task.with_options(result_storage=results, refresh_cache=refresh or None)
+
+    work_bytes = 0 if options.direct else sum(p["bytes"] for p in parts)
+    progress = _Progress(
+        work_bytes + sum(s["source_bytes"] for s in shards) + sum(s["bytes"] for s in shards)
+    )
+
+    extract_futures: dict[int, PrefectFuture[Any]] = {}
+    if not options.direct:
+        for p in parts:
+            fresh = not extract_is_present(job, p["index"])
+            extract_futures[p["index"]] = run(extract, refresh=fresh).submit(
+                job, p["index"], p["rank"], p["label"]
+            )
+
+    extracts: dict[int, dict[str, Any]] = {}
+    merge_futures: dict[int, PrefectFuture[Any]] = {}
+
+    def submit_merge(shard: dict[str, Any]) -> None:
+        index = shard["index"]
+        fingerprint = (
+            _fingerprint([extracts[p]["content_sha256"] for p in shard["parts"]])
+            if not options.direct
+            else ""
+        )
+        on_disk = shard_identity(job, index)
+        fresh = on_disk is None or on_disk[0] != expected_shard_bytes(job, index)
+        merge_futures[index] = run(merge, refresh=fresh).submit(
+            job, index, index + 1, count, fingerprint=fingerprint
+        )
+
+    waiting = {s["index"]: s for s in shards}
+    for shard in shards:
+        if not options.direct and not shard["parts"]:
+            submit_merge(shard)
+            del waiting[shard["index"]]
+    if options.direct:
+        for shard in shards:
+            submit_merge(shard)
+        waiting.clear()
+    by_future = {id(f): i for i, f in extract_futures.items()}
+    for future in as_completed(list(extract_futures.values())):
+        index = by_future[id(future)]
+        extracts[index] = future.result()
+        if not extract_is_present(job, index, extracts[index]["content_sha256"]):
+            # A cached result whose file vanished between the check and now: run it again.
+            extracts[index] = (
+                run(extract, refresh=True)
+                .submit(job, index, parts[index]["rank"], parts[index]["label"])
+                .result()
+            )
+        progress.add(parts[index]["bytes"])
+        for shard_index in [
+            i for i, s in waiting.items() if all(p in extracts for p in s["parts"])
+        ]:
+            submit_merge(waiting.pop(shard_index))
+    assert not waiting, f"shards never became ready: {sorted(waiting)}"
+
+    merges: dict[int, dict[str, Any]] = {}
+    verify_futures: dict[int, PrefectFuture[Any]] = {}
+    by_future = {id(f): i for i, f in merge_futures.items()}
+    for future in as_completed(list(merge_futures.values())):
+        index = by_future[id(future)]
+        merges[index] = future.result()
+        progress.add(shards[index]["source_bytes"])
+        identity = shard_identity(job, index)
+        verify_futures[index] = run(verify).submit(
+            job,
+            index,
+            index + 1,
+            count,
+            merges[index]["tensors"],
+            fingerprint=_fingerprint(identity, merges[index]["tensors"]),
+        )
+
+    verifies: dict[int, dict[str, Any]] = {}
+    by_future = {id(f): i for i, f in verify_futures.items()}
+    for future in as_completed(list(verify_futures.values())):
+        index = by_future[id(future)]
+        verifies[index] = future.result()
+        progress.add(shards[index]["bytes"])
+
+    ordered_merges = [merges[i] for i in range(count)]
+    source_read = info.get("metadata_bytes_read", 0) + sum(
+        r["bytes_read"] for r in (extracts.values() if not options.direct else ordered_merges)
+    )
+    journal = [e for e in read_journal(storage, info["work"]) if e["time"] >= since]  # this run
+    peaks: dict[str, int] = {}
+    for entry in journal:
+        peaks[entry["stage"]] = max(peaks.get(entry["stage"], 0), entry["peak_rss_bytes"])
+    stats = {
+        "mode": "direct" if options.direct else "staged",
+        "source_bytes_read": source_read,
+        "source_bytes_needed": info.get("source_bytes_needed", 0),
+        "intermediate_bytes_written": sum(e["file_bytes"] for e in extracts.values()),
+        "output_bytes_written": sum(m["file_bytes"] for m in ordered_merges),
+        "peak_rss_bytes_by_stage": peaks,
+        "tasks_executed": {
+            stage: sum(1 for e in journal if e["stage"] == stage)
+            for stage in ("extract", "merge", "verify")
+        },
+    }
+    try:
+        published = publish(
+            job,
+            [extracts[i] for i in sorted(extracts)],
+            ordered_merges,
+            [verifies[i] for i in range(count)],
+            stats,
+        )
+    except VerificationError as e:
+        rows = "\n".join(
+            f"| {f['file']} | {f['tensor']} | {f['check']} | {f['detail']} |"
+            for f in e.failures[:200]
+        )
+        create_markdown_artifact(
+            f"# zerosafe: checks failed, nothing published\n\n| file | tensor | check | detail |\n|---|---|---|---|\n{rows}\n",
+            key="zerosafe-failures",
+        )
+        raise
+    stats.update(published.get("stats", {}))  # with the bytes publish's CRC checks read
+    return {
+        "status": "converted",
+        "output": cfg.destination,
+        "job_key": info["plan_id"],
+        "files": published["files"],
+        "num_tensors": published["num_tensors"],
+        "aliases": info["aliases"],
+        "integrity": published["integrity"],
+        "notes": info["notes"],
+        "warnings": info["warnings"],
+        "checks_passed": sum(r["num_tensors"] for r in verifies.values()),
+        "peak_rss_bytes": max(peaks.values(), default=0),
+        **stats,
+    }
+
+
+def _summary_artifact(cfg: JobConfig, info: dict[str, Any], r: dict[str, Any]) -> None:
+    rows = [
+        (
+            "source",
+            f"`{cfg.source}` (tag {info['source']['tag']}, ZeRO-{info['source']['stage']}, world size {info['source']['world_size']})",
+        ),
+        ("output", f"`{cfg.destination}`: {len(r['files'])} file(s), {r['num_tensors']} tensors"),
+        ("mode", r["mode"]),
+        ("read from source", _source_read_text(r)),
+        ("intermediates written", format_bytes(r["intermediate_bytes_written"])),
+        ("output written", format_bytes(r["output_bytes_written"])),
+        ("time", f"{r['seconds']:.1f} s ({format_bytes(r['throughput_bytes_per_second'])}/s read)"),
+        (
+            "peak memory by stage",
+            ", ".join(f"{k} {format_bytes(v)}" for k, v in r["peak_rss_bytes_by_stage"].items()),
+        ),
+        (
+            "tasks executed (not cached)",
+            ", ".join(f"{k} {v}" for k, v in r["tasks_executed"].items()),
+        ),
+        (
+            "checks passed",
+            f"{r['checks_passed']} tensors verified; {r['integrity']['records_checked']} zip/intermediate records CRC-checked",
+        ),
+    ]
+    if info["aliases"]:
+        rows.append(("tied aliases", ", ".join(f"{a} -> {t}" for a, t in info["aliases"].items())))
+    body = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    notes = "".join(f"\n- {n}" for n in info["notes"])
+    create_markdown_artifact(
+        f"# zerosafe conversion\n\n| | |\n|---|---|\n{body}\n{notes}\n", key="zerosafe-summary"
+    )
+
+
+def _source_read_text(r: dict[str, Any]) -> str:
+    text = format_bytes(r["source_bytes_read"])
+    if r.get("source_read_ratio"):
+        text += (
+            f" = {r['source_read_ratio']:.3f} x the {format_bytes(r['source_bytes_needed'])} "
+            "needed (fp32 masters, frozen params and buffers, pickles, zip directories)"
+        )
+    return text
+
+
+def run_convert(
+    ckpt_url: str,
+    out_url: str,
+    options: ConvertOptions,
+    *,
+    tag: str | None = None,
+    work_url: str | None = None,
+    show_progress: bool = False,
+    quiet: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run the flow embedded, for `zerosafe convert`. Progress goes to the terminal bar."""
+    from zerosafe.progress import NullProgress, TerminalProgress
+
+    bar = TerminalProgress() if show_progress else NullProgress()
+    set_progress(bar)  # the flow starts it with the total once the plan is known
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[options.dtype]
+    try:
+        result = convert(
+            source=ckpt_url, destination=out_url, tag=tag, dtype=dtype, max_shard_size=str(options.max_shard_bytes),
+            memory=str(options.memory_bytes), max_parallel_tasks=options.max_parallel_tasks,
+            mode="direct" if options.direct else "staged", tied=options.tied, exclude_frozen=options.exclude_frozen,
+            overwrite=options.overwrite, keep_work=options.keep_work, allow_nonfinite=not options.check_finite,
+            check_lowp=options.check_lowp,
+            extract_part_size=str(options.extract_part_bytes), work_dir=work_url, storage_options=storage_options,
+        )  # fmt: skip
+    finally:
+        set_progress(NullProgress())
+        if show_progress:
+            bar.finish()
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover - `python flows/convert.py conf.yaml`
+    import sys
+
+    print(json.dumps(convert(conf=sys.argv[1]), indent=1, default=str))

@@ -1,0 +1,47 @@
+"""Helpers for the flow tests: run the command line, read a work area's journal.
+
+The Prefect fixtures (`prefect_env`, `prefect_server`) live in tests/conftest.py, so that
+every test directory shares one temporary server: a second one in the same process would
+get the flow runs while Prefect's event client, a process singleton, still sent task runs
+to the first."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import REPO
+
+
+def run_cli(
+    env: dict[str, str], *args: str, timeout: int = 600, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerosafe.cli", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check:
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def convert_json(env: dict[str, str], *args: str, **kw: Any) -> dict[str, Any]:
+    proc = run_cli(env, "convert", "--json", *args, **kw)
+    return json.loads(proc.stdout)
+
+
+def journal(work: Path) -> list[dict[str, Any]]:
+    entries = [json.loads(p.read_text()) for p in (work / "journal").glob("*.json")]
+    return sorted(entries, key=lambda e: e["time"])
+
+
+def work_dir(out: Path) -> Path:
+    (work,) = (out / ".zerosafe-work").iterdir()
+    return work

@@ -1,0 +1,214 @@
+"""The flow `convert`: same bytes as the engine, named tasks, artifacts, resume, caching."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SAMPLE_CKPT
+from tests.flows.conftest import convert_json, journal, run_cli, work_dir
+from tests.helpers import load_output, same_bytes
+from zerosafe.config import ConvertOptions
+from zerosafe.convert import convert_checkpoint
+
+SHARD_ARGS = ("--max-shard-size", "20KB")
+
+
+def _latest_subflow_run(client, name: str):  # type: ignore[no-untyped-def]
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    runs = client.read_flow_runs(
+        flow_filter=FlowFilter(name=FlowFilterName(any_=[name])),
+        sort=FlowRunSort.START_TIME_DESC,
+        limit=1,
+    )
+    return runs[0]
+
+
+@pytest.mark.slow
+def test_flow_matches_engine_and_names_its_tasks(prefect_server: None, tmp_path: Path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterId,
+    )
+
+    from flows.convert import convert
+
+    out = tmp_path / "flow"
+    result = convert(
+        source=str(SAMPLE_CKPT), destination=str(out), max_shard_size="20KB", dtype="bf16"
+    )
+    assert result["status"] == "converted" and len(result["files"]) > 1
+    n = len(result["files"])
+    ref = tmp_path / "engine"
+    convert_checkpoint(
+        str(SAMPLE_CKPT), str(ref), ConvertOptions(max_shard_bytes=20_000, dtype="bf16")
+    )
+    ours, manifest = load_output(out)
+    theirs, ref_manifest = load_output(ref)
+    assert set(ours) == set(theirs)
+    for key in ours:
+        assert same_bytes(ours[key], theirs[key]), key
+        assert manifest["tensors"][key]["sha256"] == ref_manifest["tensors"][key]["sha256"]
+    assert manifest["job_key"] == ref_manifest["job_key"]
+
+    with get_client(sync_client=True) as client:
+        run = _latest_subflow_run(client, "convert-job")
+        tasks = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
+        )
+        names = sorted(t.name for t in tasks)
+        assert names == sorted(
+            ["inspect", "publish"]
+            + [f"extract rank {r} part 0" for r in range(3)]
+            + [f"merge shard {i}/{n}" for i in range(1, n + 1)]
+            + [f"verify shard {i}/{n}" for i in range(1, n + 1)]
+        )
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))
+        )
+        progress = [a for a in artifacts if a.type == "progress"]
+        assert progress and float(progress[0].data) == pytest.approx(100.0)
+        summary = [a for a in artifacts if a.key == "zerosafe-summary"]
+        assert (
+            summary and "tasks executed" in summary[0].data and "checks passed" in summary[0].data
+        )
+
+
+@pytest.mark.slow
+def test_resume_reruns_exactly_what_vanished(prefect_env: dict[str, str], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    first = convert_json(prefect_env, str(SAMPLE_CKPT), str(out), *SHARD_ARGS, "--keep-work")
+    assert first["tasks_executed"] == {"extract": 3, "merge": 5, "verify": 5}
+    work = work_dir(out)
+    reference = {p.name: p.read_bytes() for p in out.glob("model*")}
+
+    # 1. An intermediate vanishes: only its extract runs again; the merges that read it stay
+    #    cached because the re-extracted file has the same content hash.
+    (out / "zerosafe-complete.json").unlink()
+    (work / "intermediate" / "rank00001-part0000.safetensors").unlink()
+    t0 = time.time()
+    second = convert_json(prefect_env, str(SAMPLE_CKPT), str(out), *SHARD_ARGS, "--keep-work")
+    assert second["tasks_executed"] == {"extract": 1, "merge": 0, "verify": 0}
+    ran = [(e["stage"], e["index"]) for e in journal(work) if e["time"] >= t0]
+    assert ran == [("extract", 1), ("publish", 0)]
+
+    # 2. An output shard vanishes: its merge and its verify run again, nothing else.
+    (out / "zerosafe-complete.json").unlink()
+    (out / "model-00003-of-00005.safetensors").unlink()
+    third = convert_json(prefect_env, str(SAMPLE_CKPT), str(out), *SHARD_ARGS, "--keep-work")
+    assert third["tasks_executed"] == {"extract": 0, "merge": 1, "verify": 1}
+
+    # 3. A shard changed after it was verified: verify runs again (and catches it).
+    (out / "zerosafe-complete.json").unlink()
+    shard = out / "model-00002-of-00005.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = run_cli(
+        prefect_env, "convert", str(SAMPLE_CKPT), str(out), *SHARD_ARGS, "--keep-work", check=False
+    )
+    assert (
+        proc.returncode == 2
+        and "checksum" in proc.stderr
+        and "model-00002-of-00005.safetensors" in proc.stderr
+    )
+    assert not (out / "zerosafe-complete.json").exists()
+    shard.unlink()
+    convert_json(prefect_env, str(SAMPLE_CKPT), str(out), *SHARD_ARGS)
+    assert {p.name: p.read_bytes() for p in out.glob("model*")} == reference
+    assert not (out / ".zerosafe-work").exists()
+
+
+@pytest.mark.slow
+def test_rerun_of_a_complete_conversion_reads_no_checkpoint_byte(
+    prefect_env: dict[str, str], tmp_path: Path
+) -> None:
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(SAMPLE_CKPT, ckpt)
+    out = tmp_path / "out"
+    convert_json(prefect_env, str(ckpt), str(out))
+    # Replace every checkpoint file's bytes, keeping size and mtime: a run that reads any of
+    # them fails; one that trusts stats and the completion marker does not.
+    for f in (ckpt / "global_step2").iterdir():
+        st = f.stat()
+        f.write_bytes(b"\0" * st.st_size)
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    started = time.monotonic()
+    again = convert_json(prefect_env, str(ckpt), str(out))
+    print(
+        f"\nre-run of a complete conversion: {time.monotonic() - started:.1f} s (embedded Prefect start included)"
+    )
+    assert again["status"] == "already-complete"
+    # ...while a different option must plan, read the (now garbage) files, and refuse them.
+    proc = run_cli(prefect_env, "convert", str(ckpt), str(tmp_path / "other"), check=False)
+    assert proc.returncode == 2 and "not a torch checkpoint" in proc.stderr
+
+
+def test_job_config_from_yaml_with_overrides(tmp_path: Path) -> None:
+    from flows.config import load_job_config
+
+    conf = tmp_path / "job.yaml"
+    conf.write_text(
+        "source: /ckpt\ndestination: /out\ndtype: bf16\nmax_shard_size: 2GB\nmemory: 512MiB\n"
+    )
+    cfg = load_job_config(str(conf), dtype="fp16", tag=None)
+    assert cfg.dtype == "fp16" and cfg.max_shard_size == 2 * 10**9 and cfg.memory == 512 * 2**20
+    assert cfg.options().dtype == "float16"
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "overrides", "match"),
+    [
+        ("source: /a\ndestination: /b\nshard_size: 5GB\n", {}, "`shard_size`: unknown key"),
+        ("source: /a\ndestination: /b\n", {"dtype": "int8"}, "`dtype`"),
+        (
+            "source: /a\ndestination: /b\n",
+            {"runner": "dask"},
+            "`runner: dask` needs `dask_address`",
+        ),
+        (
+            "source: s3://bucket/ckpt\ndestination: /b\nmode: direct\n",
+            {},
+            "`mode: direct` .* needs a local or NFS path",
+        ),
+        ("source: /a\ndestination: /b\nmemory: 1MB\n", {}, "`memory` budget"),
+        (
+            "source: /a\ndestination: /b\nmax_shard_size: lots\n",
+            {},
+            "`max_shard_size`: 'lots' is not a size",
+        ),
+        ("destination: /b\n", {}, "`source`: Field required"),
+    ],
+)
+def test_job_config_refuses_bad_keys_by_name(
+    tmp_path: Path, yaml_text: str, overrides: dict, match: str
+) -> None:
+    from flows.config import load_job_config
+    from zerosafe.errors import ConfigError
+
+    conf = tmp_path / "job.yaml"
+    conf.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=match):
+        load_job_config(str(conf), **overrides)
+
+
+def test_example_conf_is_valid() -> None:
+    from flows.config import JobConfig, load_job_config
+    from tests.conftest import REPO
+
+    cfg = load_job_config(str(REPO / "conf" / "example.yaml"))
+    documented = (REPO / "conf" / "example.yaml").read_text()
+    for field in JobConfig.model_fields:
+        assert f"{field}:" in documented, f"conf/example.yaml does not document `{field}`"
+    assert json.dumps(cfg.model_dump())
