@@ -1,0 +1,365 @@
+"""`prefect deployment run convert/80b` against real servers (SQLite and PostgreSQL), a real
+process worker and the loopback S3 server; the server's scheduler creating `watch` runs;
+`watch` converting new tags exactly once; hundreds of tasks on one server."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from datetime import datetime, timedelta, timezone
+from datetime import time as dt_time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.forge import forge_checkpoint, transformer_shapes
+from tests.conftest import SAMPLE_CKPT
+from tests.deploy.conftest import Stack, params_json
+from tests.helpers import load_output, same_bytes
+from tests.s3.support import MotoServer, assert_same_output, download_folder, upload_folder
+from zerosafe.config import ConvertOptions
+from zerosafe.convert import convert_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def _run_80b(stack: Stack, moto: MotoServer, source: str, out: str, work: str) -> Any:
+    return stack.prefect(
+        "deployment", "run", "convert/80b",
+        "--params", params_json(
+            source=source, destination=out, work_dir=work, runner="threads", dtype="fp32",
+            storage_options={"endpoint_url": moto.url},
+        ),
+        "--watch", "--watch-timeout", "900",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("stack_name", ["sqlite_stack", "postgres_stack"])
+def test_deployment_run_convert_80b_from_s3_is_bit_exact(
+    request: pytest.FixtureRequest, stack_name: str, moto: MotoServer, bucket: str, sample_s3: str,
+    local_reference: Path, tmp_path: Path,
+) -> None:  # fmt: skip
+    stack: Stack = request.getfixturevalue(stack_name)
+    out = f"s3://{bucket}/hf"
+    started = time.monotonic()
+    _run_80b(stack, moto, sample_s3, out, f"s3://{bucket}/work")
+    print(f"\n{stack_name}: convert/80b from S3 took {time.monotonic() - started:.1f} s end to end")
+    got = download_folder(moto.url, out, tmp_path / "got")
+    assert_same_output(got, local_reference)
+    with stack.client() as client:
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+        runs = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["80b"]))
+        )
+        assert runs and runs[0].state.is_completed()
+        # the job file's values arrived, overridden by the parameters given
+        assert (
+            runs[0].parameters["conf"] == "conf/80b.yaml" and runs[0].parameters["dtype"] == "fp32"
+        )
+
+
+def test_server_schedules_watch_runs(sqlite_stack: Stack) -> None:
+    from prefect.client.schemas.filters import (
+        DeploymentFilter,
+        DeploymentFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    deadline = time.monotonic() + 120
+    scheduled: list[Any] = []
+    while not scheduled:
+        with sqlite_stack.client() as client:
+            scheduled = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["watch"])),
+                flow_run_filter=FlowRunFilter(
+                    state=FlowRunFilterState(
+                        type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])
+                    )
+                ),
+            )
+        if time.monotonic() > deadline:
+            raise AssertionError("the server created no scheduled run for watch within 120 s")
+        time.sleep(2)
+    times = sorted(r.expected_start_time for r in scheduled)
+    assert all(t.minute % 15 == 0 and t.second == 0 for t in times), times  # cron */15
+    print(f"\nthe scheduler created {len(scheduled)} watch runs, first at {times[0]}")
+    # The production defaults (a real bucket, a credentials block) are not for this server:
+    # stop the schedule and its queued runs so the worker runs only the tests' watch runs.
+    with sqlite_stack.client() as client:
+        client.pause_deployment(scheduled[0].deployment_id)  # also drops its scheduled runs
+
+
+def _log_records(text: str, start: dt_time, end: dt_time) -> list[str]:
+    """The server's log records (a timestamped line and what follows it) logged in [start, end]."""
+    records: list[tuple[dt_time, list[str]]] = []
+    for line in text.splitlines():
+        match = re.match(r"^(\d\d:\d\d:\d\d\.\d+) \|", line)
+        if match:
+            records.append((dt_time.fromisoformat(match.group(1)), [line]))
+        elif records:
+            records[-1][1].append(line)
+    return ["\n".join(lines) for when, lines in records if start <= when <= end]
+
+
+def _dest(url: str) -> str:
+    """The tag watch puts on the conversion runs it starts for destination `url`."""
+    from flows.watch import _dest_tag
+
+    return _dest_tag(url)
+
+
+def _wait_runs(stack: Stack, tag: str, count: int, timeout: float = 600) -> list[Any]:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with stack.client() as client:
+            runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag]))
+            )
+        final = [r for r in runs if r.state and r.state.is_final()]
+        if len(final) >= count and len(final) == len(runs):
+            return runs
+        if time.monotonic() > deadline:
+            raise AssertionError(f"runs tagged {tag}: {[(r.name, r.state_name) for r in runs]}")
+        time.sleep(2)
+
+
+def _watch(
+    stack: Stack, moto: MotoServer, root: str, dest: str, *, wait: bool = True, **extra: Any
+) -> str:
+    params = {
+        "root": root, "destination_root": dest, "deployment": "convert/default", "conf": None,
+        "max_concurrent": 2, "storage_options": {"endpoint_url": moto.url},
+        "parameters": {"dtype": "fp32", "max_shard_size": "20KB", "keep_work": True}, **extra,
+    }  # fmt: skip
+    args = [
+        "deployment",
+        "run",
+        "watch/watch",
+        "--params",
+        json.dumps(params),
+        "--start-in",
+        "1 second",
+    ]
+    if wait:
+        args += ["--watch", "--watch-timeout", "600"]
+    proc = stack.prefect(*args)
+    return proc.stdout
+
+
+def test_watch_converts_each_new_tag_once_and_resumes_partial_ones(
+    sqlite_stack: Stack, moto: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    stack = sqlite_stack
+    root, dest = f"s3://{bucket}/run1/checkpoints", f"s3://{bucket}/run1/hf"
+    # training wrote tag global_step2 (the sample) and named it in `latest`
+    upload_folder(moto.url, SAMPLE_CKPT, bucket, "run1/checkpoints")
+
+    # a scheduled watch run converts it
+    _watch(stack, moto, root, dest)
+    (convert_run,) = _wait_runs(stack, _dest(f"{dest}/global_step2"), 1)
+    assert convert_run.state.is_completed(), convert_run.state
+    got = download_folder(moto.url, f"{dest}/global_step2", tmp_path / "step2")
+    ref = tmp_path / "ref"
+    convert_checkpoint(str(SAMPLE_CKPT), str(ref), ConvertOptions(max_shard_bytes=20_000))
+    ours, _ = load_output(got)
+    theirs, _ = load_output(ref)
+    assert set(ours) == set(theirs) and all(same_bytes(ours[k], theirs[k]) for k in ours)
+
+    # training is writing global_step3: one rank file present, `latest` not yet updated
+    partial_tag = tmp_path / "writing" / "global_step3"
+    partial_tag.mkdir(parents=True)
+    for f in (SAMPLE_CKPT / "global_step2").glob("*rank_0*"):
+        shutil.copy(f, partial_tag / f.name)
+    upload_folder(moto.url, partial_tag.parent, bucket, "run1/checkpoints")
+    # two watch runs at once: nothing new to convert, nothing converted twice
+    _watch(stack, moto, root, dest, wait=False)
+    _watch(stack, moto, root, dest)
+    time.sleep(5)
+    runs = _wait_runs(stack, _dest(f"{dest}/global_step2"), 1)
+    assert len(runs) == 1, [(r.name, r.state_name) for r in runs]
+    with stack.client() as client:
+        assert not client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[_dest(f"{dest}/global_step3")])
+            )
+        )
+
+    # global_step3 finished and `latest` names it; its conversion was started and killed
+    # before (work area, no marker): watch starts it again and it resumes
+    for f in (SAMPLE_CKPT / "global_step2").iterdir():
+        shutil.copy(f, partial_tag / f.name)
+    (partial_tag.parent / "latest").write_text("global_step3")
+    upload_folder(moto.url, partial_tag.parent, bucket, "run1/checkpoints")
+    # two watch runs started together: the idempotency key lets only one conversion start
+    _watch(stack, moto, root, dest, wait=False)
+    _watch(stack, moto, root, dest)
+    time.sleep(5)
+    (step3,) = _wait_runs(stack, _dest(f"{dest}/global_step3"), 1)  # one conversion, not two
+    assert step3.state.is_completed(), step3.state
+    assert len(_wait_runs(stack, _dest(f"{dest}/global_step2"), 1)) == 1  # not converted again
+
+
+def test_resumes_a_partially_converted_tag(
+    sqlite_stack: Stack, moto: MotoServer, bucket: str, tmp_path: Path
+) -> None:
+    import s3fs
+
+    stack = sqlite_stack
+    root, dest = f"s3://{bucket}/run2/checkpoints", f"s3://{bucket}/run2/hf"
+    upload_folder(moto.url, SAMPLE_CKPT, bucket, "run2/checkpoints")
+    _watch(stack, moto, root, dest)
+    _wait_runs(stack, _dest(f"{dest}/global_step2"), 1)
+    # undo the end of that conversion: no marker, no index, one shard gone; work area kept
+    fs = s3fs.S3FileSystem(endpoint_url=moto.url, use_listings_cache=False)
+    out = f"{dest}/global_step2"
+    for name in (
+        "zerosafe-complete.json",
+        "model.safetensors.index.json",
+        "model-00002-of-00005.safetensors",
+    ):
+        fs.rm(f"{out}/{name}")
+    (work,) = [p for p in fs.ls(f"{out}/.zerosafe-work/") if not p.endswith("/")]
+    before = set(fs.ls(f"{work}/journal"))
+    _watch(stack, moto, root, dest)
+    runs = _wait_runs(stack, _dest(f"{dest}/global_step2"), 2)
+    assert len(runs) == 2 and all(r.state.is_completed() for r in runs)
+    new = [json.loads(fs.cat(p)) for p in set(fs.ls(f"{work}/journal")) - before]
+    ran = sorted((e["stage"], e["index"]) for e in new)
+    print(f"\nresumed conversion executed {ran}")
+    # Only the lost shard is merged again; its verify is cached when the re-written object
+    # has the same ETag (S3's content hash), else it runs too. No extract runs.
+    assert ("merge", 1) in ran and ("publish", 0) in ran
+    assert set(ran) <= {("merge", 1), ("verify", 1), ("publish", 0)}
+    assert fs.exists(f"{out}/zerosafe-complete.json")
+
+
+# Prefect's own worker channel records a worker heartbeat in a deferred SQLite transaction
+# (read the pool, then upsert the worker); another writer committing in between makes SQLite
+# refuse the upgrade at once, whatever the busy timeout. The server logs it and the worker
+# reconnects and heartbeats again; no run or task state is involved.
+_PREFECT_HEARTBEAT = "Worker channel heartbeat persistence failed"
+
+
+def _wait_heartbeat_after(stack: Stack, when: datetime, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with stack.client() as client:
+            workers = client.read_workers_for_work_pool("zerosafe")
+        beats = [w.last_heartbeat_time for w in workers if w.last_heartbeat_time]
+        if any(b > when for b in beats):
+            return
+        assert time.monotonic() < deadline, f"no worker heartbeat since {when}: {beats}"
+        time.sleep(2)
+
+
+@pytest.mark.parametrize("stack_name", ["sqlite_stack", "postgres_stack"])
+def test_hundreds_of_tasks_on_one_server(
+    request: pytest.FixtureRequest, stack_name: str, tmp_path: Path
+) -> None:
+    """About 360 shards, so 700+ task runs, on one server: none lost, no lock errors on any
+    write the conversion makes (on PostgreSQL none at all)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    stack: Stack = request.getfixturevalue(stack_name)
+    server_log = stack.home.parent / "server.log"
+    ckpt = tmp_path / "ckpt"
+    shapes = transformer_shapes(vocab=97, width=24, layers=30, ffn=40, kv_width=24)
+    forge_checkpoint(ckpt, shapes=shapes, stage=3, world_size=2, dtype="bf16", tied=False)
+    out = tmp_path / "out"
+    started = time.monotonic()
+    window = (datetime.now() - timedelta(seconds=1)).time()
+    stack.prefect(
+        "deployment", "run", "convert/default",
+        "--params", params_json(source=str(ckpt), destination=str(out), max_shard_size="1KB", dtype="bf16", mode="direct"),
+        "--watch", "--watch-timeout", "1200",
+    )  # fmt: skip
+    seconds = time.monotonic() - started
+    window_end = (datetime.now() + timedelta(seconds=1)).time()
+    ended_utc = datetime.now(timezone.utc)
+    ours, manifest = load_output(out)
+    shards = len(manifest["files"])
+    with stack.client() as client:
+        from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        (job_run,) = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["convert-job"])),
+            sort=FlowRunSort.START_TIME_DESC,
+            limit=1,
+        )
+        # Task-run states reach the database through events, shortly after the run ends:
+        # wait for them (a lost state would never arrive, and fail below).
+        deadline = time.monotonic() + 120
+        while True:
+            tasks: list[Any] = []
+            while True:
+                page = client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[job_run.id])),
+                    limit=200,
+                    offset=len(tasks),
+                )
+                tasks += page
+                if len(page) < 200:
+                    break
+            settled = all(t.state is not None and t.state.is_final() for t in tasks)
+            if (len(tasks) >= 2 * shards + 2 and settled) or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+    states = {}
+    for t in tasks:
+        states[t.state_name] = states.get(t.state_name, 0) + 1
+    during = _log_records(server_log.read_text(errors="replace"), window, window_end)
+    locked = [
+        r for r in during if re.search(r"database is locked|deadlock detected|LockNotAvailable", r)
+    ]
+    heartbeats = [r for r in locked if _PREFECT_HEARTBEAT in r and "INSERT INTO worker " in r]
+    print(
+        f"\n{stack_name}: {shards} shards, {len(tasks)} task runs in {seconds:.0f} s "
+        f"({len(tasks) / seconds:.1f} tasks/s): {states}; "
+        f"{len(heartbeats)} worker heartbeat(s) refused by a locked database"
+    )
+    assert shards >= 250
+    assert len(tasks) >= 2 * shards + 2
+    assert set(states) <= {"Completed", "Cached"}, states
+    others = [r for r in locked if r not in heartbeats]
+    assert not others, others[0][-3000:]
+    if stack_name == "postgres_stack":
+        assert not heartbeats, heartbeats[0][-3000:]
+    if heartbeats:  # the worker must heartbeat again after the load: a refusal costs nothing
+        _wait_heartbeat_after(stack, ended_utc)
+    ref = tmp_path / "ref"
+    convert_checkpoint(
+        str(ckpt), str(ref), ConvertOptions(dtype="bf16", max_shard_bytes=1000, direct=True)
+    )
+    theirs, _ = load_output(ref)
+    assert set(ours) == set(theirs) and all(same_bytes(ours[k], theirs[k]) for k in ours)
+
+
+def test_deployment_run_pt2st(sqlite_stack: Stack, tmp_path: Path) -> None:
+    import torch
+
+    from zerosafe import load_pt_like
+
+    src = tmp_path / "train.pt"
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7))
+    torch.save({"model": model.state_dict(), "step": 12, "lr": [0.1, 0.01]}, src)
+    out = tmp_path / "train.safetensors"
+    sqlite_stack.prefect(
+        "deployment", "run", "pt2st/default", "--params", params_json(source=str(src), destination=str(out)),
+        "--watch", "--watch-timeout", "600",
+    )  # fmt: skip
+    back = load_pt_like(str(out))
+    want = torch.load(src, weights_only=True)
+    assert back["step"] == 12 and back["lr"] == [0.1, 0.01]
+    assert all(torch.equal(back["model"][k], v) for k, v in want["model"].items())
