@@ -1,0 +1,421 @@
+"""The structure of a torch object as JSON, and the safetensors names of its tensors.
+
+A state dict's containers and non-tensor leaves go into the safetensors `__metadata__` as one
+JSON document (no pickle), its tensors into safetensors entries. The encoding is lossless for
+everything `torch.load` can give back from a checkpoint zerosafe reads: it keeps dict vs
+`OrderedDict`, list vs tuple vs `torch.Size`, key types and order, every float bit (JSON has no
+NaN or infinity), and which tensors share a storage.
+
+JSON encoding of a value (`encode_tree` / `decode_tree`):
+
+    None, bool, int, str            as themselves
+    float                           as itself when finite; else {"float": "<16 hex digits>"},
+                                    its IEEE-754 bits, little-endian (NaN payloads survive)
+    list                            [items]
+    tuple / torch.Size              {"tuple": [items]} / {"size": [ints]}
+    dict / OrderedDict              {"dict": [[key, value], ...]} / {"odict": [...]}, in order;
+                                    an OrderedDict's attributes (a module state dict's
+                                    `_metadata`) in {"odict": [...], "attrs": [[name, value]]}
+    defaultdict (no factory)        {"defaultdict": [[key, value], ...]}
+    set / frozenset                 {"set": [items]} / {"frozenset": [items]}
+    bytes / bytearray               {"bytes": "<base64>"} / {"bytearray": "<base64>"}
+    complex                         {"complex": [real, imag]} (floats as above)
+    slice                           {"slice": [start, stop, step]}
+    torch.dtype / torch.device      {"dtype": "bfloat16"} / {"device": "cuda:0"}
+    argparse.Namespace              {"namespace": [[name, value], ...]}
+    numpy scalar / array            {"numpy": {"dtype": "<f4", "shape": [..] | null,
+                                    "fortran": bool, "data": "<base64>"}} (numeric dtypes)
+    tensor                          {"tensor": "<entry>", ...} (see `zerosafe.pt2st.convert`)
+
+Keys are encoded like values (they cannot be tensors). Every JSON object in the document is
+one of these tagged nodes, so user data can never be mistaken for a tag.
+
+Entry names (`entry_name` / `parse_entry_name`): the path of keys and indices from the root to
+the tensor, joined with `/`. A string key is written as itself with `%` and `/` escaped as
+`%25` and `%2F`; an int key or a list index as its decimal digits; any other key, and a string
+key that is empty, starts with `@`, looks like an integer, equals `__metadata__` or is not valid
+UTF-8, as `@` followed by its JSON encoding (escaped the same way). So a plain model state dict
+keeps its names (`layers.0.weight`), an optimizer's `state/3/exp_avg` reads naturally, and every
+name maps back to exactly one path. A tensor at the root is `@root`; names starting with `@` at
+the first segment are otherwise only ever `@`-encoded keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import json
+import math
+import re
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from zerosafe.errors import CheckpointFormatError, UnsupportedCheckpointError
+from zerosafe.torch_zip import DTypeToken, InertObject, TensorRecord, TorchDevice, TorchSize
+
+__all__ = [
+    "ROOT_NAME",
+    "TensorSite",
+    "decode_tree",
+    "encode_tree",
+    "entry_name",
+    "format_path",
+    "parse_entry_name",
+]
+
+Key = Any
+Path = tuple[Key, ...]
+
+ROOT_NAME = "@root"
+"""The entry name of a tensor that is the whole saved object."""
+
+_INT_LIKE = re.compile(r"-?[0-9]+")
+_ESCAPED = re.compile(r"%(25|2F)")
+_NUMPY_KINDS = "biufc"  # bool, signed, unsigned, float, complex: plain bytes, no objects
+_NUMPY_SCALAR = ("numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar")
+_NUMPY_ARRAY = ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct")
+
+
+@dataclass(slots=True)
+class TensorSite:
+    """One tensor found in the object: where it sits and the JSON node to fill in for it."""
+
+    path: Path
+    record: TensorRecord
+    node: dict[str, Any] = field(default_factory=dict)
+    """Empty until the planner fills it (the document holds this very dict)."""
+
+
+# -- names ------------------------------------------------------------------------------------
+
+
+def _escape(text: str) -> str:
+    return text.replace("%", "%25").replace("/", "%2F")
+
+
+def _unescape(text: str) -> str:
+    return _ESCAPED.sub(lambda m: "%" if m.group(1) == "25" else "/", text)
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates, which pickles can carry
+        return False
+    return True
+
+
+def _segment(key: Key) -> str:
+    if type(key) is int:
+        return str(key)
+    if (
+        type(key) is str
+        and key
+        and not key.startswith("@")
+        and key != "__metadata__"
+        and not _INT_LIKE.fullmatch(key)
+        and _is_utf8(key)
+    ):
+        return _escape(key)
+    return "@" + _escape(_dumps(_Encoder().encode_key(key)))
+
+
+def entry_name(path: Path) -> str:
+    """The safetensors name of the tensor at `path` (keys and list indices from the root)."""
+    if not path:
+        return ROOT_NAME
+    return "/".join(_segment(k) for k in path)
+
+
+def _parse_segment(segment: str) -> Key:
+    if segment.startswith("@"):
+        return _decode_key(json.loads(_unescape(segment[1:])))
+    if _INT_LIKE.fullmatch(segment):
+        return int(segment)
+    return _unescape(segment)
+
+
+def parse_entry_name(name: str) -> Path:
+    """The path `entry_name` made `name` from (list indices come back as ints)."""
+    if name == ROOT_NAME:
+        return ()
+    return tuple(_parse_segment(s) for s in name.split("/"))
+
+
+def format_path(path: Path) -> str:
+    """A path for messages: `['optimizer']['state'][0]['exp_avg']`."""
+    return "".join(f"[{k!r}]" for k in path) or "the saved object itself"
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+
+
+# -- encoding ---------------------------------------------------------------------------------
+
+
+def _float(x: float) -> Any:
+    if math.isfinite(x):
+        return x
+    return {"float": struct.pack("<d", x).hex()}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _numpy_dtype(obj: Any, path: Path) -> str:
+    """`'<f4'` from an inert `numpy.dtype`, refusing anything but plain numeric dtypes."""
+    if not (isinstance(obj, InertObject) and obj.qualname == "numpy.dtype" and obj.args):
+        raise UnsupportedCheckpointError(f"numpy value at {format_path(path)} has no dtype")
+    code = str(obj.args[0])
+    state = obj.state if isinstance(obj.state, tuple) else ()
+    order = state[1] if len(state) > 1 and state[1] in ("<", ">") else ""
+    if code[:1] not in _NUMPY_KINDS or (len(state) > 3 and state[3] is not None):
+        raise UnsupportedCheckpointError(
+            f"numpy value at {format_path(path)} has dtype '{code}'; only numeric numpy "
+            "dtypes (bool, int, uint, float, complex) can be stored. Convert it to a tensor "
+            "or a Python value before saving."
+        )
+    return order + code
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.sites: list[TensorSite] = []
+        self._open: set[int] = set()  # containers on the current path (cycle check)
+        self._key_depth = 0  # > 0 while encoding a dict key or a set member
+
+    def encode_key(self, key: Key) -> Any:
+        self._key_depth += 1
+        try:
+            return self.encode(key, ())
+        finally:
+            self._key_depth -= 1
+
+    def _items(self, pairs: Any, path: Path) -> list[list[Any]]:
+        return [[self.encode_key(k), self.encode(v, (*path, k))] for k, v in pairs]
+
+    def encode(self, obj: Any, path: Path) -> Any:
+        if obj is None or obj is True or obj is False:
+            return obj
+        kind = type(obj)
+        if kind is int or kind is str:
+            return obj
+        if kind is float:
+            return _float(obj)
+        if isinstance(obj, TensorRecord):
+            if self._key_depth:
+                raise UnsupportedCheckpointError(
+                    "a tensor is used in a dict key or a set; tensors can only be values"
+                )
+            site = TensorSite(path=path, record=obj)
+            self.sites.append(site)
+            return site.node
+        if isinstance(obj, DTypeToken):
+            return {"dtype": str(obj)}
+        if isinstance(obj, TorchDevice):
+            return {"device": str(obj)}
+        if kind is bytes:
+            return {"bytes": _b64(obj)}
+        if kind is bytearray:
+            return {"bytearray": _b64(bytes(obj))}
+        if kind is complex:
+            return {"complex": [_float(obj.real), _float(obj.imag)]}
+        if isinstance(obj, InertObject):
+            return self._encode_inert(obj, path)
+        if id(obj) in self._open:
+            raise UnsupportedCheckpointError(
+                f"the container at {format_path(path)} contains itself; self-referencing "
+                "structures cannot be written as JSON"
+            )
+        self._open.add(id(obj))
+        try:
+            return self._encode_container(obj, kind, path)
+        finally:
+            self._open.discard(id(obj))
+
+    def _encode_container(self, obj: Any, kind: type, path: Path) -> Any:
+        if kind is list:
+            return [self.encode(v, (*path, i)) for i, v in enumerate(obj)]
+        if kind is TorchSize:
+            return {"size": [int(v) for v in obj]}
+        if kind is tuple:
+            return {"tuple": [self.encode(v, (*path, i)) for i, v in enumerate(obj)]}
+        if kind is dict:
+            return {"dict": self._items(obj.items(), path)}
+        if kind is collections.OrderedDict:
+            node = {"odict": self._items(obj.items(), path)}
+            if vars(obj):  # a module state dict's `_metadata` (versions for load_state_dict)
+                node["attrs"] = self._items(vars(obj).items(), (*path, "__dict__"))
+            return node
+        if kind is collections.defaultdict and obj.default_factory is None:
+            return {"defaultdict": self._items(obj.items(), path)}
+        if kind is set or kind is frozenset:
+            return {kind.__name__: [self.encode_key(v) for v in obj]}
+        if kind is slice:
+            return {"slice": [self.encode_key(v) for v in (obj.start, obj.stop, obj.step)]}
+        raise UnsupportedCheckpointError(
+            f"value of type '{kind.__module__}.{kind.__qualname__}' at {format_path(path)} "
+            "cannot be stored as JSON; save it as a plain container instead"
+        )
+
+    def _encode_inert(self, obj: InertObject, path: Path) -> Any:
+        if obj.qualname == "argparse.Namespace" and isinstance(obj.state, dict):
+            return {"namespace": self._items(obj.state.items(), path)}
+        if obj.qualname in _NUMPY_SCALAR and len(obj.args) == 2:
+            dtype, raw = obj.args
+            return {
+                "numpy": {
+                    "dtype": _numpy_dtype(dtype, path),
+                    "shape": None,
+                    "fortran": False,
+                    "data": _b64(bytes(raw)),
+                }
+            }
+        if (
+            obj.qualname in _NUMPY_ARRAY
+            and isinstance(obj.state, tuple)
+            and len(obj.state) == 5
+            and isinstance(obj.state[4], bytes)
+        ):
+            _, shape, dtype, fortran, raw = obj.state
+            return {
+                "numpy": {
+                    "dtype": _numpy_dtype(dtype, path),
+                    "shape": [int(s) for s in shape],
+                    "fortran": bool(fortran),
+                    "data": _b64(raw),
+                }
+            }
+        raise UnsupportedCheckpointError(
+            f"object of class '{obj.qualname}' at {format_path(path)} cannot be stored in "
+            "safetensors metadata (only containers, numbers, strings, tensors, numpy numeric "
+            "values and argparse.Namespace can); save the state dict without it"
+        )
+
+
+def encode_tree(obj: Any) -> tuple[Any, list[TensorSite]]:
+    """Encode the object `TorchZipFile.load` returned.
+
+    Returns:
+        The JSON document, and every tensor in the order met, each with the (empty) node that
+        stands for it in the document; fill those in before serializing the document.
+
+    Raises:
+        UnsupportedCheckpointError: For a value JSON cannot hold exactly (names its path).
+    """
+    encoder = _Encoder()
+    doc = encoder.encode(obj, ())
+    return doc, encoder.sites
+
+
+def dumps_tree(doc: Any) -> str:
+    """The document as compact ASCII JSON (NaN can never appear: floats are encoded)."""
+    return _dumps(doc)
+
+
+# -- decoding ---------------------------------------------------------------------------------
+
+
+def _unfloat(value: Any) -> float:
+    if isinstance(value, dict):
+        result: float = struct.unpack("<d", bytes.fromhex(value["float"]))[0]
+        return result
+    return float(value)
+
+
+def _decode_numpy(spec: dict[str, Any]) -> Any:
+    import numpy as np
+
+    dtype = np.dtype(spec["dtype"])
+    raw = base64.b64decode(spec["data"])
+    if spec["shape"] is None:
+        return np.frombuffer(raw, dtype=dtype)[0]
+    order: Literal["C", "F"] = "F" if spec["fortran"] else "C"
+    array = np.frombuffer(raw, dtype=dtype).reshape(tuple(spec["shape"]), order=order)
+    return array.copy(order=order)  # writable, in its own memory, as unpickling gives
+
+
+def _decode_key(value: Any) -> Key:
+    return decode_tree(value, _no_tensor)
+
+
+def _no_tensor(node: dict[str, Any]) -> Any:
+    raise CheckpointFormatError(f"a tensor node {node!r} where a key was expected")
+
+
+def decode_tree(value: Any, make_tensor: Callable[[dict[str, Any]], Any]) -> Any:
+    """Rebuild the object a document encodes; `make_tensor` turns a tensor node into a tensor.
+
+    Raises:
+        CheckpointFormatError: If the document holds a node this version does not know.
+    """
+
+    def items(pairs: list[list[Any]]) -> list[tuple[Any, Any]]:
+        return [(_decode_key(k), decode(v)) for k, v in pairs]
+
+    def decode(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, list):
+            return [decode(x) for x in v]
+        if not isinstance(v, dict):
+            raise CheckpointFormatError(f"unexpected JSON value {v!r} in the structure")
+        if "tensor" in v:
+            return make_tensor(v)
+        if not v:
+            raise CheckpointFormatError("an empty node {} in the structure")
+        tag = next(iter(v))
+        payload: Any = v[tag]
+        if tag == "odict":
+            odict = collections.OrderedDict(items(payload))
+            for name, attr in items(v.get("attrs", [])):
+                setattr(odict, name, attr)
+            return odict
+        if len(v) != 1:
+            raise CheckpointFormatError(f"unknown node {v!r} in the structure")
+        if tag == "dict":
+            return dict(items(payload))
+        if tag == "tuple":
+            return tuple(decode(x) for x in payload)
+        if tag == "float":
+            return _unfloat(v)
+        if tag == "size":
+            import torch
+
+            return torch.Size(payload)
+        if tag == "dtype":
+            import torch
+
+            return getattr(torch, payload)
+        if tag == "device":
+            import torch
+
+            return torch.device(payload)
+        if tag == "bytes":
+            return base64.b64decode(payload)
+        if tag == "bytearray":
+            return bytearray(base64.b64decode(payload))
+        if tag == "complex":
+            return complex(_unfloat(payload[0]), _unfloat(payload[1]))
+        if tag == "set":
+            return {_decode_key(x) for x in payload}
+        if tag == "frozenset":
+            return frozenset(_decode_key(x) for x in payload)
+        if tag == "slice":
+            return slice(*(_decode_key(x) for x in payload))
+        if tag == "defaultdict":
+            return collections.defaultdict(None, items(payload))
+        if tag == "namespace":
+            return argparse.Namespace(**dict(items(payload)))
+        if tag == "numpy":
+            return _decode_numpy(payload)
+        raise CheckpointFormatError(
+            f"unknown node '{tag}' in the structure; written by a newer zerosafe?"
+        )
+
+    return decode(value)
