@@ -1,0 +1,147 @@
+"""The hot path's fast variants give exactly what the plain torch calls give.
+
+The cast runs in slices below torch's parallel grain (`streaming._CAST_STEP`), and verify
+counts NaN/Inf only after an integer test of the exponent bits; both must be bit-for-bit what
+one whole-tensor torch call returns, wherever the special values sit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zerosafe import streaming, verify
+from zerosafe.safetensors_writer import HeaderEntry, SafetensorsStreamWriter
+from zerosafe.storage import Storage
+from zerosafe.streaming import CopyJob, copy_stream
+
+
+def _values(n: int, seed: int = 0) -> torch.Tensor:
+    """Random fp32 bit patterns (NaNs of every payload, Infs, subnormals) plus normal values."""
+    g = torch.Generator().manual_seed(seed)
+    raw = (
+        torch.randint(-(2**31), 2**31 - 1, (n // 2,), generator=g, dtype=torch.int64)
+        .to(torch.int32)
+        .view(torch.float32)
+    )
+    normal = torch.randn(n - n // 2, generator=g) * 1e3
+    x = torch.cat([raw, normal])
+    specials = torch.tensor(
+        [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 65520.0, 3.4e38, 1e-45]
+    )
+    # specials right at slice boundaries, and a tie-to-even pattern
+    for i, pos in enumerate([0, streaming._CAST_STEP - 1, streaming._CAST_STEP, n - 1]):
+        x[pos] = specials[i % len(specials)]
+    x[streaming._CAST_STEP + 1] = (torch.tensor([0x3F808000], dtype=torch.int32)).view(
+        torch.float32
+    )[0]
+    return x
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_cast_in_slices_equals_one_torch_call(tmp_path: Path, out_dtype: torch.dtype) -> None:
+    n = 3 * streaming._CAST_STEP + 777  # several slices and a ragged tail in one chunk
+    src = _values(n)
+    (tmp_path / "src.bin").write_bytes(src.numpy().tobytes())
+    name = str(out_dtype).removeprefix("torch.")
+    storage = Storage()
+    writer = SafetensorsStreamWriter(
+        storage.open_sink(str(tmp_path / "o.safetensors")), [HeaderEntry("t", name, (n,))]
+    )
+    source = storage.open_source(str(tmp_path / "src.bin"))
+    copy_stream([CopyJob(0, source, 0, n * 4, "float32", name)], writer, chunk_bytes=n * 4)
+    writer.finish()
+    got = load_file(str(tmp_path / "o.safetensors"))["t"]
+    assert torch.equal(got.view(torch.int16), src.to(out_dtype).view(torch.int16))
+
+
+_BITS = {
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float64: torch.int64,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_nonfinite_counts_equal_torch(dtype: torch.dtype) -> None:
+    name = str(dtype).removeprefix("torch.")
+    n = 3 * (verify._MASK_BLOCK_BYTES // dtype.itemsize) + 5  # several mask blocks
+    g = torch.Generator().manual_seed(1)
+    finite = (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1).to(dtype)
+    view = memoryview(bytearray(finite.view(_BITS[dtype]).numpy().tobytes()))
+    assert verify._count_nonfinite(view, name) == (0, 0, 0)
+    for positions in ([n - 1], [0, n // 2], [verify._MASK_BLOCK_BYTES // dtype.itemsize]):
+        t = finite.clone()
+        for i, pos in enumerate(positions):
+            t[pos] = [float("nan"), float("inf"), float("-inf")][i % 3]
+        t[-2] = float("-inf")
+        raw = bytearray(t.view(_BITS[dtype]).numpy().tobytes())
+        want = (int(t.isnan().sum()), int(t.isposinf().sum()), int(t.isneginf().sum()))
+        assert verify._count_nonfinite(memoryview(raw), name) == want
+
+
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_mapped_source_copies_the_same_bytes(tmp_path: Path, out_dtype: str) -> None:
+    from zerosafe.mapped import MappedFile, map_source
+
+    n = 2 * streaming._CAST_STEP + 99
+    src = _values(n, seed=2)
+    (tmp_path / "src.bin").write_bytes(b"\0" * 100 + src.numpy().tobytes())
+    outs = []
+    for mapped in (False, True):
+        storage = Storage()
+        source = storage.open_source(str(tmp_path / "src.bin"))
+        if mapped:
+            source = map_source(source, storage.counter)
+            assert isinstance(source, MappedFile)
+        path = tmp_path / f"o{mapped}.safetensors"
+        writer = SafetensorsStreamWriter(
+            storage.open_sink(str(path)), [HeaderEntry("t", out_dtype, (n,))]
+        )
+        # unaligned offsets, chunks that end mid-page
+        jobs = [
+            CopyJob(0, source, 100, 4 * 1001, "float32", out_dtype),
+            CopyJob(0, source, 100 + 4 * 1001, 4 * (n - 1001), "float32", out_dtype),
+        ]
+        copy_stream(jobs, writer, chunk_bytes=4 * 5000 + 8)
+        writer.finish()
+        source.close()
+        assert storage.counter.bytes_read == 4 * n
+        outs.append(path.read_bytes())
+    assert outs[0] == outs[1]
+
+
+def test_mapped_source_refuses_a_short_file(tmp_path: Path) -> None:
+    from zerosafe.errors import CheckpointFormatError
+    from zerosafe.mapped import map_source
+
+    (tmp_path / "src.bin").write_bytes(b"\x01" * 10_000)
+    storage = Storage()
+    source = map_source(storage.open_source(str(tmp_path / "src.bin")), storage.counter)
+    assert bytes(source.view_range(9_000, 1_000)) == b"\x01" * 1_000  # type: ignore[attr-defined]
+    with pytest.raises(CheckpointFormatError, match="truncated"):
+        source.view_range(9_000, 1_001)  # type: ignore[attr-defined]
+    out = tmp_path / "o.safetensors"
+    writer = SafetensorsStreamWriter(
+        storage.open_sink(str(out)), [HeaderEntry("t", "uint8", (20_000,))]
+    )
+    with pytest.raises(CheckpointFormatError, match="truncated"):
+        copy_stream([CopyJob(0, source, 0, 20_000, "uint8", "uint8")], writer, chunk_bytes=4096)
+    writer.abort()
+    source.close()
+    assert not out.exists()
+
+
+def test_accelerated_crc32_is_zips_crc32() -> None:
+    import os
+    import zlib
+
+    data = os.urandom(3 * 2**20 + 7)
+    for start in (0, 1, 4093):
+        assert streaming._crc32(data[start:]) == zlib.crc32(data[start:])
+        assert streaming._crc32(data[start:], 0xDEADBEEF) == zlib.crc32(data[start:], 0xDEADBEEF)
+    assert streaming._crc32(memoryview(bytearray(data))[5:]) == zlib.crc32(data[5:])
