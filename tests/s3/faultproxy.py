@@ -227,20 +227,28 @@ class _Handler(BaseHTTPRequestHandler):
                     raise
         raise AssertionError("unreachable")
 
-    def _send_error_xml(self, kind: str, path: str) -> int:
+    def _send_error_xml(self, kind: str, path: str, query: str) -> None:
         status, code, message = _ERROR_BODIES[kind]
         body = (
             '<?xml version="1.0" encoding="UTF-8"?>\n'
             f"<Error><Code>{code}</Code><Message>{message}</Message>"
             f"<Resource>{path}</Resource><RequestId>faultproxy</RequestId></Error>"
         ).encode()
+        sent = 0 if self.command == "HEAD" else len(body)
+        self._record(path, query, status, sent, kind)
         self.send_response(status)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
-        return len(body)
+
+    def _record(self, path: str, query: str, status: int, sent: int, fault: str | None) -> None:
+        """Log an exchange before its response goes out: a client that has its answer must
+        find the exchange logged."""
+        self.owner._record(
+            Exchange(self.command, path, query, self.headers.get("Range"), status, sent, fault)
+        )
 
     def _reset(self) -> None:
         self.wfile.flush()
@@ -275,22 +283,19 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._read_body()
         fault = self.owner._pick_fault(self.command, path, query, has_range)
         if fault in _ERROR_BODIES:
-            sent = self._send_error_xml(fault, path)
-            status = _ERROR_BODIES[fault][0]
-            self.owner._record(
-                Exchange(self.command, path, query, self.headers.get("Range"), status, sent, fault)
-            )
+            self._send_error_xml(fault, path, query)
             return
         if fault == "stall":
             time.sleep(self.owner.stall_seconds)
-            self.owner._record(
-                Exchange(self.command, path, query, self.headers.get("Range"), 0, 0, fault)
-            )
+            self._record(path, query, 0, 0, fault)
             self._reset()
             return
         if fault == "latency":
             time.sleep(self.owner.latency_seconds)
         status, headers, data = self._forward(body)
+        reset = fault == "reset" and self.command != "HEAD" and len(data) > 1
+        sent = 0 if self.command == "HEAD" else len(data) // 2 if reset else len(data)
+        self._record(path, query, status, sent, fault)
         self.send_response(status)
         for key, value in headers:
             if key.lower() in _HOP_HEADERS and not (
@@ -301,28 +306,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        sent = 0
-        if self.command != "HEAD":
-            if fault == "reset" and len(data) > 1:
-                half = data[: len(data) // 2]
-                self.wfile.write(half)
-                self.owner._record(
-                    Exchange(
-                        self.command,
-                        path,
-                        query,
-                        self.headers.get("Range"),
-                        status,
-                        len(half),
-                        fault,
-                    )
-                )
-                self._reset()
-                return
+        if reset:
+            self.wfile.write(data[:sent])
+            self._reset()
+        elif self.command != "HEAD":
             self.wfile.write(data)
-            sent = len(data)
-        self.owner._record(
-            Exchange(self.command, path, query, self.headers.get("Range"), status, sent, fault)
-        )
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
