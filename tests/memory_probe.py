@@ -13,19 +13,16 @@ import json
 import os
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
-
-import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests.rss import PeakRSS  # noqa: E402
+
 
 def main() -> None:
     kind, ckpt, out, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-    proc = psutil.Process()
     if kind == "engine":
         from zerosafe.config import ConvertOptions
         from zerosafe.convert import convert_checkpoint
@@ -43,28 +40,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as warm:
         run(str(REPO / "examples" / "zero3-bf16-ws3"), os.path.join(warm, "o"))
-    baseline = proc.memory_info().rss
-    peak = baseline
-    stop = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not stop.is_set():
-            peak = max(peak, proc.memory_info().rss)
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    started = time.monotonic()
-    summary = run(ckpt, out)
-    stop.set()
-    sampler.join()
+    with PeakRSS(every_s=0.005) as m:
+        summary = run(ckpt, out)
     print(
         json.dumps(
             {
-                "baseline_rss": baseline,
-                "peak_rss": peak,
-                "seconds": time.monotonic() - started,
+                "baseline_rss": m.baseline,
+                "peak_rss": m.peak,
+                "seconds": m.seconds,
                 "status": summary["status"],
             }
         )

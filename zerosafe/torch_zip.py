@@ -19,6 +19,7 @@ import bisect
 import collections
 import io
 import logging
+import math
 import pickle
 import struct
 import threading
@@ -93,10 +94,7 @@ class TensorRecord:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:

@@ -117,6 +117,12 @@ def _wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-
         time.sleep(0.05)
 
 
+def _one_at_a_time(ckpt: Path, out: Path) -> tuple[str, ...]:
+    """`convert` arguments for a bf16 conversion into ~40 shards, one task at a time."""
+    args = ["--dtype", "bf16", "--max-shard-size", SMALL_SHARDS, "--parallel", "1"]
+    return (str(ckpt), str(out), *args, "--memory", "256MB")
+
+
 def _start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "zerosafe.cli", "convert", "--json", *args],
@@ -130,18 +136,7 @@ def test_sigkill_during_merges_then_resume(
 ) -> None:
     reference = reference_small_shards
     out = tmp_path / "out"
-    args = (
-        str(medium_ckpt),
-        str(out),
-        "--dtype",
-        "bf16",
-        "--max-shard-size",
-        SMALL_SHARDS,
-        "--parallel",
-        "1",
-        "--memory",
-        "256MB",
-    )
+    args = _one_at_a_time(medium_ckpt, out)
     proc = _start(prefect_env, *args)
     work_root = out / ".zerosafe-work"
 
@@ -226,18 +221,7 @@ def test_two_runs_of_one_job_started_together(
     prefect_env: dict[str, str], medium_ckpt: Path, reference_small_shards: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    args = (
-        str(medium_ckpt),
-        str(out),
-        "--dtype",
-        "bf16",
-        "--max-shard-size",
-        SMALL_SHARDS,
-        "--parallel",
-        "1",
-        "--memory",
-        "256MB",
-    )
+    args = _one_at_a_time(medium_ckpt, out)
     runs = [_start(prefect_env, *args) for _ in range(2)]
     results = []
     for run in runs:
@@ -310,18 +294,7 @@ def test_ctrl_c_stops_cleanly_and_the_same_command_resumes(
     prefect_env: dict[str, str], medium_ckpt: Path, reference_small_shards: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    args = (
-        str(medium_ckpt),
-        str(out),
-        "--dtype",
-        "bf16",
-        "--max-shard-size",
-        SMALL_SHARDS,
-        "--parallel",
-        "1",
-        "--memory",
-        "256MB",
-    )
+    args = _one_at_a_time(medium_ckpt, out)
     proc = subprocess.Popen(
         [sys.executable, "-m", "zerosafe.cli", "convert", *args],
         env=prefect_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,

@@ -17,8 +17,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import psutil
@@ -26,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from tests.rss import PeakRSS  # noqa: E402
 from zerosafe.pt2st import convert_pt, load_pt_like  # noqa: E402
 
 
@@ -43,33 +42,17 @@ def make(pt: str, num_bytes: int) -> None:
 
 
 def convert(pt: str, out: str, memory_bytes: int) -> dict[str, float]:
-    proc = psutil.Process()
     with tempfile.TemporaryDirectory() as warm:
         torch.save({"w": torch.ones(1000)}, os.path.join(warm, "w.pt"))
         convert_pt(os.path.join(warm, "w.pt"), os.path.join(warm, "w.safetensors"))
-    baseline = proc.memory_info().rss
-    peak = baseline
-    stop = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not stop.is_set():
-            peak = max(peak, proc.memory_info().rss)
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    started = time.monotonic()
-    summary = convert_pt(pt, out, memory_bytes=memory_bytes, overwrite=True)
-    seconds = time.monotonic() - started
-    stop.set()
-    sampler.join()
+    with PeakRSS() as m:
+        summary = convert_pt(pt, out, memory_bytes=memory_bytes, overwrite=True)
     return {
-        "baseline_rss": baseline,
-        "peak_rss": peak,
-        "peak_above_baseline": peak - baseline,
+        "baseline_rss": m.baseline,
+        "peak_rss": m.peak,
+        "peak_above_baseline": m.peak - m.baseline,
         "file_bytes": summary["file_bytes"],
-        "seconds": seconds,
+        "seconds": m.seconds,
     }
 
 
