@@ -33,10 +33,13 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cache, lru_cache
+from functools import cache
 from typing import Any
 
 import numpy as np
+
+# zip's CRC-32 of a concatenation and of a run of zeros (holes, padding), in O(log n)
+from zerosafe.crc import crc32_combine, crc32_zeros
 
 DS_VERSION = "0.19.8"
 ZIP64_LIMIT = 0xFFFFFFFF
@@ -168,63 +171,6 @@ def to_bf16_bits(values: np.ndarray) -> np.ndarray:
     out = np.empty(src.shape, np.uint16)
     _bf16_bits(src, out, np.empty_like(src))
     return out.reshape(np.shape(values))
-
-
-# ----------------------------------------------------------------------------------------------
-# CRC-32 algebra (zip's CRC): shifting a CRC over n zero bytes is linear over GF(2), so the CRC of
-# a run of zeros, and the CRC of a concatenation, come from 32x32 bit matrices in O(log n).
-# ----------------------------------------------------------------------------------------------
-
-_CRC_POLY = 0xEDB88320  # reflected IEEE polynomial
-
-
-def _gf2_apply(op: Sequence[int], v: int) -> int:
-    r = 0
-    i = 0
-    while v:
-        if v & 1:
-            r ^= op[i]
-        v >>= 1
-        i += 1
-    return r
-
-
-def _gf2_square(op: Sequence[int]) -> list[int]:
-    return [_gf2_apply(op, op[i]) for i in range(32)]
-
-
-def _zero_shift_ops() -> list[list[int]]:
-    op = [_CRC_POLY] + [1 << (i - 1) for i in range(1, 32)]  # one zero bit
-    for _ in range(3):  # -> one zero byte
-        op = _gf2_square(op)
-    ops = [op]
-    for _ in range(63):  # 2**k zero bytes
-        ops.append(_gf2_square(ops[-1]))
-    return ops
-
-
-_ZERO_OPS = _zero_shift_ops()
-
-
-def _crc_shift(crc_reg: int, nbytes: int) -> int:
-    k = 0
-    while nbytes:
-        if nbytes & 1:
-            crc_reg = _gf2_apply(_ZERO_OPS[k], crc_reg)
-        nbytes >>= 1
-        k += 1
-    return crc_reg
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32 of A + B from crc32(A), crc32(B) and len(B)."""
-    return _crc_shift(crc1, len2) ^ crc2
-
-
-@lru_cache(maxsize=256)
-def crc32_zeros(nbytes: int, crc: int = 0) -> int:
-    """zlib.crc32(b'\\0' * nbytes, crc), in O(log nbytes)."""
-    return _crc_shift(crc ^ 0xFFFFFFFF, nbytes) ^ 0xFFFFFFFF
 
 
 # ----------------------------------------------------------------------------------------------

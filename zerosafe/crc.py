@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CrcLedger", "LedgerCheck", "crc32_combine"]
+__all__ = ["CrcLedger", "LedgerCheck", "crc32_combine", "crc32_zeros"]
 
 _POLY = 0xEDB88320  # x^32 + x^26 + ... + 1, bit-reflected
 
@@ -60,6 +60,13 @@ def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     if len_b == 0:
         return crc_a
     return _multiply(_x_pow_8n(len_b), crc_a) ^ crc_b
+
+
+def crc32_zeros(num_bytes: int, crc: int = 0) -> int:
+    """`zlib.crc32(bytes(num_bytes), crc)` without the bytes: the register times x^(8 * n)."""
+    if num_bytes == 0:
+        return crc
+    return _multiply(_x_pow_8n(num_bytes), crc ^ 0xFFFFFFFF) ^ 0xFFFFFFFF
 
 
 @dataclass

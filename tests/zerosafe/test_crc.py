@@ -9,12 +9,18 @@ import zlib
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zerosafe.crc import CrcLedger, crc32_combine
+from zerosafe.crc import CrcLedger, crc32_combine, crc32_zeros
 
 
 @given(st.binary(max_size=300), st.binary(max_size=3000))
 def test_combine_equals_crc_of_concatenation(a: bytes, b: bytes) -> None:
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def test_crc_of_zeros_matches_zlib() -> None:
+    for n in (0, 1, 3, 64, 4097, 1 << 20):
+        assert crc32_zeros(n) == zlib.crc32(bytes(n))
+        assert crc32_zeros(n, 0xDEADBEEF) == zlib.crc32(bytes(n), 0xDEADBEEF)
 
 
 def test_combine_past_4_gib_matches_zlib() -> None:
@@ -25,6 +31,7 @@ def test_combine_past_4_gib_matches_zlib() -> None:
     for _ in range(64):
         crc_zeros = zlib.crc32(block, crc_zeros)
     crc_zeros = zlib.crc32(bytes(3 << 20), crc_zeros)
+    assert crc32_zeros(total) == crc_zeros
     head = b"ZeRO"
     combined = crc32_combine(zlib.crc32(head), crc_zeros, total)
     streamed = zlib.crc32(head)
