@@ -18,7 +18,7 @@ from typing import Any
 
 from zerosafe._version import __version__
 from zerosafe.errors import ConversionError, VerificationError
-from zerosafe.units import format_bytes, parse_size
+from zerosafe.units import format_bytes, parse_size, size_argument
 
 __all__ = ["main"]
 
@@ -31,13 +31,6 @@ EXTRA_COMMANDS: list[str] = ["zerosafe.pt2st.cli", "zerosafe.clean"]
 parser and sets `handler=` (a function of the parsed args returning the exit code) as a default."""
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tag", help="tag to convert (default: the one 'latest' names)")
     p.add_argument(
@@ -48,14 +41,14 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-shard-size",
-        type=_size,
+        type=size_argument,
         default="5GB",
         metavar="SIZE",
         help="largest output file, e.g. 5GB, 500MB, 64MiB (default 5GB)",
     )
     p.add_argument(
         "--memory",
-        type=_size,
+        type=size_argument,
         default="1GB",
         metavar="SIZE",
         help="memory budget of a worker (default 1GB)",
@@ -152,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
         help="tasks a worker runs at once, within --memory (default 2)",
     )  # fmt: skip
     sim.add_argument(
-        "--extract-part-size", type=_size, default="2GB", metavar="SIZE",
+        "--extract-part-size", type=size_argument, default="2GB", metavar="SIZE",
         help="staged mode: a rank's bytes are extracted in parts of at most this (default 2GB)",
     )  # fmt: skip
     sim.add_argument(
@@ -164,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with --simulate: aggregate storage bandwidths per second (default 1GB,10GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--task-rate", type=_size, metavar="SIZE",
+        "--task-rate", type=size_argument, metavar="SIZE",
         help="with --simulate: bytes one task moves per second at most (default: measured 1GB)",
     )  # fmt: skip
     sim.add_argument(

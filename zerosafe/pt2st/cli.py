@@ -14,16 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from zerosafe.storage import Storage
-from zerosafe.units import format_bytes, parse_size
+from zerosafe.units import format_bytes, size_argument
 
 __all__ = ["add_parser"]
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _storage(args: argparse.Namespace) -> Storage:
@@ -51,7 +44,7 @@ def add_parser(subparsers: Any, add_verbosity: Callable[..., None]) -> None:
     )
     p.add_argument(
         "--memory",
-        type=_size,
+        type=size_argument,
         default="1GB",
         metavar="SIZE",
         help="memory budget of the copy, e.g. 256MB (default 1GB)",
