@@ -584,6 +584,16 @@ def _parquet_to_rows(data: bytes, cls: type) -> list[Any]:
     return out
 
 
+_ROW_TABLES: tuple[tuple[str, type], ...] = (
+    ("files", SourceFile),
+    ("slots", Slot),
+    ("tensors", TensorSpec),
+    ("shards", ShardSpec),
+    ("parts", ExtractPart),
+)
+"""The plan's row tables: a `Plan` attribute, saved as `<name>.parquet` of `cls` rows."""
+
+
 def save_plan(plan: Plan, storage: Storage, folder_url: str) -> None:
     """Write the plan as Parquet tables plus `plan.json` (written last: its presence means
     the plan is whole)."""
@@ -591,13 +601,7 @@ def save_plan(plan: Plan, storage: Storage, folder_url: str) -> None:
     import pyarrow.parquet as pq
 
     storage.makedirs(folder_url)
-    for name, cls in (
-        ("files", SourceFile),
-        ("slots", Slot),
-        ("tensors", TensorSpec),
-        ("shards", ShardSpec),
-        ("parts", ExtractPart),
-    ):
+    for name, cls in _ROW_TABLES:
         storage.write_bytes(
             join_url(folder_url, f"{name}.parquet"), _rows_to_parquet(getattr(plan, name), cls)
         )
@@ -628,13 +632,7 @@ def load_plan(storage: Storage, folder_url: str) -> Plan:
             f"{folder_url}: plan format {head.get('plan_format')} is not {PLAN_FORMAT}"
         )
     tables: dict[str, list[Any]] = {}
-    for name, cls in (
-        ("files", SourceFile),
-        ("slots", Slot),
-        ("tensors", TensorSpec),
-        ("shards", ShardSpec),
-        ("parts", ExtractPart),
-    ):
+    for name, cls in _ROW_TABLES:
         tables[name] = _parquet_to_rows(
             storage.read_bytes(join_url(folder_url, f"{name}.parquet")), cls
         )
