@@ -9,27 +9,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REPO
+from tests.s3.support import run_zerosafe
 
 
 def run_cli(
     env: dict[str, str], *args: str, timeout: int = 600, check: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "zerosafe.cli", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if check:
-        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
+    return run_zerosafe(env, *args, timeout=timeout, check=check)
 
 
 def convert_json(env: dict[str, str], *args: str, **kw: Any) -> dict[str, Any]:
