@@ -4,6 +4,7 @@ loopback, and stopped (whole process groups) afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -140,48 +141,38 @@ def deploy(stack: Stack) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def sqlite_stack(tmp_path_factory: pytest.TempPathFactory, aws_home: Path) -> Iterator[Stack]:  # noqa: F811
-    tmp = tmp_path_factory.mktemp("prefect-sqlite")
-    stack = start_stack(tmp, aws_home)
+@contextlib.contextmanager
+def deployed_stack(tmp: Path, aws_dir: Path, database: str | None = None) -> Iterator[Stack]:
+    """A server with the deployments registered and one process worker, stopped on exit."""
+    stack = start_stack(tmp, aws_dir, database)
     try:
         deploy(stack)
         stack.start_worker(tmp / "worker.log")
         yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture(scope="module")
+def sqlite_stack(tmp_path_factory: pytest.TempPathFactory, aws_home: Path) -> Iterator[Stack]:  # noqa: F811
+    with deployed_stack(tmp_path_factory.mktemp("prefect-sqlite"), aws_home) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
 def postgres_stack(tmp_path_factory: pytest.TempPathFactory, aws_home: Path) -> Iterator[Stack]:  # noqa: F811
     db = f"zerosafe_test_{uuid.uuid4().hex[:12]}"
-    made = subprocess.run(
-        ["psql", "-h", "127.0.0.1", "-U", "postgres", "-c", f"CREATE DATABASE {db}"],
-        capture_output=True,
-        text=True,
-    )
+    psql = ["psql", "-h", "127.0.0.1", "-U", "postgres", "-c"]
+    made = subprocess.run([*psql, f"CREATE DATABASE {db}"], capture_output=True, text=True)
     if made.returncode != 0:
         pytest.fail(f"could not create a PostgreSQL database on 127.0.0.1:5432: {made.stderr}")
-    tmp = tmp_path_factory.mktemp("prefect-postgres")
-    stack = start_stack(tmp, aws_home, POSTGRES.format(db=db))
     try:
-        deploy(stack)
-        stack.start_worker(tmp / "worker.log")
-        yield stack
+        with deployed_stack(
+            tmp_path_factory.mktemp("prefect-postgres"), aws_home, POSTGRES.format(db=db)
+        ) as stack:
+            yield stack
     finally:
-        stack.stop()
-        subprocess.run(
-            [
-                "psql",
-                "-h",
-                "127.0.0.1",
-                "-U",
-                "postgres",
-                "-c",
-                f"DROP DATABASE IF EXISTS {db} WITH (FORCE)",
-            ],
-            capture_output=True,
-        )
+        subprocess.run([*psql, f"DROP DATABASE IF EXISTS {db} WITH (FORCE)"], capture_output=True)
 
 
 def params_json(**params: Any) -> str:
