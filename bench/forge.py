@@ -40,6 +40,7 @@ import numpy as np
 
 # zip's CRC-32 of a concatenation and of a run of zeros (holes, padding), in O(log n)
 from zerosafe.crc import crc32_combine, crc32_zeros
+from zerosafe.torch_zip import contiguous_stride
 
 DS_VERSION = "0.19.8"
 ZIP64_LIMIT = 0xFFFFFFFF
@@ -262,15 +263,6 @@ class _Storage:
         return self.numel * self.itemsize
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride = []
-    acc = 1
-    for d in reversed(shape):
-        stride.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(stride))
-
-
 def _tensor(
     storage: _Storage,
     shape: Sequence[int],
@@ -279,7 +271,7 @@ def _tensor(
     ds_id: str | None = None,
 ) -> _Reduce:
     """A tensor as torch pickles it; with `ds_id`, as a ZeRO-3 flat group (a Tensor with a __dict__)."""
-    args = (storage, offset, tuple(shape), _contiguous_stride(shape), requires_grad, OrderedDict())
+    args = (storage, offset, tuple(shape), contiguous_stride(shape), requires_grad, OrderedDict())
     if ds_id is None:
         return _Reduce(_G_REBUILD, args)
     return _Reduce(_G_FROM_TYPE, (_G_REBUILD, _G_TENSOR, args, {"ds_id": ds_id}))

@@ -25,7 +25,7 @@ import struct
 import threading
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -34,6 +34,7 @@ from zerosafe.errors import CheckpointFormatError, IntegrityError, UnsafePickleE
 from zerosafe.storage import ByteSource
 
 __all__ = [
+    "contiguous_stride",
     "ALLOWED_GLOBALS",
     "DTypeToken",
     "InertObject",
@@ -183,6 +184,16 @@ class TorchDevice(str):
     """A `torch.device` named in a pickle, kept as its name (`cuda:0`)."""
 
 
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides torch gives a new contiguous tensor of `shape` (size-0 dims count as 1)."""
+    stride = []
+    step = 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
 def _rebuild_tensor_v2(
     storage: tuple[StorageRef, str],
     storage_offset: int,
@@ -192,14 +203,10 @@ def _rebuild_tensor_v2(
     backward_hooks: Any = None,
     metadata: Any = None,
 ) -> TensorRecord:
+    # a typed storage: the tensor's dtype is the storage's
     ref, _ = storage
-    return TensorRecord(
-        storage=ref,
-        storage_offset=int(storage_offset),
-        shape=tuple(int(s) for s in size),
-        stride=tuple(int(s) for s in stride),
-        dtype=ref.dtype,
-        requires_grad=bool(requires_grad),
+    return _rebuild_tensor_v3(
+        storage, storage_offset, size, stride, requires_grad, backward_hooks, ref.dtype
     )
 
 

@@ -59,7 +59,7 @@ from zerosafe.pt2st.tree import (
 from zerosafe.safetensors_writer import HeaderEntry, SafetensorsStreamWriter, read_header
 from zerosafe.storage import ByteSource, Storage, is_local, local_path
 from zerosafe.streaming import CopyJob, copy_stream
-from zerosafe.torch_zip import ALLOWED_GLOBALS, TensorRecord, TorchZipFile
+from zerosafe.torch_zip import ALLOWED_GLOBALS, TensorRecord, TorchZipFile, contiguous_stride
 
 __all__ = [
     "FORMAT_VERSION",
@@ -70,7 +70,6 @@ __all__ = [
     "STORAGE_PREFIX",
     "EntryPlan",
     "PtPlan",
-    "contiguous_stride",
     "convert_pt",
     "current_output",
     "inspect_pt",
@@ -119,16 +118,6 @@ class PtPlan:
     @property
     def data_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
-
-
-def contiguous_stride(shape: tuple[int, ...] | list[int]) -> tuple[int, ...]:
-    """The strides torch gives a new contiguous tensor of `shape` (size-0 dims count as 1)."""
-    stride = []
-    step = 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
 
 
 def view_end_bytes(shape: list[int], stride: list[int], offset: int, itemsize: int) -> int:

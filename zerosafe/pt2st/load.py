@@ -27,12 +27,12 @@ from zerosafe.pt2st.convert import (
     META_SOURCE_BYTES,
     META_TREE,
     META_VERSION,
-    contiguous_stride,
     view_end_bytes,
 )
 from zerosafe.pt2st.tree import decode_tree
 from zerosafe.safetensors_writer import read_header
 from zerosafe.storage import ByteSource, Storage, is_local, local_path
+from zerosafe.torch_zip import contiguous_stride
 
 if TYPE_CHECKING:
     import torch
