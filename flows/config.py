@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConfigError
 from zerosafe.s3 import find_secret_options
-from zerosafe.storage import is_local
+from zerosafe.storage import is_local, normalize_url
 from zerosafe.units import parse_size
 
 __all__ = ["JobConfig", "load_job_config"]
@@ -84,6 +84,12 @@ class JobConfig(BaseModel):
             except ValueError as e:
                 raise ValueError(str(e)) from None
         return value
+
+    @field_validator("source", "destination", "work_dir")
+    @classmethod
+    def _one_spelling(cls, value: str | None) -> str | None:
+        # `ckpt`, `./ckpt` and `/abs/ckpt` are one job: identities use the normalized form.
+        return normalize_url(value) if value else value
 
     @field_validator("storage_options")
     @classmethod

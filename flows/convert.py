@@ -34,12 +34,13 @@ from tasks._common import progress as task_progress
 from tasks.credentials import storage_for
 from tasks.extract import extract, extract_is_present
 from tasks.inspect import inspect
-from tasks.merge import expected_shard_bytes, merge, shard_identity
+from tasks.merge import expected_shard_bytes, merge, reusable_shards, shard_identity
 from tasks.publish import publish
 from tasks.verify import verify
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import VerificationError
-from zerosafe.lease import work_lease
+from zerosafe.lease import destination_lease, work_lease
+from zerosafe.output import pending_url
 from zerosafe.storage import Storage, join_url
 from zerosafe.units import format_bytes
 
@@ -138,8 +139,20 @@ def run_job(config: dict[str, Any]) -> dict[str, Any]:
     """The stages of one validated job (a subflow, so `convert` can pick the task runner)."""
     started = time.monotonic()
     started_wall = time.time()
-    log = get_run_logger()
     cfg = JobConfig(**config)
+    storage = storage_for(cfg.storage_options)
+    # One job at a time per output folder, whatever its options: held from before the output
+    # is inspected (and, with --overwrite, cleared) until it is published.
+    with destination_lease(
+        storage, cfg.destination, job=f"{cfg.source} -> {cfg.destination}", clean=[cfg.destination]
+    ):
+        return _run_held(cfg, storage, started=started, started_wall=started_wall)
+
+
+def _run_held(
+    cfg: JobConfig, storage: Storage, *, started: float, started_wall: float
+) -> dict[str, Any]:
+    log = get_run_logger()
     options = cfg.options()
     info = inspect(
         cfg.source, cfg.destination, _options_dict(options), tag=cfg.tag,
@@ -160,9 +173,13 @@ def run_job(config: dict[str, Any]) -> dict[str, Any]:
         _options_dict(options),
         cfg.storage_options,
     ).as_dict()
-    storage = storage_for(cfg.storage_options)
     with work_lease(
-        storage, info["work"], clean=[cfg.destination, join_url(info["work"], "intermediate")]
+        storage,
+        info["work"],
+        clean=[
+            pending_url(cfg.destination, info["plan_id"]),
+            join_url(info["work"], "intermediate"),
+        ],
     ):
         result = _run_stages(cfg, options, info, job, storage, since=started_wall)
     seconds = time.monotonic() - started
@@ -192,11 +209,17 @@ def _run_stages(
     def run(task: Any, *, refresh: bool = False) -> Any:
         return task.with_options(result_storage=results, refresh_cache=refresh or None)
 
+    # A repair keeps the published shards that are still intact: no extract or merge reads
+    # anything for them.
+    reused = reusable_shards(job)
+    needed = {p for s in shards if s["index"] not in reused for p in s["parts"]}
+    parts = [p for p in parts if p["index"] in needed]
     work_bytes = 0 if options.direct else sum(p["bytes"] for p in parts)
     progress = _Progress(
         work_bytes + sum(s["source_bytes"] for s in shards) + sum(s["bytes"] for s in shards)
     )
 
+    part_of = {p["index"]: p for p in parts}
     extract_futures: dict[int, PrefectFuture[Any]] = {}
     if not options.direct:
         for p in parts:
@@ -210,11 +233,12 @@ def _run_stages(
 
     def submit_merge(shard: dict[str, Any]) -> None:
         index = shard["index"]
-        fingerprint = (
-            _fingerprint([extracts[p]["content_sha256"] for p in shard["parts"]])
-            if not options.direct
-            else ""
-        )
+        if index in reused:
+            fingerprint = "reused"
+        elif options.direct:
+            fingerprint = ""
+        else:
+            fingerprint = _fingerprint([extracts[p]["content_sha256"] for p in shard["parts"]])
         on_disk = shard_identity(job, index)
         fresh = on_disk is None or on_disk[0] != expected_shard_bytes(job, index)
         merge_futures[index] = run(merge, refresh=fresh).submit(
@@ -223,7 +247,7 @@ def _run_stages(
 
     waiting = {s["index"]: s for s in shards}
     for shard in shards:
-        if not options.direct and not shard["parts"]:
+        if not options.direct and (not shard["parts"] or shard["index"] in reused):
             submit_merge(shard)
             del waiting[shard["index"]]
     if options.direct:
@@ -238,10 +262,10 @@ def _run_stages(
             # A cached result whose file vanished between the check and now: run it again.
             extracts[index] = (
                 run(extract, refresh=True)
-                .submit(job, index, parts[index]["rank"], parts[index]["label"])
+                .submit(job, index, part_of[index]["rank"], part_of[index]["label"])
                 .result()
             )
-        progress.add(parts[index]["bytes"])
+        progress.add(part_of[index]["bytes"])
         for shard_index in [
             i for i, s in waiting.items() if all(p in extracts for p in s["parts"])
         ]:

@@ -8,7 +8,7 @@ from typing import Any
 from prefect import task
 
 from tasks._common import cache_key, context, is_transient, job_of, progress, record_run
-from zerosafe.storage import join_url
+from zerosafe.output import shard_location
 from zerosafe.verify import verify_shard
 
 
@@ -37,7 +37,7 @@ def verify(
     started = time.monotonic()
     j = job_of(job)
     plan, storage, options, _ = context(j)
-    url = join_url(j.destination, plan.shards[index].file_name)
+    url = shard_location(storage, j.destination, plan.plan_id, plan.shards[index].file_name)
     report = verify_shard(
         storage, url, expected=expected, check_finite=options.check_finite,
         chunk_bytes=options.chunk_bytes, on_bytes=progress().advance,

@@ -282,11 +282,28 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_before_starting(args: argparse.Namespace) -> None:
+    """Refuse what is plainly wrong in well under a second, before the flow (and the embedded
+    Prefect server, seconds to start) begins: a folder that holds no checkpoint, a tag that is
+    not there, an output that cannot be written. The flow checks everything again."""
+    from zerosafe.errors import ConfigError
+    from zerosafe.storage import normalize_url
+    from zerosafe.zero_checkpoint import quick_identities
+
+    source, output = normalize_url(args.checkpoint), normalize_url(args.output)
+    if source == output:
+        raise ConfigError(f"{output}: the output folder must differ from the checkpoint folder")
+    storage = _storage(args)
+    quick_identities(storage, source, args.tag)
+    storage.ensure_folder(output)
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from zerosafe.progress import NullProgress, TerminalProgress
 
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()
+    _check_before_starting(args)
     if args.no_flow:
         from zerosafe.convert import convert_checkpoint
 

@@ -22,7 +22,8 @@ from zerosafe.errors import (
     LayoutMismatchError,
     UnsupportedCheckpointError,
 )
-from zerosafe.storage import FileIdentity, Storage, join_url
+from zerosafe.save_identity import check_one_save
+from zerosafe.storage import FileIdentity, Storage, join_url, normalize_url
 from zerosafe.torch_zip import InertObject, TensorRecord, TorchZipFile
 
 __all__ = [
@@ -121,11 +122,12 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
     Raises:
         CheckpointFormatError: If no tag can be found, with what the folder does hold.
     """
-    ckpt_url = ckpt_url.rstrip("/") or "/"
+    ckpt_url = normalize_url(ckpt_url)
     if not storage.isdir(ckpt_url):
         raise CheckpointFormatError(f"{ckpt_url}: no such checkpoint folder")
     names = storage.listdir(ckpt_url)
     if tag is not None:
+        _check_tag_name(ckpt_url, tag, "`--tag`")
         tag_url = join_url(ckpt_url, tag)
         if not storage.isdir(tag_url):
             tags = [n for n in names if storage.isdir(join_url(ckpt_url, n))]
@@ -136,7 +138,7 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
     if any(n.endswith("_model_states.pt") for n in names):
         return ckpt_url.rstrip("/").rsplit("/", 1)[-1], ckpt_url
     if "latest" in names:
-        tag = storage.read_bytes(join_url(ckpt_url, "latest")).decode().strip()
+        tag = _tag_from_latest(storage, ckpt_url)
         tag_url = join_url(ckpt_url, tag)
         if not storage.isdir(tag_url):
             raise CheckpointFormatError(
@@ -150,6 +152,41 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
         f"DeepSpeed checkpoint folder or tag folder. Folders inside: {subdirs or 'none'}; "
         "pass the folder that holds 'latest', or --tag TAG."
     )
+
+
+def _check_tag_name(ckpt_url: str, tag: str, where: str) -> None:
+    """A tag names one folder inside the checkpoint folder, nothing else."""
+    if (
+        not tag
+        or tag in (".", "..")
+        or "/" in tag
+        or "\\" in tag
+        or "\0" in tag
+        or "://" in tag
+        or tag != tag.strip()
+    ):
+        raise CheckpointFormatError(
+            f"{ckpt_url}: {where} names tag {tag!r}, which is not a folder name inside the "
+            "checkpoint folder (a tag is one folder name, e.g. 'global_step1000'). Fix "
+            "'latest', or pass --tag with the tag folder to convert."
+        )
+
+
+def _tag_from_latest(storage: Storage, ckpt_url: str) -> str:
+    url = join_url(ckpt_url, "latest")
+    raw = storage.read_bytes(url)
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = repr(raw[:40])
+    if not tag or len(raw) > 4096:
+        raise CheckpointFormatError(
+            f"{url}: expected the name of the tag to convert (e.g. 'global_step1000'), found "
+            f"{'an empty file' if not tag else f'{len(raw)} bytes'}. Is training still saving? "
+            "Pass --tag TAG to convert a tag folder that is complete."
+        )
+    _check_tag_name(ckpt_url, tag, "'latest'")
+    return tag
 
 
 def _scan_files(storage: Storage, tag_url: str) -> tuple[dict[int, str], dict[int, str], list[str]]:
@@ -320,6 +357,7 @@ def open_zero_checkpoint(
         UnsupportedCheckpointError: Layouts zerosafe does not convert yet.
         LayoutMismatchError: Ranks or sizes that disagree.
     """
+    ckpt_url = normalize_url(ckpt_url)
     tag, tag_url = find_tag_dir(storage, ckpt_url, tag)
     optim_urls, model_urls, _ = _scan_files(storage, tag_url)
 
@@ -379,6 +417,7 @@ def open_zero_checkpoint(
 
     optim_files = [optim_by_rank[r] for r in range(world_size)]
     model_files = [model_by_rank[r] for r in sorted(model_by_rank)]
+    check_one_save(tag_url, optim_files, model_files)
 
     for f in optim_files:
         osd = f.obj.get("optimizer_state_dict")
