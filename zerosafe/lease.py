@@ -1,9 +1,15 @@
-"""A lease on a job's work area, so two runs of the same job never work on it at once.
+"""Leases: one job at a time per output folder, one run at a time per job's work area.
 
-The holder writes `lease.json` (run id, host, pid, heartbeat) and refreshes the heartbeat
-while it works. A lease is stale when its heartbeat is older than `STALE_SECONDS`, or when it
-names a process on this host that no longer exists (a run killed with SIGKILL); a stale lease
-is taken over, a live one refused.
+The holder writes a small JSON file (run id, host, pid, heartbeat; for an output folder also
+what it converts) and refreshes the heartbeat while it works. A lease is stale when its
+heartbeat is older than `STALE_SECONDS`, or when it names a process on this host that no
+longer exists (a run killed with SIGKILL); a stale lease is taken over, a live one refused.
+
+- `destination_lease`: `OUT/.zerosafe-lease.json`, taken before the output folder is looked
+  at (or cleared by `--overwrite`) and held until publish, so two different jobs (another
+  dtype, shard size or source) never write one folder at once.
+- `work_lease`: `WORK/lease.json`, so two runs of one job never share a work area (which can
+  live outside the output folder with `--work-dir`).
 """
 
 from __future__ import annotations

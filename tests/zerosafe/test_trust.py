@@ -389,3 +389,21 @@ def test_manifest_files_record_their_published_identity(sample_ckpt: Path, tmp_p
     (entry,) = manifest["files"]
     assert entry["version"] == str((out / "model.safetensors").stat().st_mtime_ns)
     assert len(manifest["source"]["content_sha256"]) == 64
+
+
+def test_clean_keeps_what_a_live_output_lease_covers_and_finds_pending_shards(
+    tmp_path: Path,
+) -> None:
+    from zerosafe.clean import clean
+
+    out = tmp_path / "out"
+    pending = out / ".zerosafe-work" / "0123456789abcdef" / "pending"
+    pending.mkdir(parents=True)
+    (pending / "model.safetensors").write_bytes(b"x" * 100)
+    with _holding_output(out):
+        found = clean(Storage(), str(out), older_than_seconds=0, apply=True)
+        assert [(f.kind, f.action) for f in found] == [("work-area", "live run")]
+        assert (pending / "model.safetensors").exists()
+    found = clean(Storage(), str(out), older_than_seconds=0, apply=True)
+    assert [(f.kind, f.action) for f in found] == [("work-area", "removed")]
+    assert not pending.exists()
