@@ -306,6 +306,7 @@ def _run_stages(
         peaks[entry["stage"]] = max(peaks.get(entry["stage"], 0), entry["peak_rss_bytes"])
     stats = {
         "mode": "direct" if options.direct else "staged",
+        "mode_reason": options.mode_reason,
         "source_bytes_read": source_read,
         "source_bytes_needed": info.get("source_bytes_needed", 0),
         "intermediate_bytes_written": sum(e["file_bytes"] for e in extracts.values()),
@@ -358,7 +359,7 @@ def _summary_artifact(cfg: JobConfig, info: dict[str, Any], r: dict[str, Any]) -
             f"`{cfg.source}` (tag {info['source']['tag']}, ZeRO-{info['source']['stage']}, world size {info['source']['world_size']})",
         ),
         ("output", f"`{cfg.destination}`: {len(r['files'])} file(s), {r['num_tensors']} tensors"),
-        ("mode", r["mode"]),
+        ("mode", r.get("mode_reason") or r["mode"]),
         ("read from source", _source_read_text(r)),
         ("intermediates written", format_bytes(r["intermediate_bytes_written"])),
         ("output written", format_bytes(r["output_bytes_written"])),
@@ -405,8 +406,11 @@ def run_convert(
     show_progress: bool = False,
     quiet: bool = False,
     storage_options: dict[str, Any] | None = None,
+    mode: str | None = None,
 ) -> dict[str, Any]:
-    """Run the flow embedded, for `zerosafe convert`. Progress goes to the terminal bar."""
+    """Run the flow embedded, for `zerosafe convert`. Progress goes to the terminal bar.
+
+    `mode` is the mode as asked (`auto` included); by default the one `options` holds."""
     from zerosafe.progress import NullProgress, TerminalProgress
 
     bar = TerminalProgress() if show_progress else NullProgress()
@@ -416,7 +420,7 @@ def run_convert(
         result = convert(
             source=ckpt_url, destination=out_url, tag=tag, dtype=dtype, max_shard_size=str(options.max_shard_bytes),
             memory=str(options.memory_bytes), max_parallel_tasks=options.max_parallel_tasks,
-            mode="direct" if options.direct else "staged", tied=options.tied, exclude_frozen=options.exclude_frozen,
+            mode=mode or ("direct" if options.direct else "staged"), tied=options.tied, exclude_frozen=options.exclude_frozen,
             overwrite=options.overwrite, keep_work=options.keep_work, allow_nonfinite=not options.check_finite,
             check_lowp=options.check_lowp,
             extract_part_size=str(options.extract_part_bytes), work_dir=work_url, storage_options=storage_options,

@@ -61,9 +61,17 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         help="store tied aliases once and record them (dedupe, default) or write copies",
     )
     p.add_argument(
+        "--mode",
+        choices=["auto", "direct", "staged"],
+        default="auto",
+        help="how merges read the fp32 masters: direct (in place, local/NFS), staged (from "
+        "intermediates an extract stage writes first), auto (direct for local/NFS paths, "
+        "staged for object stores; default)",
+    )
+    p.add_argument(
         "--direct",
         action="store_true",
-        help="read fp32 ranges straight from the checkpoint (local/NFS; no intermediate copy)",
+        help="same as --mode direct (kept for one release)",
     )
     _add_storage_option(p)
 
@@ -217,16 +225,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _options(args: argparse.Namespace) -> Any:
-    from zerosafe.config import ConvertOptions
+def _requested_mode(args: argparse.Namespace) -> str:
+    return "direct" if args.direct else str(args.mode)
 
+
+def _options(args: argparse.Namespace) -> Any:
+    from zerosafe.config import ConvertOptions, choose_mode
+
+    source = getattr(args, "checkpoint", None)
+    if source:
+        direct, why = choose_mode(source, _requested_mode(args))
+    else:  # `inspect --simulate`: no source to choose by
+        direct, why = _requested_mode(args) == "direct", f"{_requested_mode(args)}, as asked"
     return ConvertOptions(
         dtype=args.dtype,
         max_shard_bytes=args.max_shard_size,
         memory_bytes=args.memory,
         exclude_frozen=args.exclude_frozen,
         tied=args.tied,
-        direct=args.direct,
+        direct=direct,
+        mode_reason=why,
         overwrite=getattr(args, "overwrite", False),
         keep_work=getattr(args, "keep_work", False),
         check_finite=not getattr(args, "allow_nonfinite", False),
@@ -321,6 +339,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             summary = run_convert(
                 args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
                 show_progress=show_progress, quiet=args.quiet, storage_options=_storage_options(args),
+                mode=_requested_mode(args),
             )  # fmt: skip
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -342,6 +361,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                 f"{summary['source_read_ratio']:.3f} x the {format_bytes(summary['source_bytes_needed'])} "
                 "it needs (fp32 masters, frozen params and buffers, pickles, zip directories)"
             )
+        if summary.get("mode_reason"):
+            print(f"  mode: {summary['mode_reason']}")
         for alias, target in summary.get("aliases", {}).items():
             print(f"  tied: {alias} -> {target} (stored once; recorded in the metadata)")
         for note in summary.get("notes", []):

@@ -275,6 +275,7 @@ def _convert_held(
             "bytes_written": storage.counter.bytes_written,
             "peak_rss_bytes": peak_rss_bytes(),
             "mode": "direct" if options.direct else "staged",
+            "mode_reason": options.mode_reason,
         }
         manifest = publish(
             plan, storage, out_url, options=options, merges=merges, verifies=verifies,

@@ -88,6 +88,8 @@ def describe_plan(
             "merge": len(plan.shards),
             "verify": len(plan.shards),
         },
+        "mode": "direct" if options.direct else "staged",
+        "mode_reason": options.mode_reason,
         "plan_id": plan.plan_id,
         "notes": plan.notes,
         "warnings": plan.warnings,
@@ -132,7 +134,7 @@ def render_inspect(r: dict[str, Any]) -> str:
         lines.append(f"  ... and {len(out['shards']) - 12} more")
     if out["intermediate_bytes"]:
         lines.append(
-            f"  work area: {format_bytes(out['intermediate_bytes'])} of intermediates (staged mode; --direct skips them)"
+            f"  work area: {format_bytes(out['intermediate_bytes'])} of intermediates (staged mode; --mode direct skips them)"
         )
     lines.append(
         f"Memory      peak {format_bytes(mem['peak_bytes'])} under the {format_bytes(mem['budget_bytes'])} budget: "
@@ -143,6 +145,7 @@ def render_inspect(r: dict[str, Any]) -> str:
     lines.append(
         f"Tasks       {r['tasks']['extract']} extract, {r['tasks']['merge']} merge, {r['tasks']['verify']} verify"
     )
+    lines.append(f"Mode        {r['mode_reason'] or r['mode']}")
     for note in r["notes"]:
         lines.append(f"note: {note}")
     for warning in r["warnings"]:

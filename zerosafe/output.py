@@ -144,12 +144,17 @@ def reusable_shard(
 
 
 def discard_failed_work(storage: Storage, out_url: str, job_key: str, work_url: str) -> None:
-    """After a failed check: drop everything the run made (intermediates, cached task
-    results, pending shards), so the next run reads the source again instead of reusing
-    what was read from a file that was corrupt then and may be fixed now."""
-    storage.remove_tree(work_url)
-    storage.remove_tree(join_url(out_url, WORK_DIR_NAME, job_key[:16]))
-    _remove_if_empty(storage, join_url(out_url, WORK_DIR_NAME))
+    """After a failed check: drop what the run read and wrote (intermediates, cached task
+    results, pending shards), so the next run reads the source again instead of reusing what
+    was read from a file that was corrupt then and may be fixed now. The plan and, in a
+    repair, the manifest the intact shards were published with stay: the next run is a resume
+    of the same job, not a stranger's leftovers."""
+    storage.remove_tree(join_url(work_url, "results"))
+    storage.remove_tree(join_url(work_url, "intermediate"))
+    pending = pending_url(out_url, job_key)
+    for name in storage.listdir(pending):
+        if name != PREVIOUS_MANIFEST_NAME:
+            storage.remove(join_url(pending, name))
 
 
 def _remove_if_empty(storage: Storage, url: str) -> None:

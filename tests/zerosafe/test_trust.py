@@ -170,9 +170,10 @@ def test_a_failed_check_leaves_nothing_that_looks_like_output(
     with pytest.raises(IntegrityError):
         convert_checkpoint(str(sample_ckpt), str(out), ConvertOptions(direct=direct))
     assert _model_files(out) == []
-    assert not (out / ".zerosafe-work").exists()  # no cached read of the bad file survives
-    code, _, err = _run(capsys, "verify", str(out))
-    assert code == 2 and "nothing to verify" in err
+    (work,) = (out / ".zerosafe-work").iterdir()  # the plan stays; nothing read survives
+    assert not (work / "intermediate").exists() and not list((work / "pending").iterdir())
+    code, stdout, _ = _run(capsys, "verify", str(out))
+    assert code == 1 and "incomplete conversion" in stdout
     # 6. the good file restored with the same size and mtime converts: nothing was cached
     stat = _optim(sample_ckpt, 1).stat()
     _optim(sample_ckpt, 1).write_bytes(good)
