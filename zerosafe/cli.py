@@ -300,11 +300,17 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_before_starting(args: argparse.Namespace) -> None:
+def _check_before_starting(args: argparse.Namespace, options: Any) -> str | None:
     """Refuse what is plainly wrong in well under a second, before the flow (and the embedded
     Prefect server, seconds to start) begins: a folder that holds no checkpoint, a tag that is
-    not there, an output that cannot be written. The flow checks everything again."""
+    not there, an output that cannot be written. The flow checks everything again.
+
+    Returns:
+        The job key when the output already holds this very conversion, intact (the same
+        stat-only check the flow's inspect makes first): then there is nothing to run.
+    """
     from zerosafe.errors import ConfigError
+    from zerosafe.output import quick_done
     from zerosafe.storage import normalize_url
     from zerosafe.zero_checkpoint import quick_identities
 
@@ -314,6 +320,7 @@ def _check_before_starting(args: argparse.Namespace) -> None:
     storage = _storage(args)
     quick_identities(storage, source, args.tag)
     storage.ensure_folder(output)
+    return quick_done(storage, source, args.tag, output, options)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -321,8 +328,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()
-    _check_before_starting(args)
-    if args.no_flow:
+    done = _check_before_starting(args, options)
+    if done is not None:  # complete and intact: no checkpoint byte read, no server started
+        summary: dict[str, Any] = {
+            "status": "already-complete",
+            "output": args.output,
+            "job_key": done,
+        }
+    elif args.no_flow:
         from zerosafe.convert import convert_checkpoint
 
         summary = convert_checkpoint(
