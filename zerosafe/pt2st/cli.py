@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from zerosafe.errors import VerificationError
 from zerosafe.storage import Storage
 from zerosafe.units import format_bytes, size_argument
 
@@ -71,10 +72,10 @@ def add_parser(subparsers: Any, add_verbosity: Callable[..., None]) -> None:
 
 
 def _list_globals(args: argparse.Namespace) -> int:
-    from zerosafe.pt2st.convert import list_pt_globals
+    from zerosafe.pt2st.convert import _open_pt, list_pt_globals
     from zerosafe.torch_zip import TorchZipFile
 
-    src = _storage(args).open_source(args.source)
+    src = _open_pt(_storage(args), args.source)
     try:
         found = list_pt_globals(TorchZipFile(src))
     finally:
@@ -122,9 +123,14 @@ def _run(args: argparse.Namespace) -> int:
     if show:
         progress.finish()
     if not args.no_verify:
-        summary["verify"] = verify_pt(
-            output, storage=storage, expected_sha256=summary.get("sha256")
-        )
+        try:
+            summary["verify"] = verify_pt(
+                output, storage=storage, expected_sha256=summary.get("sha256")
+            )
+        except VerificationError:
+            if summary["status"] == "converted":
+                storage.remove(output)  # ours, just written: leave nothing that looks done
+            raise
     if args.json:
         print(json.dumps(summary, indent=1))
     elif summary["status"] == "already-complete":
