@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from zerosafe.errors import VerificationError
+from zerosafe.errors import ConfigError, VerificationError
 from zerosafe.storage import Storage
 from zerosafe.units import format_bytes, size_argument
 
@@ -90,6 +90,17 @@ def _list_globals(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_memory(memory_bytes: int) -> None:
+    """Refuse a budget too small for the copy before anything is opened, naming `--memory`."""
+    from zerosafe.cli import _with_flag_names
+    from zerosafe.config import ConvertOptions
+
+    try:
+        ConvertOptions(memory_bytes=memory_bytes, max_parallel_tasks=1)
+    except ConfigError as e:
+        raise _with_flag_names(e) from e
+
+
 def _run(args: argparse.Namespace) -> int:
     from zerosafe.progress import NullProgress, Progress, TerminalProgress
     from zerosafe.pt2st.convert import convert_pt, inspect_pt, verify_pt
@@ -97,6 +108,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.list_globals:
         return _list_globals(args)
+    _check_memory(args.memory)
     storage = _storage(args)
     if args.inspect:
         report = inspect_pt(args.source, storage=storage)
