@@ -634,6 +634,13 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
             f"{model0.url.rsplit('/', 1)[-1]} ({why}; DeepSpeed's converter drops them): "
             + ", ".join(recovered)
         )
+    if ckpt.stage >= 2 and "frozen_param_shapes" in obj and frozen_shapes is None and not recovered:
+        # DeepSpeed writes None here only when saving with `exclude_frozen_parameters=True`
+        # (engine.py: save_frozen_param = partition_gradients and not exclude_frozen_parameters).
+        ckpt.notes.append(
+            "saved with DeepSpeed's `exclude_frozen_parameters`: frozen parameters are not in "
+            "the checkpoint, so the output holds only the trained ones and buffers"
+        )
     owners = param_names | {fp.name for fp in ckpt.frozen}
     for alias, target in ckpt.shared.items():
         if target not in owners:
