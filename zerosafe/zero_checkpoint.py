@@ -113,6 +113,19 @@ class ZeroCheckpoint:
         return [name for group in self.param_groups for name, _ in group]
 
 
+def _file_not_folder(url: str) -> str:
+    """The error for a file given where a checkpoint folder is expected, with the fix."""
+    folder, _, name = url.rpartition("/")
+    if name.endswith(("_optim_states.pt", "_model_states.pt")):
+        fix = f"give its tag folder '{folder or '.'}' (or the folder above, holding `latest`)"
+    else:
+        fix = f"to convert one torch.save file, use `zerosafe pt2st {url}`"
+    return (
+        f"{url}: is a file; expected a DeepSpeed checkpoint folder (holding `latest`) or a tag "
+        f"folder (holding *_optim_states.pt); {fix}"
+    )
+
+
 def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str, str]:
     """Resolve `CKPT_DIR [--tag T]` to `(tag, tag folder URL)`.
 
@@ -123,6 +136,8 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
     """
     ckpt_url = ckpt_url.rstrip("/") or "/"
     if not storage.isdir(ckpt_url):
+        if storage.exists(ckpt_url):
+            raise CheckpointFormatError(_file_not_folder(ckpt_url))
         raise CheckpointFormatError(f"{ckpt_url}: no such checkpoint folder")
     names = storage.listdir(ckpt_url)
     if tag is not None:

@@ -66,3 +66,21 @@ def test_bad_option_is_one_line_naming_the_flag(
     assert flag in err and "Traceback" not in err, err
     assert not any(name in err for name in INTERNAL), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_given_as_the_checkpoint_says_what_to_give(tmp_path: Path, capsys) -> None:
+    import torch
+
+    pt = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, pt)
+    rank_file = next((SAMPLE_CKPT / "global_step2").glob("*model_states.pt"))
+    for argv, fix in [
+        (["inspect", str(pt)], f"zerosafe pt2st {pt}"),
+        (["convert", "--no-flow", str(pt), str(tmp_path / "o")], f"zerosafe pt2st {pt}"),
+        (["inspect", str(rank_file)], f"tag folder '{rank_file.parent}'"),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "is a file; expected" in err, err
+        assert fix in err and "no such" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
