@@ -373,7 +373,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     else:
         from flows.runtime import configure_embedded_prefect, local_server
 
-        configure_embedded_prefect(verbose=bool(args.verbose))
+        configure_embedded_prefect(verbose=args.verbose)
         with local_server():  # unless PREFECT_API_URL names one
             from flows.convert import run_convert  # Prefect only from here on
 
