@@ -48,16 +48,22 @@ LOCK_NAME = "zerosafe-local-server.lock"
 CLIENTS_DIR = "zerosafe-local-server-clients"
 
 
-def configure_embedded_prefect(*, verbose: bool = False) -> None:
-    """Environment for an embedded run; call before the first `import prefect`."""
+def configure_embedded_prefect(*, verbose: int = 0) -> None:
+    """Environment for an embedded run; call before the first `import prefect`.
+
+    Args:
+        verbose: The command's `-v` count. 0: Prefect says nothing (the command prints its
+            own one-line errors). 1: Prefect's warnings and errors only, beside zerosafe's
+            own INFO lines (a line per extract, merge and verify task); Prefect's INFO lines
+            are 'Finished in state Completed()' per task and links to the embedded server,
+            which is gone when the command ends. 2 (`-vv`): Prefect's INFO lines too.
+    """
     # Offline, the analytics call makes the temporary server's database lock (DESIGN.md).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    # The command prints its own one-line errors; Prefect's tracebacks only with -v.
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO" if verbose else "CRITICAL")
-    os.environ.setdefault(
-        "PREFECT_LOGGING_LOGGERS_PREFECT_LEVEL", "INFO" if verbose else "CRITICAL"
-    )
+    level = "CRITICAL" if not verbose else "WARNING" if verbose == 1 else "INFO"
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", level)
+    os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_LEVEL", level)
 
 
 def _free_port() -> int:

@@ -12,13 +12,14 @@ import functools
 import importlib
 import json
 import logging
+import math
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from zerosafe._version import __version__
-from zerosafe.errors import ConversionError, VerificationError
-from zerosafe.units import format_bytes, parse_size, size_argument
+from zerosafe.errors import ConfigError, ConversionError, VerificationError
+from zerosafe.units import format_bytes, size_argument
 
 __all__ = ["main"]
 
@@ -31,6 +32,73 @@ EXTRA_COMMANDS: list[str] = ["zerosafe.pt2st.cli", "zerosafe.clean"]
 parser and sets `handler=` (a function of the parsed args returning the exit code) as a default."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (exit 2) that points at `--help`, instead of the
+    whole usage block above the one line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
+        return value
+
+    return parse
+
+
+def _positive_size(text: str) -> int:
+    value = size_argument(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes (got '{text}')")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
+    if not 0 <= value < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got '{text}')")
+    return value
+
+
+def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    def parse_list(text: str) -> list[Any]:
+        return [parse(item) for item in text.split(",")]
+
+    return parse_list
+
+
+_FLAG_OF_FIELD = {
+    "`max_parallel_tasks`": "`--parallel`",
+    "`memory`": "`--memory`",
+    "`memory_bytes`": "`--memory`",
+    "`max_shard_bytes`": "`--max-shard-size`",
+    "`extract_part_bytes`": "`--extract-part-size`",
+    "`dtype`": "`--dtype`",
+    "`tied`": "`--tied`",
+    "`mode: direct`": "`--mode direct`",
+    "`mode: staged`": "`--mode staged`",
+    "`mode`": "`--mode`",
+}
+"""`ConvertOptions` fields as its errors name them -> the flag a user of the command typed."""
+
+
+def _with_flag_names(e: ConfigError) -> ConfigError:
+    message = str(e)
+    for field, flag in _FLAG_OF_FIELD.items():
+        message = message.replace(field, flag)
+    return ConfigError(message)
+
+
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tag", help="tag to convert (default: the one 'latest' names)")
     p.add_argument(
@@ -41,7 +109,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-shard-size",
-        type=size_argument,
+        type=_positive_size,
         default="5GB",
         metavar="SIZE",
         help="largest output file, e.g. 5GB, 500MB, 64MiB (default 5GB)",
@@ -122,7 +190,7 @@ def _add_verbosity(p: argparse.ArgumentParser, *, top: bool) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="zerosafe",
         description="Convert DeepSpeed ZeRO checkpoints into verified safetensors, streaming, without DeepSpeed.",
     )
@@ -146,30 +214,32 @@ def _parser() -> argparse.ArgumentParser:
         help="YAML/JSON model description (see conf/simulate-80b.yaml) to plan instead of a checkpoint",
     )
     sim.add_argument(
-        "--world-size", type=int, help="with --simulate: override the spec's world size"
-    )
+        "--world-size", type=_int_at_least(1),
+        help="with --simulate: override the spec's world size",
+    )  # fmt: skip
     sim.add_argument(
-        "--parallel", type=int, default=2, metavar="N",
+        "--parallel", type=_int_at_least(1), default=2, metavar="N",
         help="tasks a worker runs at once, within --memory (default 2)",
     )  # fmt: skip
     sim.add_argument(
-        "--extract-part-size", type=size_argument, default="2GB", metavar="SIZE",
-        help="staged mode: a rank's bytes are extracted in parts of at most this (default 2GB)",
+        "--extract-part-size", type=size_argument, metavar="SIZE",
+        help="with --simulate, staged mode: a rank's bytes are extracted in parts of at most "
+        "this (default 2GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--workers", default="1,4,16,64", metavar="N,...",
+        "--workers", type=_list_of(_int_at_least(1)), metavar="N,...",
         help="with --simulate: worker counts to predict wall time for (default 1,4,16,64)",
     )  # fmt: skip
     sim.add_argument(
-        "--bandwidth", default="1GB,10GB", metavar="SIZE,...",
+        "--bandwidth", type=_list_of(_positive_size), metavar="SIZE,...",
         help="with --simulate: aggregate storage bandwidths per second (default 1GB,10GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--task-rate", type=size_argument, metavar="SIZE",
+        "--task-rate", type=_positive_size, metavar="SIZE",
         help="with --simulate: bytes one task moves per second at most (default: measured 1GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--request-latency", type=float, default=0.0, metavar="SECONDS",
+        "--request-latency", type=_seconds, metavar="SECONDS",
         help="with --simulate: wait per ranged read, e.g. 0.03 for an object store (default 0)",
     )  # fmt: skip
 
@@ -198,7 +268,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--parallel",
-        type=int,
+        type=_int_at_least(1),
         default=2,
         metavar="N",
         help="tasks at once, within the memory budget (default 2)",
@@ -232,45 +302,50 @@ def _requested_mode(args: argparse.Namespace) -> str:
 def _options(args: argparse.Namespace) -> Any:
     from zerosafe.config import ConvertOptions, choose_mode
 
-    source = getattr(args, "checkpoint", None)
-    if source:
-        direct, why = choose_mode(source, _requested_mode(args))
-    else:  # `inspect --simulate`: no source to choose by
-        direct, why = _requested_mode(args) == "direct", f"{_requested_mode(args)}, as asked"
-    return ConvertOptions(
-        dtype=args.dtype,
-        max_shard_bytes=args.max_shard_size,
-        memory_bytes=args.memory,
-        exclude_frozen=args.exclude_frozen,
-        tied=args.tied,
-        direct=direct,
-        mode_reason=why,
-        overwrite=getattr(args, "overwrite", False),
-        keep_work=getattr(args, "keep_work", False),
-        check_finite=not getattr(args, "allow_nonfinite", False),
-        check_lowp=getattr(args, "check_lowp", False),
-        max_parallel_tasks=getattr(args, "parallel", 2),
-    )
+    try:
+        source = getattr(args, "checkpoint", None)
+        if source:
+            direct, why = choose_mode(source, _requested_mode(args))
+        else:  # `inspect --simulate`: no source to choose by
+            direct, why = _requested_mode(args) == "direct", f"{_requested_mode(args)}, as asked"
+        return ConvertOptions(
+            dtype=args.dtype,
+            max_shard_bytes=args.max_shard_size,
+            memory_bytes=args.memory,
+            exclude_frozen=args.exclude_frozen,
+            tied=args.tied,
+            direct=direct,
+            mode_reason=why,
+            overwrite=getattr(args, "overwrite", False),
+            keep_work=getattr(args, "keep_work", False),
+            check_finite=not getattr(args, "allow_nonfinite", False),
+            check_lowp=getattr(args, "check_lowp", False),
+            max_parallel_tasks=getattr(args, "parallel", 2),
+            **(
+                {"extract_part_bytes": args.extract_part_size}
+                if getattr(args, "extract_part_size", None) is not None
+                else {}
+            ),
+        )
+    except ConfigError as e:
+        raise _with_flag_names(e) from e
+
+
+_SIMULATION_ONLY = ("world_size", "extract_part_size", "workers", "bandwidth", "task_rate",
+                    "request_latency")  # fmt: skip
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from zerosafe import simulate
-    from zerosafe.errors import ConfigError
 
-    options = dataclasses.replace(_options(args), extract_part_bytes=args.extract_part_size)
+    options = _options(args)
     spec = simulate.load_spec(args.simulate, world_size=args.world_size)
     _, plan = simulate.simulate_plan(spec, options)
-    try:
-        workers = [int(w) for w in args.workers.split(",")]
-        bandwidths = [float(parse_size(b)) for b in args.bandwidth.split(",")]
-    except ValueError as e:
-        raise ConfigError(f"`--workers`/`--bandwidth` take comma lists: {e}") from e
     report = simulate.simulation_report(
-        spec, plan, options, workers=workers, bandwidths=bandwidths,
+        spec, plan, options, workers=args.workers or [1, 4, 16, 64],
+        bandwidths=[float(b) for b in args.bandwidth or [10**9, 10**10]],
         task_rate=args.task_rate or simulate.DEFAULT_TASK_RATE_BYTES,
-        request_latency=args.request_latency,
+        request_latency=args.request_latency or 0.0,
     )  # fmt: skip
     print(json.dumps(report, indent=1) if args.json else simulate.render_simulation(report))
     return EXIT_OK
@@ -278,7 +353,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from zerosafe.describe import describe_plan, render_inspect
-    from zerosafe.errors import ConfigError
     from zerosafe.plan import build_plan
     from zerosafe.zero_checkpoint import open_zero_checkpoint
 
@@ -288,6 +362,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return _cmd_simulate(args)
     if not args.checkpoint:
         raise ConfigError("`inspect` needs a checkpoint folder (or `--simulate SPEC`)")
+    given = [f"--{n.replace('_', '-')}" for n in _SIMULATION_ONLY if getattr(args, n) is not None]
+    if given:
+        raise ConfigError(
+            f"`{given[0]}` applies only with `--simulate SPEC`; drop it to inspect a checkpoint"
+        )
     options = _options(args)
     storage = _storage(args)
     ckpt = open_zero_checkpoint(storage, args.checkpoint, tag=args.tag)
@@ -345,7 +424,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     else:
         from flows.runtime import configure_embedded_prefect, local_server
 
-        configure_embedded_prefect(verbose=bool(args.verbose))
+        configure_embedded_prefect(verbose=args.verbose)
         with local_server():  # unless PREFECT_API_URL names one
             from flows.convert import run_convert  # Prefect only from here on
 

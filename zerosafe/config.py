@@ -125,12 +125,16 @@ class ConvertOptions:
                 f"`max_parallel_tasks` must be at least 1 (got {self.max_parallel_tasks})"
             )
         if self.extract_part_bytes < MIN_CHUNK_BYTES:
-            raise ConfigError(f"`extract_part_bytes` must be at least {MIN_CHUNK_BYTES}")
+            raise ConfigError(
+                f"`extract_part_bytes` must be at least {MIN_CHUNK_BYTES} bytes "
+                f"({MIN_CHUNK_BYTES // 2**20}MiB), got {self.extract_part_bytes}"
+            )
         floor = TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * MIN_CHUNK_BYTES
         if self.memory_bytes < floor:
             raise ConfigError(
                 f"`memory` budget {self.memory_bytes} bytes is below the minimum of {floor} "
-                f"bytes ({floor // 2**20} MiB) that one task needs"
+                f"bytes ({floor // 2**20} MiB) that one task needs; give at least "
+                f"{floor // 2**20}MiB"
             )
 
     @property

@@ -499,6 +499,21 @@ def build_plan(ckpt: ZeroCheckpoint, options: ConvertOptions) -> Plan:
             )
         )  # fmt: skip
 
+    notes = list(ckpt.notes)
+    if options.exclude_frozen and ckpt.frozen:
+        names = [fp.name for fp in ckpt.frozen]
+        notes.append(
+            f"{len(names)} frozen param(s) left out of the output (`exclude_frozen`, "
+            f"--exclude-frozen): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+        )
+    oversized = [s for s in specs if s.out_nbytes > options.max_shard_bytes]
+    if oversized:
+        big = max(oversized, key=lambda s: s.out_nbytes)
+        notes.append(
+            f"{len(oversized)} tensor(s) exceed the shard size of {options.max_shard_bytes} bytes "
+            f"and get a file of their own, the largest '{big.name}' ({big.out_nbytes} bytes); "
+            "safetensors files never split a tensor"
+        )
     fragments = FragmentTable.from_rows(rows)
     used_slots = sorted(set(fragments.slot.tolist()))
     parts = _plan_parts(slots, used_slots, options.extract_part_bytes)
@@ -527,7 +542,7 @@ def build_plan(ckpt: ZeroCheckpoint, options: ConvertOptions) -> Plan:
         parts=parts,
         fragments=fragments,
         aliases=aliases,
-        notes=list(ckpt.notes),
+        notes=notes,
         warnings=list(ckpt.warnings),
     )
 

@@ -114,6 +114,19 @@ class ZeroCheckpoint:
         return [name for group in self.param_groups for name, _ in group]
 
 
+def _file_not_folder(url: str) -> str:
+    """The error for a file given where a checkpoint folder is expected, with the fix."""
+    folder, _, name = url.rpartition("/")
+    if name.endswith(("_optim_states.pt", "_model_states.pt")):
+        fix = f"give its tag folder '{folder or '.'}' (or the folder above, holding `latest`)"
+    else:
+        fix = f"to convert one torch.save file, use `zerosafe pt2st {url}`"
+    return (
+        f"{url}: is a file; expected a DeepSpeed checkpoint folder (holding `latest`) or a tag "
+        f"folder (holding *_optim_states.pt); {fix}"
+    )
+
+
 def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str, str]:
     """Resolve `CKPT_DIR [--tag T]` to `(tag, tag folder URL)`.
 
@@ -124,6 +137,8 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
     """
     ckpt_url = normalize_url(ckpt_url)
     if not storage.isdir(ckpt_url):
+        if storage.exists(ckpt_url):
+            raise CheckpointFormatError(_file_not_folder(ckpt_url))
         raise CheckpointFormatError(f"{ckpt_url}: no such checkpoint folder")
     names = storage.listdir(ckpt_url)
     if tag is not None:
@@ -672,6 +687,13 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
             f"{len(recovered)} frozen param(s) taken from the {ckpt.train_dtype} module weights in "
             f"{model0.url.rsplit('/', 1)[-1]} ({why}; DeepSpeed's converter drops them): "
             + ", ".join(recovered)
+        )
+    if ckpt.stage >= 2 and "frozen_param_shapes" in obj and frozen_shapes is None and not recovered:
+        # DeepSpeed writes None here only when saving with `exclude_frozen_parameters=True`
+        # (engine.py: save_frozen_param = partition_gradients and not exclude_frozen_parameters).
+        ckpt.notes.append(
+            "saved with DeepSpeed's `exclude_frozen_parameters`: frozen parameters are not in "
+            "the checkpoint, so the output holds only the trained ones and buffers"
         )
     owners = param_names | {fp.name for fp in ckpt.frozen}
     for alias, target in ckpt.shared.items():
