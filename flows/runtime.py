@@ -172,8 +172,18 @@ def _server_command(port: int) -> list[str]:
     return [str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
 
 
+LOCAL_RETENTION_SECONDS = 7 * 86400
+"""How long the local server keeps finished flow runs (and their task runs, logs, artifacts)."""
+
+
 def _server_env() -> dict[str, str]:
     env = {**os.environ, "PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    # The local database would otherwise grow with every run: Prefect's own vacuum service
+    # deletes flow runs that ended more than a week ago, and old events (unless set already).
+    env.setdefault("PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED", "events,flow_runs")
+    env.setdefault(
+        "PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD", str(LOCAL_RETENTION_SECONDS)
+    )
     env.pop("PREFECT_LOGGING_LEVEL", None)
     env.pop("PREFECT_API_URL", None)
     return env

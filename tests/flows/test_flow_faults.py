@@ -230,7 +230,7 @@ def test_two_runs_of_one_job_started_together(
     outcomes = sorted(
         "converted" if code == 0 and json.loads(so)["status"] == "converted"
         else "complete" if code == 0 and json.loads(so)["status"] == "already-complete"
-        else "refused" if code == 2 and "another run of this job" in se
+        else "refused" if code == 2 and "another conversion into this output folder" in se
         else f"unexpected exit {code}: {se[-2000:]}"
         for code, so, se in results
     )  # fmt: skip
