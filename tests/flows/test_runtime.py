@@ -65,3 +65,34 @@ def test_a_private_server_ends_with_its_command(
     env = {**prefect_env, "PREFECT_HOME": str(home), "ZEROSAFE_SERVER_IDLE_SECONDS": "0"}
     assert convert_json(env, str(SAMPLE_CKPT), str(tmp_path / "out"))["status"] == "converted"
     assert not (home / STATE_NAME).exists()
+
+
+def test_the_local_database_drops_runs_past_their_retention(
+    prefect_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The local server runs Prefect's vacuum over flow runs: finished runs older than the
+    retention (a week by default) go, with their task runs and logs. Here the retention is its
+    minimum (just over an hour) and the runs are made to look three hours old."""
+    import sqlite3
+
+    home = tmp_path / "prefect-home"
+    env = {
+        **prefect_env,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_SERVICES_DB_VACUUM_RETENTION_PERIOD": "3700",
+        "PREFECT_SERVER_SERVICES_DB_VACUUM_LOOP_SECONDS": "1",
+    }
+    try:
+        assert convert_json(env, str(SAMPLE_CKPT), str(tmp_path / "out"))["status"] == "converted"
+        db = sqlite3.connect(home / "prefect.db")
+        assert db.execute("select count(*) from flow_run").fetchone()[0] >= 2
+        assert db.execute("select count(*) from task_run").fetchone()[0] >= 4
+        db.execute("update flow_run set end_time = datetime('now', '-3 hours')")
+        db.commit()
+        deadline = time.monotonic() + 60
+        while db.execute("select count(*) from flow_run").fetchone()[0]:
+            assert time.monotonic() < deadline, "old runs were not pruned"
+            time.sleep(0.5)
+        assert db.execute("select count(*) from task_run").fetchone()[0] == 0
+    finally:
+        stop_local_server(home)
