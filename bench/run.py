@@ -9,8 +9,12 @@ sparse holes), then, on the same files and in the same run, measures:
 - `io-limit`: reading the fp32 master bytes once plus writing the output bytes once (fsynced);
   serial (the issue's definition) and overlapped (the two at once). See `bench/_iolimit.py`.
 - `zerosafe direct` / `zerosafe staged`: the engine driver (`zerosafe convert --no-flow`).
-- `cli direct` / `cli staged`: the real command line (`zerosafe convert`, the Prefect flow run
-  embedded); `cli overhead` is the same command on a tiny checkpoint: Prefect's fixed cost.
+- `cli default` / `cli direct` / `cli staged`: the real command line (`zerosafe convert`, the
+  Prefect flow run embedded), with no mode flag (what a user types), `--direct` and
+  `--mode staged`; `cli overhead` is the command on a tiny checkpoint: Prefect's fixed cost.
+  The local Prefect server outlives a command and is reused by the next one (`flows/runtime`):
+  the first `cli` run of a benchmark starts it, the others find it, as a user's would. Its
+  memory is not in a command's process tree.
 - `deepspeed`: `deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_state_dict` with
   safetensors output, the same dtype and the same shard size, in a subprocess
   (DS_ACCELERATOR=cpu). It does not fsync; the harness times an fsync of its output after it
@@ -73,6 +77,7 @@ KINDS = [
     "io-limit",
     "zerosafe-direct",
     "zerosafe-staged",
+    "cli-default",
     "cli-direct",
     "cli-staged",
     "deepspeed",
@@ -82,10 +87,14 @@ TABLE_KINDS = [
     "zerosafe-direct-before",
     "zerosafe-staged",
     "zerosafe-staged-before",
+    "cli-default",
+    "cli-default-before",
     "cli-direct",
     "cli-staged",
     "deepspeed",
 ]
+BEFORE_KINDS = ("zerosafe-direct", "zerosafe-staged", "cli-default")
+"""Kinds `--before` also runs from the other checkout, right after this one's."""
 EXTRA = ["baseline", "cli-overhead"]
 DEFAULT_KINDS = KINDS + EXTRA
 DISK_BUDGET_BYTES = 45 * 10**9
@@ -229,8 +238,12 @@ def _run_tool(
         env = {**_env(), "DS_ACCELERATOR": "cpu"}
     else:
         argv = [ZEROSAFE, "convert", ckpt, out, *common, "--json", "--quiet"]
+        # `cli-default` is the command as a user types it: no mode flag. The others name
+        # their mode; a checkout from before `--mode` existed takes `--direct` or nothing.
         if "direct" in kind:
             argv.append("--direct")
+        elif "staged" in kind and _has_mode_flag(SRC):
+            argv += ["--mode", "staged"]
         if kind.startswith("zerosafe"):
             argv.append("--no-flow")
         env = _env()
@@ -271,6 +284,15 @@ def _run_tool(
         row["ok"] = row["check"]["ok"]
     shutil.rmtree(out, ignore_errors=True)
     return row
+
+
+def _has_mode_flag(src: str) -> bool:
+    """Whether the checkout at `src` has `zerosafe convert --mode` (staged is not its default)."""
+    try:
+        with open(os.path.join(src, "zerosafe", "cli.py")) as f:
+            return '"--mode"' in f.read()
+    except OSError:
+        return False
 
 
 def run_limit(
@@ -461,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--src", default=REPO, help="import the measured zerosafe from this checkout")
     ap.add_argument(
         "--before",
-        help="also run each zerosafe engine kind from this checkout, right after (before/after)",
+        help="also run the engine kinds and the default command from this checkout, right "
+        "after (before/after)",
     )
     ap.add_argument(
         "--render", metavar="JSON", help="recompute the summary and table of a results file"
@@ -505,7 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     files = _files(ckpt)
     ckpt_disk = _du(ckpt)
     staged_need = ckpt_disk + out_bytes + plan.slot_bytes
+    staged_fits = True
     if staged_need > DISK_BUDGET_BYTES or staged_need > shutil.disk_usage(cfg.work_dir).free:
+        staged_fits = False  # the old default (`cli-default-before`) was staged too
         for k in ("zerosafe-staged", "cli-staged"):
             if k in kinds:
                 kinds.remove(k)
@@ -547,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                     drop_cache(files)
                 resident = residency(files)
                 variants: list[Any] = [False, True] if kind == "io-limit" else [None]
-                if cfg.before and kind.startswith("zerosafe"):
+                if cfg.before and kind in BEFORE_KINDS and (staged_fits or kind != "cli-default"):
                     variants.append("before")
                 for variant in variants:
                     if variant is not None and cache == "cold":

@@ -8,11 +8,13 @@ printed as one line and exits 2; `verify` exits 1 when a check fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -21,7 +23,7 @@ from zerosafe._version import __version__
 from zerosafe.errors import ConfigError, ConversionError, VerificationError
 from zerosafe.units import format_bytes, size_argument
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 log = logging.getLogger("zerosafe")
 
@@ -515,5 +517,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def run() -> None:
+    """The `zerosafe` command: `main`, then exit.
+
+    After a flow ran, the interpreter's own teardown of Prefect (its threads, loops and
+    clients) costs a second or more, and the command has nothing left to do: every file is
+    committed and the lease released. So the command sends Prefect's queued logs and events
+    to the server (bounded), flushes its own output and exits at once. `main` stays a plain
+    function for callers in a process that goes on (tests, notebooks).
+    """
+    code = main()
+    prefect_services = sys.modules.get("prefect._internal.concurrency.services")
+    if prefect_services is None:
+        sys.exit(code)
+    with contextlib.suppress(Exception):
+        prefect_services.QueueService.drain_all(timeout=5)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
