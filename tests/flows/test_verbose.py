@@ -16,7 +16,9 @@ from tests.flows.conftest import run_cli
 def test_verbose_is_zerosafes_lines_not_prefect_noise(
     prefect_env: dict[str, str], tmp_path: Path
 ) -> None:
-    proc = run_cli(prefect_env, "convert", "-v", str(SAMPLE_CKPT), str(tmp_path / "o"))
+    proc = run_cli(
+        prefect_env, "convert", "-v", "--mode", "staged", str(SAMPLE_CKPT), str(tmp_path / "o")
+    )
     err = proc.stderr
     for line in ("extract rank 0 part 0:", "merge shard 1/1:", "verify model.safetensors:"):
         assert f"zerosafe: INFO: {line}" in err, err
