@@ -17,18 +17,19 @@ __all__ = ["NullProgress", "Progress", "TerminalProgress"]
 
 
 class Progress(Protocol):
-    def start(self, label: str, total_bytes: int) -> None: ...
+    def start(self, label: str, total_bytes: int, stages: dict[str, int] | None = None) -> None:
+        """Begin a bar of `total_bytes`; `stages` splits it by stage (each stage's bytes)."""
 
-    def advance(self, num_bytes: int) -> None: ...
+    def advance(self, num_bytes: int, stage: str | None = None) -> None: ...
 
     def finish(self) -> None: ...
 
 
 class NullProgress:
-    def start(self, label: str, total_bytes: int) -> None:
+    def start(self, label: str, total_bytes: int, stages: dict[str, int] | None = None) -> None:
         pass
 
-    def advance(self, num_bytes: int) -> None:
+    def advance(self, num_bytes: int, stage: str | None = None) -> None:
         pass
 
     def finish(self) -> None:
@@ -36,7 +37,11 @@ class NullProgress:
 
 
 class TerminalProgress:
-    """Redraws one line on `stream` at most `refresh_hz` times a second."""
+    """Redraws one line on `stream` at most `refresh_hz` times a second.
+
+    With `stages`, the line shows each stage's own bytes done of its total (`extract 40% of
+    1.2 GB`), not one sum of unlike figures.
+    """
 
     def __init__(self, stream: TextIO | None = None, refresh_hz: float = 8.0) -> None:
         self._stream = stream or sys.stderr
@@ -45,18 +50,22 @@ class TerminalProgress:
         self._label = ""
         self._total = 0
         self._done = 0
+        self._stages: dict[str, list[int]] = {}
         self._started = 0.0
         self._last_draw = 0.0
 
-    def start(self, label: str, total_bytes: int) -> None:
+    def start(self, label: str, total_bytes: int, stages: dict[str, int] | None = None) -> None:
         with self._lock:
             self._label, self._total, self._done = label, total_bytes, 0
+            self._stages = {k: [0, v] for k, v in (stages or {}).items() if v > 0}
             self._started = time.monotonic()
             self._draw(force=True)
 
-    def advance(self, num_bytes: int) -> None:
+    def advance(self, num_bytes: int, stage: str | None = None) -> None:
         with self._lock:
             self._done += num_bytes
+            if stage in self._stages:
+                self._stages[stage][0] += num_bytes
             self._draw()
 
     def finish(self) -> None:
@@ -76,10 +85,16 @@ class TerminalProgress:
         width = 24
         filled = int(width * min(frac, 1.0))
         eta = (self._total - self._done) / rate if rate > 0 and self._total else 0.0
+        if self._stages:
+            figures = "  ".join(
+                f"{name} {100 * min(done / total, 1.0):3.0f}% of {format_bytes(total)}"
+                for name, (done, total) in self._stages.items()
+            )
+        else:
+            figures = f"{format_bytes(self._done)}/{format_bytes(self._total)}"
         line = (
             f"\r{self._label:<8} [{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}% "
-            f"{format_bytes(self._done)}/{format_bytes(self._total)} {format_bytes(rate)}/s "
-            f"ETA {int(eta) // 60}:{int(eta) % 60:02d}"
+            f"{figures}  {format_bytes(rate)}/s ETA {int(eta) // 60}:{int(eta) % 60:02d}"
         )
         self._stream.write(line)
         self._stream.flush()
