@@ -29,6 +29,7 @@ from zerosafe._version import __version__
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
+from zerosafe.save_identity import check_module_copy_sample
 from zerosafe.storage import Storage, join_url
 from zerosafe.torch_zip import TensorRecord
 from zerosafe.verify_source import content_fingerprint
@@ -531,7 +532,7 @@ def build_plan(ckpt: ZeroCheckpoint, options: ConvertOptions) -> Plan:
         "files": _source_identity(ckpt),
         "content_sha256": content_fingerprint(ckpt),
     }
-    return Plan(
+    plan = Plan(
         plan_id=job_key(ckpt, options),
         source=source,
         options=options.identity(),
@@ -545,6 +546,8 @@ def build_plan(ckpt: ZeroCheckpoint, options: ConvertOptions) -> Plan:
         notes=notes,
         warnings=list(ckpt.warnings),
     )
+    check_module_copy_sample(ckpt, plan)
+    return plan
 
 
 def _plan_parts(slots: list[Slot], used: list[int], part_bytes: int) -> list[ExtractPart]:

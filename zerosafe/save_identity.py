@@ -15,6 +15,12 @@ what tells one save from another, all of it in the pickles, so checking costs no
 
 Files of one save agree on all of these. The check compares each field across the files of
 a role and names the file(s) out of step with the majority.
+
+ZeRO-1/2 keep one model states file for all ranks, so a model states file copied from another
+step agrees with itself. But it holds the module's own copy of every trained weight (16-bit,
+or fp32 in fp32 training), which DeepSpeed refreshes from the fp32 masters after each step:
+`check_module_copy_sample` compares a few elements of a few params, cast as DeepSpeed casts,
+with the masters (a few hundred bytes read), and refuses a mismatch.
 """
 
 from __future__ import annotations
@@ -28,9 +34,15 @@ from zerosafe.errors import LayoutMismatchError
 from zerosafe.torch_zip import InertObject, TensorRecord
 
 if TYPE_CHECKING:
-    from zerosafe.zero_checkpoint import LoadedFile
+    from zerosafe.plan import Plan
+    from zerosafe.zero_checkpoint import LoadedFile, ZeroCheckpoint
 
-__all__ = ["check_one_save"]
+__all__ = ["check_module_copy_sample", "check_one_save"]
+
+SAMPLE_PARAMS = 8
+"""Params the module-copy sample looks at (the first ones of the flat layout)."""
+SAMPLE_ELEMENTS = 16
+"""Elements of each."""
 
 _MODEL_FIELDS = ("global_steps", "global_samples", "skipped_steps", "ds_version", "ds_config")
 
@@ -142,3 +154,58 @@ def check_one_save(
                         f"{_shown(model_value)}; files from different saves are mixed. Copy the "
                         "whole tag folder of one save again."
                     )
+
+
+def _module_copy(ckpt: ZeroCheckpoint) -> Mapping[str, Any]:
+    if ckpt.stage == 3 or not ckpt.model_files:
+        return {}  # ZeRO-3 keeps no module copy of partitioned params
+    module = ckpt.model_files[0].obj.get("module")
+    return module if isinstance(module, Mapping) else {}
+
+
+def check_module_copy_sample(ckpt: ZeroCheckpoint, plan: Plan) -> None:
+    """ZeRO-1/2: the module's copy of the first params must equal their fp32 masters, cast.
+
+    Raises:
+        LayoutMismatchError: Naming the model states file, the param and the optimizer file.
+    """
+    import torch
+
+    from zerosafe.dtypes import torch_dtype
+
+    module = _module_copy(ckpt)
+    if not module:
+        return
+    model = ckpt.model_files[0]
+    loaded = {f.url: f for f in ckpt.optim_files}
+    checked = 0
+    for tensor in plan.tensors:
+        if checked >= SAMPLE_PARAMS:
+            break
+        copy = module.get(tensor.name)
+        fragments = plan.fragments.for_tensor(tensor.index)
+        if tensor.role != "param" or not isinstance(copy, TensorRecord) or not fragments:
+            continue
+        if copy.numel != tensor.numel or not copy.is_contiguous():
+            continue
+        if copy.dtype not in ("bfloat16", "float16", "float32"):
+            continue
+        slot_index, src_offset, numel, dst_offset = fragments[0]
+        slot = plan.slots[slot_index]
+        optim = loaded.get(plan.files[slot.file].url)
+        if optim is None or slot.dtype != "float32":
+            continue
+        count = min(numel, SAMPLE_ELEMENTS)
+        start = slot.byte_offset + src_offset * slot.itemsize
+        master = optim.zip.source.read_range(start, start + count * slot.itemsize)
+        begin = model.zip.tensor_offset(copy) + dst_offset * copy.itemsize
+        saved = model.zip.source.read_range(begin, begin + count * copy.itemsize)
+        cast = torch.frombuffer(bytearray(master), dtype=torch.float32).to(torch_dtype(copy.dtype))
+        checked += 1
+        if cast.contiguous().view(torch.uint8).numpy().tobytes() != saved:
+            raise LayoutMismatchError(
+                f"{model.url}: its {copy.dtype} copy of '{tensor.name}' differs from the fp32 "
+                f"master weights in {optim.url.rsplit('/', 1)[-1]}, which DeepSpeed keeps equal; "
+                "the model states file and the optimizer files come from different saves "
+                "(steps or runs). Copy the whole tag folder of one save again."
+            )

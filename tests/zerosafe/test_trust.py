@@ -91,6 +91,24 @@ def test_a_tag_that_mixes_steps_is_refused_naming_the_odd_file(
     assert "different saves" in _one_line_error(code, err)
 
 
+@pytest.mark.skipif(not SHARED_FIXTURES.is_dir(), reason="needs ../shared/fixtures")
+@pytest.mark.parametrize(
+    "which", ["mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+)
+def test_zero2_model_states_from_another_step_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], which: str
+) -> None:
+    """ZeRO-1/2 have one model states file, so it cannot disagree with other ranks; its
+    16-bit copy of the weights must match the fp32 masters it was saved with."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(SHARED_FIXTURES / "z2-bf16-ws1-frozen-2tags" / "checkpoint", ckpt)
+    shutil.copy2(ckpt / "global_step2" / which, ckpt / "global_step4" / which)
+    code, _, err = _run(capsys, "convert", "--no-flow", str(ckpt), str(tmp_path / "out"))
+    err = _one_line_error(code, err)
+    assert "come from different saves" in err and "mp_rank_00_model_states.pt" in err, err
+    assert _model_files(tmp_path / "out") == []
+
+
 def test_the_files_of_one_save_agree(sample_ckpt: Path, tmp_path: Path) -> None:
     """Every shared fixture and the sample are one save each: the cross-check passes."""
     from zerosafe.zero_checkpoint import open_zero_checkpoint
