@@ -122,7 +122,7 @@ def reusable_shard(
         manifest = json.loads(storage.read_bytes(prev_url))
         entry = next(f for f in manifest["files"] if f["file"] == file_name)
         tensors = {
-            name: {k: info[k] for k in ("sha256", "dtype", "shape")}
+            name: {k: v for k, v in info.items() if k not in ("file", "role")}
             for name, info in manifest["tensors"].items()
             if info["file"] == file_name
         }

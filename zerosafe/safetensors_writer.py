@@ -9,7 +9,6 @@ length N, N bytes of UTF-8 JSON `{name: {"dtype", "shape", "data_offsets": [begi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import struct
 import zlib
@@ -17,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from zerosafe.checksum import new_digest
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError
 from zerosafe.storage import ByteSource, Sink
@@ -105,7 +105,7 @@ def read_header(source: ByteSource) -> tuple[dict[str, dict[str, Any]], dict[str
 class SafetensorsStreamWriter:
     """Writes one safetensors file through a `Sink`: header now, tensor bytes as they come.
 
-    Tracks a SHA-256 per tensor while writing, and a CRC32 when `track_crc` (intermediates,
+    Tracks a digest per tensor while writing (`checksum`: SHA-256 unless told), and a CRC32 when `track_crc` (intermediates,
     whose readers check their pieces against it). `write` takes the bytes of tensor `index`
     in order; `finish` checks every tensor got exactly its bytes, then commits.
     """
@@ -117,16 +117,20 @@ class SafetensorsStreamWriter:
         metadata: dict[str, str] | None = None,
         *,
         track_crc: bool = True,
+        checksum: str = "sha256",
     ):
         self.sink = sink
         self._track_crc = track_crc
+        self.checksum = checksum
+        """The per-tensor digest's algorithm (`zerosafe.checksum`)."""
         self.entries = list(entries)
         self.header = build_header(self.entries, metadata)
-        self.sha256: list[str] = []
+        self.digests: list[str] = []
+        """Per tensor, in header order, the hex digest of its bytes."""
         self.crc32: list[int] = []
         self._index = 0
         self._written = 0
-        self._hash = hashlib.sha256()
+        self._hash = new_digest(checksum)
         self._crc = 0
         self.sink.write(self.header)
         self._skip_empty()
@@ -139,12 +143,18 @@ class SafetensorsStreamWriter:
     def file_bytes(self) -> int:
         return len(self.header) + self.data_bytes
 
+    @property
+    def sha256(self) -> list[str]:
+        """Per-tensor SHA-256 digests (a writer made with `checksum="sha256"`)."""
+        assert self.checksum == "sha256", f"this writer records {self.checksum}"
+        return self.digests
+
     def _close_tensor(self) -> None:
-        self.sha256.append(self._hash.hexdigest())
+        self.digests.append(self._hash.hexdigest())
         self.crc32.append(self._crc)
         self._index += 1
         self._written = 0
-        self._hash = hashlib.sha256()
+        self._hash = new_digest(self.checksum)
         self._crc = 0
 
     def _skip_empty(self) -> None:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from zerosafe.checksum import TENSOR_CHECKSUM
 from zerosafe.crc import CrcLedger, LedgerCheck
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import IntegrityError
@@ -246,7 +247,7 @@ def extract_part(
         raise
     finally:
         locator.close()
-    content = _content_hash(writer.sha256)
+    content = _content_hash(writer.digests)
     sums = {
         "plan_id": plan.plan_id,
         "file": part.file_name,
@@ -333,8 +334,8 @@ def merge_shard(
     """Write output shard `shard` into folder `out_url`.
 
     Returns:
-        A JSON-able summary: file, sizes, each tensor's SHA-256 and the CRC ledger of what
-        was read.
+        A JSON-able summary: file, sizes, each tensor's checksum (`TENSOR_CHECKSUM`) and the
+        CRC ledger of what was read.
     """
     started = time.monotonic()
     spec = plan.shards[shard]
@@ -351,10 +352,12 @@ def merge_shard(
             on_bytes(n)
 
     storage.makedirs(out_url)
-    # Output shards are checked by sha256 (verify); only intermediates need CRCs.
+    # Output shards are checked by their per-tensor checksum (verify); only intermediates
+    # need CRCs.
     writer = SafetensorsStreamWriter(
-        storage.open_sink(url), entries, shard_metadata(plan, shard), track_crc=False
-    )
+        storage.open_sink(url), entries, shard_metadata(plan, shard), track_crc=False,
+        checksum=TENSOR_CHECKSUM,
+    )  # fmt: skip
     try:
         copy_stream(
             _merge_jobs(plan, shard, locator),
@@ -379,8 +382,8 @@ def merge_shard(
         "data_bytes": writer.data_bytes,
         "bytes_read": bytes_read,
         "tensors": {
-            t.name: {"sha256": h, "dtype": t.out_dtype, "shape": list(t.shape)}
-            for t, h in zip(tensors, writer.sha256, strict=True)
+            t.name: {TENSOR_CHECKSUM: h, "dtype": t.out_dtype, "shape": list(t.shape)}
+            for t, h in zip(tensors, writer.digests, strict=True)
         },
         "ledger": ledger.to_json(),
         "seconds": round(time.monotonic() - started, 3),

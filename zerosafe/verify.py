@@ -9,7 +9,6 @@ Format: https://github.com/huggingface/safetensors#format; index format: transfo
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerosafe.buffers import allocate_buffer, pin_mmap_threshold
+from zerosafe.checksum import TENSOR_CHECKSUM, new_digest, recorded_checksum
 from zerosafe.dtypes import from_safetensors_code, torch_dtype
 from zerosafe.mapped import map_source
 from zerosafe.storage import ByteSource, Storage, is_local, join_url, local_path
@@ -55,7 +55,7 @@ class Failure:
 class ShardReport:
     file: str
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """name -> {dtype, shape, sha256, nan, posinf, neginf}."""
+    """name -> {dtype, shape, <checksum algorithm>: digest, nan, posinf, neginf}."""
     metadata: dict[str, str] = field(default_factory=dict)
     failures: list[Failure] = field(default_factory=list)
     bytes_read: int = 0
@@ -169,7 +169,7 @@ _EXPONENT_BITS = {
 }
 _MASK_BLOCK_BYTES = 256 * 2**10
 _VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
-"""Tensors hashed at once (hashlib releases the GIL); each holds one chunk buffer."""
+"""Tensors hashed at once (xxhash and hashlib release the GIL); each holds one chunk buffer."""
 
 
 def _any_nonfinite(view: memoryview, dtype_name: str) -> bool:
@@ -208,7 +208,8 @@ def _count_nonfinite(view: memoryview, dtype_name: str) -> tuple[int, int, int]:
 
 @dataclass(frozen=True, slots=True)
 class _TensorScan:
-    sha256: str
+    algorithm: str
+    digest: str
     nan: int
     posinf: int
     neginf: int
@@ -217,10 +218,16 @@ class _TensorScan:
 
 
 def _scan_tensor(
-    source: ByteSource, start: int, end: int, dtype_name: str, itemsize: int, buf: Any
+    source: ByteSource,
+    start: int,
+    end: int,
+    dtype_name: str,
+    itemsize: int,
+    buf: Any,
+    algorithm: str = TENSOR_CHECKSUM,
 ) -> _TensorScan:
     """Hash bytes `[start, end)` of `source` and count non-finite values, a chunk at a time."""
-    digest = hashlib.sha256()
+    digest = new_digest(algorithm)
     nan = posinf = neginf = 0
     chunk_bytes = len(buf)
     step = max(itemsize, chunk_bytes - chunk_bytes % itemsize)
@@ -242,7 +249,7 @@ def _scan_tensor(
             a, b, c = _count_nonfinite(view, dtype_name)
             nan, posinf, neginf = nan + a, posinf + b, neginf + c
         pos += n
-    return _TensorScan(digest.hexdigest(), nan, posinf, neginf, first)
+    return _TensorScan(algorithm, digest.hexdigest(), nan, posinf, neginf, first)
 
 
 def verify_shard(
@@ -258,8 +265,9 @@ def verify_shard(
 
     Args:
         url: The file.
-        expected: name -> {sha256, dtype, shape} the file must hold exactly (the manifest's or
-            the merge's record), or None to check structure and values only.
+        expected: name -> {checksum, dtype, shape} the file must hold exactly (the manifest's
+            or the merge's record; the checksum under its algorithm's name, `xxh3_128` or
+            `sha256`), or None to check structure and values only.
         check_finite: Report NaN/Inf as failures (they are counted either way).
         chunk_bytes: Bytes read at a time.
     """
@@ -293,20 +301,23 @@ def verify_shard(
         for _ in range(workers):
             buffers.put(allocate_buffer(chunk_bytes))
 
-        def scan(entry: dict[str, Any]) -> _TensorScan:
+        def scan(tensor: str, entry: dict[str, Any]) -> _TensorScan:
             dtype = from_safetensors_code(entry["dtype"])
             begin, end = entry["data_offsets"]
+            # The algorithm the record names (SHA-256 in outputs of earlier versions).
+            recorded = recorded_checksum((expected or {}).get(tensor) or {})
             buf = buffers.get()
             try:
                 return _scan_tensor(
-                    source, data_start + begin, data_start + end, dtype.name, dtype.itemsize, buf
-                )
+                    source, data_start + begin, data_start + end, dtype.name, dtype.itemsize, buf,
+                    recorded[0] if recorded else TENSOR_CHECKSUM,
+                )  # fmt: skip
             finally:
                 buffers.put(buf)
 
         # Tensors are hashed in parallel and reported in file order, as a serial scan would.
         with ThreadPoolExecutor(workers, thread_name_prefix="zerosafe-verify") as pool:
-            futures = [pool.submit(scan, entry) for _, entry in ordered]
+            futures = [pool.submit(scan, tensor, entry) for tensor, entry in ordered]
             try:
                 for (tensor, entry), future in zip(ordered, futures, strict=True):
                     scanned = future.result()
@@ -319,7 +330,7 @@ def verify_shard(
                     info = {
                         "dtype": dtype.name,
                         "shape": list(entry["shape"]),
-                        "sha256": scanned.sha256,
+                        scanned.algorithm: scanned.digest,
                         "nan": nan,
                         "posinf": posinf,
                         "neginf": neginf,
@@ -388,13 +399,15 @@ def _compare_expected(report: ShardReport, expected: dict[str, dict[str, Any]], 
             report.failures.append(
                 Failure(name, tensor, "shape", f"{got['shape']}, expected {want['shape']}")
             )
-        if "sha256" in want and got["sha256"] != want["sha256"]:
+        recorded = recorded_checksum(want)
+        if recorded is not None and got.get(recorded[0]) != recorded[1]:
+            algorithm, digest = recorded
             report.failures.append(
                 Failure(
                     name,
                     tensor,
                     "checksum",
-                    f"sha256 {got['sha256'][:16]}..., recorded {want['sha256'][:16]}...",
+                    f"{algorithm} {str(got.get(algorithm))[:16]}..., recorded {digest[:16]}...",
                 )
             )
     for tensor in report.tensors:

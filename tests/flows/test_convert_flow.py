@@ -61,7 +61,7 @@ def test_flow_matches_engine_and_names_its_tasks(prefect_server: None, tmp_path:
     assert set(ours) == set(theirs)
     for key in ours:
         assert same_bytes(ours[key], theirs[key]), key
-        assert manifest["tensors"][key]["sha256"] == ref_manifest["tensors"][key]["sha256"]
+        assert manifest["tensors"][key]["xxh3_128"] == ref_manifest["tensors"][key]["xxh3_128"]
     assert manifest["job_key"] == ref_manifest["job_key"]
 
     with get_client(sync_client=True) as client:

@@ -67,8 +67,8 @@ def _same_output(a: Path, b: Path) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     ta, ma = load_output(a)
     tb, mb = load_output(b)
-    assert {k: v["sha256"] for k, v in ma["tensors"].items()} == {
-        k: v["sha256"] for k, v in mb["tensors"].items()
+    assert {k: v["xxh3_128"] for k, v in ma["tensors"].items()} == {
+        k: v["xxh3_128"] for k, v in mb["tensors"].items()
     }
     for key in ta:
         assert same_bytes(ta[key], tb[key])

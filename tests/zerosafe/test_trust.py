@@ -426,3 +426,39 @@ def test_clean_keeps_what_a_live_output_lease_covers_and_finds_pending_shards(
     found = clean(Storage(), str(out), older_than_seconds=0, apply=True)
     assert [(f.kind, f.action) for f in found] == [("work-area", "removed")]
     assert not pending.exists()
+
+
+def test_outputs_checked_with_sha256_by_earlier_versions_still_verify(
+    sample_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """New manifests record XXH3-128 per tensor; a manifest of an earlier version records
+    SHA-256, and verify recomputes whichever the record names."""
+    import hashlib
+
+    out = tmp_path / "out"
+    convert_checkpoint(str(sample_ckpt), str(out), ConvertOptions(dtype="bf16"))
+    manifest = json.loads((out / "zerosafe-manifest.json").read_text())
+    assert all(set(r) >= {"xxh3_128"} and "sha256" not in r for r in manifest["tensors"].values())
+    raw = (out / "model.safetensors").read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + header_len])
+    for name, record in manifest["tensors"].items():
+        begin, end = header[name]["data_offsets"]
+        data = raw[8 + header_len + begin : 8 + header_len + end]
+        del record["xxh3_128"]
+        record["sha256"] = hashlib.sha256(data).hexdigest()
+    body = (json.dumps(manifest, indent=1) + "\n").encode()
+    (out / "zerosafe-manifest.json").write_bytes(body)
+    marker = json.loads((out / "zerosafe-complete.json").read_text())
+    marker["manifest_sha256"] = hashlib.sha256(body).hexdigest()
+    (out / "zerosafe-complete.json").write_text(json.dumps(marker))
+    code, stdout, _ = _run(capsys, "verify", str(out))
+    assert code == 0, stdout
+    first = next(iter(manifest["tensors"]))
+    manifest["tensors"][first]["sha256"] = "0" * 64
+    body = (json.dumps(manifest, indent=1) + "\n").encode()
+    (out / "zerosafe-manifest.json").write_bytes(body)
+    marker["manifest_sha256"] = hashlib.sha256(body).hexdigest()
+    (out / "zerosafe-complete.json").write_text(json.dumps(marker))
+    code, stdout, _ = _run(capsys, "verify", str(out))
+    assert code == 1 and "sha256" in stdout and first in stdout, stdout
