@@ -6,7 +6,15 @@ from typing import Any
 
 from prefect import task
 
-from tasks._common import cache_key, context, is_transient, job_of, progress, record_run
+from tasks._common import (
+    TaskMeter,
+    cache_key,
+    context,
+    is_transient,
+    job_of,
+    progress,
+    record_run,
+)
 from zerosafe.safetensors_writer import HeaderEntry, build_header
 from zerosafe.stages import DirectLocator, StagedLocator, merge_shard, shard_metadata
 from zerosafe.storage import join_url
@@ -26,6 +34,7 @@ def merge(
 ) -> dict[str, Any]:
     """Merge shard `index` (shown as `number`/`count`). `fingerprint` names the content of
     the intermediates it reads, so a re-extracted identical file keeps this result cached."""
+    meter = TaskMeter()
     j = job_of(job)
     plan, storage, options, work = context(j)
     if options.direct:
@@ -44,7 +53,7 @@ def merge(
         )
     finally:
         locator.close()
-    record_run(j, "merge", index, summary)
+    record_run(j, "merge", index, summary, meter)
     return summary
 
 

@@ -7,7 +7,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks._common import context, is_transient, job_of, record_run
+from tasks._common import TaskMeter, context, is_transient, job_of, record_run
 from zerosafe.output import WORK_DIR_NAME
 from zerosafe.output import publish as publish_output
 from zerosafe.stages import check_integrity
@@ -31,6 +31,7 @@ def publish(
     stats: dict[str, Any],
 ) -> dict[str, Any]:
     """Publish a verified output. Raises (and writes no marker) if any check failed."""
+    meter = TaskMeter()
     j = job_of(job)
     plan, storage, options, work = context(j)
     integrity = check_integrity(
@@ -51,7 +52,7 @@ def publish(
         plan, storage, j.destination, options=options, merges=merges, verifies=verifies,
         integrity=integrity, stats=stats,
     )  # fmt: skip
-    record_run(j, "publish", 0, {})
+    record_run(j, "publish", 0, {}, meter)
     if not options.keep_work:
         storage.remove_tree(work.root)
         parent = join_url(j.destination, WORK_DIR_NAME)
