@@ -310,13 +310,21 @@ def _dest(url: str) -> str:
 
 
 def _wait_runs(stack: Stack, tag: str, count: int, timeout: float = 600) -> list[Any]:
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    """The deployment runs tagged `tag` (their `convert-job` subflows carry the tag too)."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterDeploymentId,
+        FlowRunFilterTags,
+    )
 
     deadline = time.monotonic() + timeout
     while True:
         with stack.client() as client:
             runs = client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag]))
+                flow_run_filter=FlowRunFilter(
+                    tags=FlowRunFilterTags(all_=[tag]),
+                    deployment_id=FlowRunFilterDeploymentId(is_null_=False),
+                )
             )
         final = [r for r in runs if r.state and r.state.is_final()]
         if len(final) >= count and len(final) == len(runs):
