@@ -13,10 +13,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from zerosafe.config import ConvertOptions
+from zerosafe.config import ConvertOptions, choose_mode
 from zerosafe.errors import ConfigError
 from zerosafe.s3 import find_secret_options
-from zerosafe.storage import is_local
+from zerosafe.storage import normalize_url
 from zerosafe.units import parse_size
 
 __all__ = ["JobConfig", "load_job_config"]
@@ -45,9 +45,10 @@ class JobConfig(BaseModel):
     """Memory budget of one worker; the tasks it runs at once fit in it, e.g. `1GB`."""
     max_parallel_tasks: int = Field(default=2, ge=1)
     """Tasks one worker runs at once, further bounded by `memory`."""
-    mode: Literal["staged", "direct"] = "staged"
-    """`staged` copies each rank's fp32 partition to intermediates first (resumable, right for
-    remote sources); `direct` merges straight from a local or NFS checkpoint."""
+    mode: Literal["auto", "staged", "direct"] = "auto"
+    """`direct` merges straight from a local or NFS checkpoint; `staged` copies each rank's
+    fp32 partition to intermediates first (right for object stores); `auto` picks direct for
+    local and NFS paths, staged otherwise. Both resume: each merge task is cached."""
     tied: Literal["dedupe", "copy"] = "dedupe"
     """`dedupe` stores a tied alias once and records it; `copy` writes it as a real tensor."""
     exclude_frozen: bool = False
@@ -85,6 +86,12 @@ class JobConfig(BaseModel):
                 raise ValueError(str(e)) from None
         return value
 
+    @field_validator("source", "destination", "work_dir")
+    @classmethod
+    def _one_spelling(cls, value: str | None) -> str | None:
+        # `ckpt`, `./ckpt` and `/abs/ckpt` are one job: identities use the normalized form.
+        return normalize_url(value) if value else value
+
     @field_validator("storage_options")
     @classmethod
     def _no_secrets(cls, value: dict[str, Any]) -> dict[str, Any]:
@@ -107,11 +114,6 @@ class JobConfig(BaseModel):
             raise ValueError(
                 "`runner: dask` needs `dask_address` (the scheduler's tcp://host:port)"
             )
-        if self.mode == "direct" and not is_local(self.source):
-            raise ValueError(
-                f"`mode: direct` reads the checkpoint in place and needs a local or NFS path, not "
-                f"'{self.source}'; use `mode: staged` for object stores"
-            )
         if self.source.rstrip("/") == self.destination.rstrip("/"):
             raise ValueError("`destination` must differ from `source`")
         self.options()  # the engine's own checks (memory floor...)
@@ -119,12 +121,14 @@ class JobConfig(BaseModel):
 
     def options(self) -> ConvertOptions:
         """The engine's options for this job."""
+        direct, why = choose_mode(self.source, self.mode)
         return ConvertOptions(
             dtype=_DTYPES[self.dtype],
             max_shard_bytes=self.max_shard_size,
             tied=self.tied,
             exclude_frozen=self.exclude_frozen,
-            direct=self.mode == "direct",
+            direct=direct,
+            mode_reason=why,
             memory_bytes=self.memory,
             max_parallel_tasks=self.max_parallel_tasks,
             extract_part_bytes=self.extract_part_size,

@@ -40,12 +40,13 @@ from tasks._common import progress as task_progress
 from tasks.credentials import storage_for
 from tasks.extract import extract, extract_is_present
 from tasks.inspect import inspect
-from tasks.merge import expected_shard_bytes, merge, shard_identity
+from tasks.merge import expected_shard_bytes, merge, reusable_shards, shard_identity
 from tasks.publish import publish
 from tasks.verify import verify
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConversionError, VerificationError
-from zerosafe.lease import work_lease
+from zerosafe.lease import destination_lease, work_lease
+from zerosafe.output import pending_url
 from zerosafe.storage import Storage, is_local, join_url
 from zerosafe.units import format_bytes
 
@@ -290,6 +291,18 @@ def _md(text: str) -> str:
 def _run_job(cfg: JobConfig) -> dict[str, Any]:
     started = time.monotonic()
     started_wall = time.time()
+    storage = storage_for(cfg.storage_options)
+    # One job at a time per output folder, whatever its options: held from before the output
+    # is inspected (and, with --overwrite, cleared) until it is published.
+    with destination_lease(
+        storage, cfg.destination, job=f"{cfg.source} -> {cfg.destination}", clean=[cfg.destination]
+    ):
+        return _run_held(cfg, storage, started=started, started_wall=started_wall)
+
+
+def _run_held(
+    cfg: JobConfig, storage: Storage, *, started: float, started_wall: float
+) -> dict[str, Any]:
     log = get_run_logger()
     options = cfg.options()
     info = inspect(
@@ -311,9 +324,13 @@ def _run_job(cfg: JobConfig) -> dict[str, Any]:
         _options_dict(options),
         cfg.storage_options,
     ).as_dict()
-    storage = storage_for(cfg.storage_options)
     with work_lease(
-        storage, info["work"], clean=[cfg.destination, join_url(info["work"], "intermediate")]
+        storage,
+        info["work"],
+        clean=[
+            pending_url(cfg.destination, info["plan_id"]),
+            join_url(info["work"], "intermediate"),
+        ],
     ):
         result = _run_stages(cfg, options, info, job, storage, since=started_wall)
     seconds = time.monotonic() - started
@@ -343,6 +360,11 @@ def _run_stages(
     def run(task: Any, *, refresh: bool = False) -> Any:
         return task.with_options(result_storage=results, refresh_cache=refresh or None)
 
+    # A repair keeps the published shards that are still intact: no extract or merge reads
+    # anything for them.
+    reused = reusable_shards(job)
+    needed = {p for s in shards if s["index"] not in reused for p in s["parts"]}
+    parts = [p for p in parts if p["index"] in needed]
     work_bytes = 0 if options.direct else sum(p["bytes"] for p in parts)
     slug = job_slug(cfg.destination)
     progress = _Progress(
@@ -350,6 +372,7 @@ def _run_stages(
         key=f"zerosafe-{slug}-progress",
     )
 
+    part_of = {p["index"]: p for p in parts}
     extract_futures: dict[int, PrefectFuture[Any]] = {}
     if not options.direct:
         for p in parts:
@@ -363,11 +386,12 @@ def _run_stages(
 
     def submit_merge(shard: dict[str, Any]) -> None:
         index = shard["index"]
-        fingerprint = (
-            _fingerprint([extracts[p]["content_sha256"] for p in shard["parts"]])
-            if not options.direct
-            else ""
-        )
+        if index in reused:
+            fingerprint = "reused"
+        elif options.direct:
+            fingerprint = ""
+        else:
+            fingerprint = _fingerprint([extracts[p]["content_sha256"] for p in shard["parts"]])
         on_disk = shard_identity(job, index)
         fresh = on_disk is None or on_disk[0] != expected_shard_bytes(job, index)
         merge_futures[index] = run(merge, refresh=fresh).submit(
@@ -377,7 +401,7 @@ def _run_stages(
 
     waiting = {s["index"]: s for s in shards}
     for shard in shards:
-        if not options.direct and not shard["parts"]:
+        if not options.direct and (not shard["parts"] or shard["index"] in reused):
             submit_merge(shard)
             del waiting[shard["index"]]
     if options.direct:
@@ -392,10 +416,10 @@ def _run_stages(
             # A cached result whose file vanished between the check and now: run it again.
             extracts[index] = (
                 run(extract, refresh=True)
-                .submit(job, index, parts[index]["rank"], parts[index]["label"])
+                .submit(job, index, part_of[index]["rank"], part_of[index]["label"])
                 .result()
             )
-        progress.add(parts[index]["bytes"])
+        progress.add(part_of[index]["bytes"])
         for shard_index in [
             i for i, s in waiting.items() if all(p in extracts for p in s["parts"])
         ]:
@@ -435,6 +459,7 @@ def _run_stages(
     growth, baseline = stage_memory(journal)
     stats = {
         "mode": "direct" if options.direct else "staged",
+        "mode_reason": options.mode_reason,
         "source_bytes_read": source_read,
         "source_bytes_needed": info.get("source_bytes_needed", 0),
         "intermediate_bytes_written": sum(e["file_bytes"] for e in extracts.values()),
@@ -491,7 +516,7 @@ def _summary_artifact(cfg: JobConfig, info: dict[str, Any], r: dict[str, Any]) -
             f"`{cfg.source}` (tag {info['source']['tag']}, ZeRO-{info['source']['stage']}, world size {info['source']['world_size']})",
         ),
         ("output", f"`{cfg.destination}`: {len(r['files'])} file(s), {r['num_tensors']} tensors"),
-        ("mode", r["mode"]),
+        ("mode", r.get("mode_reason") or r["mode"]),
         ("read from source", _source_read_text(r)),
         ("intermediates written", format_bytes(r["intermediate_bytes_written"])),
         ("output written", format_bytes(r["output_bytes_written"])),
@@ -549,8 +574,11 @@ def run_convert(
     show_progress: bool = False,
     quiet: bool = False,
     storage_options: dict[str, Any] | None = None,
+    mode: str | None = None,
 ) -> dict[str, Any]:
-    """Run the flow embedded, for `zerosafe convert`. Progress goes to the terminal bar."""
+    """Run the flow embedded, for `zerosafe convert`. Progress goes to the terminal bar.
+
+    `mode` is the mode as asked (`auto` included); by default the one `options` holds."""
     from zerosafe.progress import NullProgress, TerminalProgress
 
     bar = TerminalProgress() if show_progress else NullProgress()
@@ -560,7 +588,7 @@ def run_convert(
         result = convert(
             source=ckpt_url, destination=out_url, tag=tag, dtype=dtype, max_shard_size=str(options.max_shard_bytes),
             memory=str(options.memory_bytes), max_parallel_tasks=options.max_parallel_tasks,
-            mode="direct" if options.direct else "staged", tied=options.tied, exclude_frozen=options.exclude_frozen,
+            mode=mode or ("direct" if options.direct else "staged"), tied=options.tied, exclude_frozen=options.exclude_frozen,
             overwrite=options.overwrite, keep_work=options.keep_work, allow_nonfinite=not options.check_finite,
             check_lowp=options.check_lowp,
             extract_part_size=str(options.extract_part_bytes), work_dir=work_url, storage_options=storage_options,

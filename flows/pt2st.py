@@ -16,9 +16,10 @@ from prefect.artifacts import create_markdown_artifact
 
 from tasks.pt2st import convert, inspect, verify
 from zerosafe.config import ConvertOptions
-from zerosafe.errors import ConfigError
+from zerosafe.errors import ConfigError, VerificationError
 from zerosafe.pt2st import safetensors_path_for
 from zerosafe.s3 import find_secret_options
+from zerosafe.storage import Storage
 from zerosafe.units import format_bytes, parse_size
 
 __all__ = ["pt2st"]
@@ -76,7 +77,12 @@ def pt2st(
     )
     result = {k: v for k, v in summary.items() if k != "sha256"}
     if verify_output:
-        result["verify"] = verify(destination, summary.get("sha256"), storage_options)
+        try:
+            result["verify"] = verify(destination, summary.get("sha256"), storage_options)
+        except VerificationError:
+            if summary["status"] == "converted":  # ours, just written: leave nothing behind
+                Storage(storage_options).remove(destination)
+            raise
     if summary["status"] == "converted":
         create_markdown_artifact(
             f"# zerosafe pt2st\n\n| | |\n|---|---|\n| source | `{source}` |\n"

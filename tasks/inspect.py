@@ -60,27 +60,16 @@ def inspect(
         }
         for p in plan.parts
     ]
-    parts_of_slot: dict[int, set[int]] = {}
-    for p in plan.parts:
-        for slot, _, _ in p.pieces:
-            parts_of_slot.setdefault(slot, set()).add(p.index)
-    summary["shards"] = []
-    for s in plan.shards:
-        slots = {
-            slot
-            for t in plan.shard_tensors(s.index)
-            for slot, *_ in plan.fragments.for_tensor(t.index)
+    summary["shards"] = [
+        {
+            "index": s.index,
+            "file": s.file_name,
+            "bytes": s.data_bytes,
+            "source_bytes": plan.shard_source_bytes(s.index),
+            "parts": parts,
         }
-        parts = sorted({p for slot in slots for p in parts_of_slot.get(slot, ())})
-        summary["shards"].append(
-            {
-                "index": s.index,
-                "file": s.file_name,
-                "bytes": s.data_bytes,
-                "source_bytes": plan.shard_source_bytes(s.index),
-                "parts": parts,
-            }
-        )
+        for s, parts in zip(plan.shards, plan.shard_parts(), strict=True)
+    ]
     summary["task_memory_bytes"] = opts.task_memory_bytes
     source_urls = {f.url for f in plan.files}
     summary["metadata_bytes_read"] = storage.counter.bytes_read_from(source_urls)

@@ -15,9 +15,10 @@ from tasks._common import (
     progress,
     record_run,
 )
+from zerosafe.convert import merge_or_reuse
+from zerosafe.output import is_repair, reusable_shard, shard_location
 from zerosafe.safetensors_writer import HeaderEntry, build_header
-from zerosafe.stages import DirectLocator, StagedLocator, merge_shard, shard_metadata
-from zerosafe.storage import join_url
+from zerosafe.stages import DirectLocator, StagedLocator, shard_metadata
 
 
 @task(
@@ -42,15 +43,10 @@ def merge(
     else:
         locator = StagedLocator(plan, storage, work.intermediate)
     try:
-        summary = merge_shard(
-            plan,
-            index,
-            storage,
-            j.destination,
-            locator,
-            chunk_bytes=options.chunk_bytes,
+        summary = merge_or_reuse(
+            plan, index, storage, j.destination, locator, chunk_bytes=options.chunk_bytes,
             on_bytes=progress().advance,
-        )
+        )  # fmt: skip
     finally:
         locator.close()
     record_run(j, "merge", index, summary, meter)
@@ -68,10 +64,23 @@ def expected_shard_bytes(job: dict[str, Any], index: int) -> int:
 
 
 def shard_identity(job: dict[str, Any], index: int) -> tuple[int, str] | None:
-    """(size, version) of shard `index` on disk, or None if it is absent."""
+    """(size, version) of shard `index` on disk (pending, else published), or None."""
     plan, storage, _, _ = context(job_of(job))
-    url = join_url(job["destination"], plan.shards[index].file_name)
+    url = shard_location(storage, job["destination"], plan.plan_id, plan.shards[index].file_name)
     if not storage.exists(url):
         return None
     ident = storage.identity(url)
     return ident.size_bytes, ident.version
+
+
+def reusable_shards(job: dict[str, Any]) -> set[int]:
+    """In a repair: the shards that are published and still intact (nothing to merge)."""
+    plan, storage, _, _ = context(job_of(job))
+    if not is_repair(storage, job["destination"], plan.plan_id):
+        return set()
+    return {
+        s.index
+        for s in plan.shards
+        if reusable_shard(storage, job["destination"], plan.plan_id, s.index, s.file_name)
+        is not None
+    }

@@ -7,11 +7,11 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks._common import TaskMeter, context, is_transient, job_of, record_run
-from zerosafe.output import WORK_DIR_NAME
+from tasks._common import Job, context, is_transient, job_of, record_run
+from zerosafe.errors import IntegrityError, VerificationError
+from zerosafe.output import discard_failed_work, finish_work
 from zerosafe.output import publish as publish_output
 from zerosafe.stages import check_integrity
-from zerosafe.storage import is_local, join_url
 from zerosafe.verify_output import lowp_report
 
 
@@ -31,8 +31,23 @@ def publish(
     stats: dict[str, Any],
 ) -> dict[str, Any]:
     """Publish a verified output. Raises (and writes no marker) if any check failed."""
-    meter = TaskMeter()
     j = job_of(job)
+    plan, storage, options, work = context(j)
+    try:
+        return _publish(j, extracts, merges, verifies, stats)
+    except (IntegrityError, VerificationError):
+        # A failed check is never kept: the next run reads the source again.
+        discard_failed_work(storage, j.destination, plan.plan_id, work.root)
+        raise
+
+
+def _publish(
+    j: Job,
+    extracts: list[dict[str, Any]],
+    merges: list[dict[str, Any]],
+    verifies: list[dict[str, Any]],
+    stats: dict[str, Any],
+) -> dict[str, Any]:
     plan, storage, options, work = context(j)
     integrity = check_integrity(
         plan, storage, [e["ledger"] for e in extracts] + [m["ledger"] for m in merges],
@@ -47,17 +62,16 @@ def publish(
                 stats["source_bytes_read"] / stats["source_bytes_needed"], 4
             )
     if options.check_lowp:  # the optional 16-bit witness: reads the module weights too
-        verifies = [*verifies, lowp_report(storage, plan.source, j.destination, merges)]
+        verifies = [
+            *verifies,
+            lowp_report(storage, plan.source, j.destination, merges, job_key=plan.plan_id),
+        ]
     manifest = publish_output(
         plan, storage, j.destination, options=options, merges=merges, verifies=verifies,
         integrity=integrity, stats=stats,
     )  # fmt: skip
-    record_run(j, "publish", 0, {}, meter)
-    if not options.keep_work:
-        storage.remove_tree(work.root)
-        parent = join_url(j.destination, WORK_DIR_NAME)
-        if is_local(parent) and not storage.listdir(parent):
-            storage.remove_tree(parent)
+    record_run(j, "publish", 0, {})
+    finish_work(storage, j.destination, plan.plan_id, work.root, keep=options.keep_work)
     return {
         "files": [f["file"] for f in manifest["files"]],
         "num_tensors": len(manifest["tensors"]),

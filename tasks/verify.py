@@ -16,7 +16,7 @@ from tasks._common import (
     progress,
     record_run,
 )
-from zerosafe.storage import join_url
+from zerosafe.output import shard_location
 from zerosafe.verify import verify_shard
 
 
@@ -46,7 +46,7 @@ def verify(
     started = time.monotonic()
     j = job_of(job)
     plan, storage, options, _ = context(j)
-    url = join_url(j.destination, plan.shards[index].file_name)
+    url = shard_location(storage, j.destination, plan.plan_id, plan.shards[index].file_name)
     report = verify_shard(
         storage, url, expected=expected, check_finite=options.check_finite,
         chunk_bytes=options.chunk_bytes, on_bytes=progress().advance,

@@ -35,8 +35,11 @@ def sample_ckpt(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Environment for subprocesses that run flows embedded."""
+def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Environment for subprocesses that run flows embedded. They share one local Prefect
+    server (the first command starts it; `flows.runtime`), stopped when the session ends."""
+    from flows.runtime import stop_local_server
+
     home = tmp_path_factory.mktemp("prefect-home")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(
@@ -45,7 +48,8 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         PYTHONPATH=str(REPO),
         PYTHONUNBUFFERED="1",
     )
-    return env
+    yield env
+    stop_local_server(home)
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zerosafe.lease import STALE_SECONDS
+from zerosafe.lease import STALE_SECONDS, destination_lease_url
 from zerosafe.output import MANIFEST_NAME, MARKER_NAME, WORK_DIR_NAME, read_complete_manifest
 from zerosafe.s3 import (
     STORAGE_OPTION_HELP,
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _PARTIAL_RE = re.compile(r"^\..+\.[0-9a-f]{8}\.partial$")
 _WORK_MARKERS = ("plan/plan.json", "lease.json")
+_PENDING_DIR = "/pending/"
 
 
 @dataclass(kw_only=True)
@@ -107,7 +108,16 @@ def _walk(storage: Storage, url: str) -> dict[str, tuple[int, float | None]]:
 
 
 def _lease_is_live(storage: Storage, work_url: str, now: float) -> bool:
-    url = join_url(work_url, "lease.json")
+    """Whether a live run holds this work area, or the output folder it belongs to."""
+    parent = posixpath.dirname(work_url.rstrip("/"))
+    if posixpath.basename(parent) == WORK_DIR_NAME:
+        held = destination_lease_url(posixpath.dirname(parent))
+        if _lease_file_is_live(storage, held, now):
+            return True
+    return _lease_file_is_live(storage, join_url(work_url, "lease.json"), now)
+
+
+def _lease_file_is_live(storage: Storage, url: str, now: float) -> bool:
     if not storage.exists(url):
         return False
     try:
@@ -151,6 +161,9 @@ def find_leftovers(
         for marker in _WORK_MARKERS:
             if url.endswith("/" + marker):
                 work_areas.setdefault(url[: -len(marker) - 1], [])
+        head, sep, _ = url.partition(_PENDING_DIR)
+        if sep and posixpath.basename(posixpath.dirname(head)) == WORK_DIR_NAME:
+            work_areas.setdefault(head, [])  # pending shards of a custom --work-dir's job
     # A work area nested in another (results of a custom work dir) belongs to the outer one.
     roots = sorted(work_areas)
     roots = [r for r in roots if not any(r.startswith(o + "/") for o in roots if o != r)]

@@ -12,13 +12,14 @@ import functools
 import importlib
 import json
 import logging
+import math
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from zerosafe._version import __version__
-from zerosafe.errors import ConversionError, VerificationError
-from zerosafe.units import format_bytes, parse_size, size_argument
+from zerosafe.errors import ConfigError, ConversionError, VerificationError
+from zerosafe.units import format_bytes, size_argument
 
 __all__ = ["main"]
 
@@ -31,6 +32,73 @@ EXTRA_COMMANDS: list[str] = ["zerosafe.pt2st.cli", "zerosafe.clean"]
 parser and sets `handler=` (a function of the parsed args returning the exit code) as a default."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (exit 2) that points at `--help`, instead of the
+    whole usage block above the one line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
+        return value
+
+    return parse
+
+
+def _positive_size(text: str) -> int:
+    value = size_argument(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes (got '{text}')")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
+    if not 0 <= value < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got '{text}')")
+    return value
+
+
+def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    def parse_list(text: str) -> list[Any]:
+        return [parse(item) for item in text.split(",")]
+
+    return parse_list
+
+
+_FLAG_OF_FIELD = {
+    "`max_parallel_tasks`": "`--parallel`",
+    "`memory`": "`--memory`",
+    "`memory_bytes`": "`--memory`",
+    "`max_shard_bytes`": "`--max-shard-size`",
+    "`extract_part_bytes`": "`--extract-part-size`",
+    "`dtype`": "`--dtype`",
+    "`tied`": "`--tied`",
+    "`mode: direct`": "`--mode direct`",
+    "`mode: staged`": "`--mode staged`",
+    "`mode`": "`--mode`",
+}
+"""`ConvertOptions` fields as its errors name them -> the flag a user of the command typed."""
+
+
+def _with_flag_names(e: ConfigError) -> ConfigError:
+    message = str(e)
+    for field, flag in _FLAG_OF_FIELD.items():
+        message = message.replace(field, flag)
+    return ConfigError(message)
+
+
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tag", help="tag to convert (default: the one 'latest' names)")
     p.add_argument(
@@ -41,7 +109,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-shard-size",
-        type=size_argument,
+        type=_positive_size,
         default="5GB",
         metavar="SIZE",
         help="largest output file, e.g. 5GB, 500MB, 64MiB (default 5GB)",
@@ -61,9 +129,17 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         help="store tied aliases once and record them (dedupe, default) or write copies",
     )
     p.add_argument(
+        "--mode",
+        choices=["auto", "direct", "staged"],
+        default="auto",
+        help="how merges read the fp32 masters: direct (in place, local/NFS), staged (from "
+        "intermediates an extract stage writes first), auto (direct for local/NFS paths, "
+        "staged for object stores; default)",
+    )
+    p.add_argument(
         "--direct",
         action="store_true",
-        help="read fp32 ranges straight from the checkpoint (local/NFS; no intermediate copy)",
+        help="same as --mode direct (kept for one release)",
     )
     _add_storage_option(p)
 
@@ -114,7 +190,7 @@ def _add_verbosity(p: argparse.ArgumentParser, *, top: bool) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="zerosafe",
         description="Convert DeepSpeed ZeRO checkpoints into verified safetensors, streaming, without DeepSpeed.",
     )
@@ -138,30 +214,32 @@ def _parser() -> argparse.ArgumentParser:
         help="YAML/JSON model description (see conf/simulate-80b.yaml) to plan instead of a checkpoint",
     )
     sim.add_argument(
-        "--world-size", type=int, help="with --simulate: override the spec's world size"
-    )
+        "--world-size", type=_int_at_least(1),
+        help="with --simulate: override the spec's world size",
+    )  # fmt: skip
     sim.add_argument(
-        "--parallel", type=int, default=2, metavar="N",
+        "--parallel", type=_int_at_least(1), default=2, metavar="N",
         help="tasks a worker runs at once, within --memory (default 2)",
     )  # fmt: skip
     sim.add_argument(
-        "--extract-part-size", type=size_argument, default="2GB", metavar="SIZE",
-        help="staged mode: a rank's bytes are extracted in parts of at most this (default 2GB)",
+        "--extract-part-size", type=size_argument, metavar="SIZE",
+        help="with --simulate, staged mode: a rank's bytes are extracted in parts of at most "
+        "this (default 2GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--workers", default="1,4,16,64", metavar="N,...",
+        "--workers", type=_list_of(_int_at_least(1)), metavar="N,...",
         help="with --simulate: worker counts to predict wall time for (default 1,4,16,64)",
     )  # fmt: skip
     sim.add_argument(
-        "--bandwidth", default="1GB,10GB", metavar="SIZE,...",
+        "--bandwidth", type=_list_of(_positive_size), metavar="SIZE,...",
         help="with --simulate: aggregate storage bandwidths per second (default 1GB,10GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--task-rate", type=size_argument, metavar="SIZE",
+        "--task-rate", type=_positive_size, metavar="SIZE",
         help="with --simulate: bytes one task moves per second at most (default: measured 1GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--request-latency", type=float, default=0.0, metavar="SECONDS",
+        "--request-latency", type=_seconds, metavar="SECONDS",
         help="with --simulate: wait per ranged read, e.g. 0.03 for an object store (default 0)",
     )  # fmt: skip
 
@@ -190,7 +268,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--parallel",
-        type=int,
+        type=_int_at_least(1),
         default=2,
         metavar="N",
         help="tasks at once, within the memory budget (default 2)",
@@ -217,42 +295,57 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _options(args: argparse.Namespace) -> Any:
-    from zerosafe.config import ConvertOptions
+def _requested_mode(args: argparse.Namespace) -> str:
+    return "direct" if args.direct else str(args.mode)
 
-    return ConvertOptions(
-        dtype=args.dtype,
-        max_shard_bytes=args.max_shard_size,
-        memory_bytes=args.memory,
-        exclude_frozen=args.exclude_frozen,
-        tied=args.tied,
-        direct=args.direct,
-        overwrite=getattr(args, "overwrite", False),
-        keep_work=getattr(args, "keep_work", False),
-        check_finite=not getattr(args, "allow_nonfinite", False),
-        check_lowp=getattr(args, "check_lowp", False),
-        max_parallel_tasks=getattr(args, "parallel", 2),
-    )
+
+def _options(args: argparse.Namespace) -> Any:
+    from zerosafe.config import ConvertOptions, choose_mode
+
+    try:
+        source = getattr(args, "checkpoint", None)
+        if source:
+            direct, why = choose_mode(source, _requested_mode(args))
+        else:  # `inspect --simulate`: no source to choose by
+            direct, why = _requested_mode(args) == "direct", f"{_requested_mode(args)}, as asked"
+        return ConvertOptions(
+            dtype=args.dtype,
+            max_shard_bytes=args.max_shard_size,
+            memory_bytes=args.memory,
+            exclude_frozen=args.exclude_frozen,
+            tied=args.tied,
+            direct=direct,
+            mode_reason=why,
+            overwrite=getattr(args, "overwrite", False),
+            keep_work=getattr(args, "keep_work", False),
+            check_finite=not getattr(args, "allow_nonfinite", False),
+            check_lowp=getattr(args, "check_lowp", False),
+            max_parallel_tasks=getattr(args, "parallel", 2),
+            **(
+                {"extract_part_bytes": args.extract_part_size}
+                if getattr(args, "extract_part_size", None) is not None
+                else {}
+            ),
+        )
+    except ConfigError as e:
+        raise _with_flag_names(e) from e
+
+
+_SIMULATION_ONLY = ("world_size", "extract_part_size", "workers", "bandwidth", "task_rate",
+                    "request_latency")  # fmt: skip
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from zerosafe import simulate
-    from zerosafe.errors import ConfigError
 
-    options = dataclasses.replace(_options(args), extract_part_bytes=args.extract_part_size)
+    options = _options(args)
     spec = simulate.load_spec(args.simulate, world_size=args.world_size)
     _, plan = simulate.simulate_plan(spec, options)
-    try:
-        workers = [int(w) for w in args.workers.split(",")]
-        bandwidths = [float(parse_size(b)) for b in args.bandwidth.split(",")]
-    except ValueError as e:
-        raise ConfigError(f"`--workers`/`--bandwidth` take comma lists: {e}") from e
     report = simulate.simulation_report(
-        spec, plan, options, workers=workers, bandwidths=bandwidths,
+        spec, plan, options, workers=args.workers or [1, 4, 16, 64],
+        bandwidths=[float(b) for b in args.bandwidth or [10**9, 10**10]],
         task_rate=args.task_rate or simulate.DEFAULT_TASK_RATE_BYTES,
-        request_latency=args.request_latency,
+        request_latency=args.request_latency or 0.0,
     )  # fmt: skip
     print(json.dumps(report, indent=1) if args.json else simulate.render_simulation(report))
     return EXIT_OK
@@ -260,7 +353,6 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from zerosafe.describe import describe_plan, render_inspect
-    from zerosafe.errors import ConfigError
     from zerosafe.plan import build_plan
     from zerosafe.zero_checkpoint import open_zero_checkpoint
 
@@ -270,6 +362,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         return _cmd_simulate(args)
     if not args.checkpoint:
         raise ConfigError("`inspect` needs a checkpoint folder (or `--simulate SPEC`)")
+    given = [f"--{n.replace('_', '-')}" for n in _SIMULATION_ONLY if getattr(args, n) is not None]
+    if given:
+        raise ConfigError(
+            f"`{given[0]}` applies only with `--simulate SPEC`; drop it to inspect a checkpoint"
+        )
     options = _options(args)
     storage = _storage(args)
     ckpt = open_zero_checkpoint(storage, args.checkpoint, tag=args.tag)
@@ -282,12 +379,42 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_before_starting(args: argparse.Namespace, options: Any) -> str | None:
+    """Refuse what is plainly wrong in well under a second, before the flow (and the embedded
+    Prefect server, seconds to start) begins: a folder that holds no checkpoint, a tag that is
+    not there, an output that cannot be written. The flow checks everything again.
+
+    Returns:
+        The job key when the output already holds this very conversion, intact (the same
+        stat-only check the flow's inspect makes first): then there is nothing to run.
+    """
+    from zerosafe.errors import ConfigError
+    from zerosafe.output import quick_done
+    from zerosafe.storage import normalize_url
+    from zerosafe.zero_checkpoint import quick_identities
+
+    source, output = normalize_url(args.checkpoint), normalize_url(args.output)
+    if source == output:
+        raise ConfigError(f"{output}: the output folder must differ from the checkpoint folder")
+    storage = _storage(args)
+    quick_identities(storage, source, args.tag)
+    storage.ensure_folder(output)
+    return quick_done(storage, source, args.tag, output, options)
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from zerosafe.progress import NullProgress, TerminalProgress
 
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()
-    if args.no_flow:
+    done = _check_before_starting(args, options)
+    if done is not None:  # complete and intact: no checkpoint byte read, no server started
+        summary: dict[str, Any] = {
+            "status": "already-complete",
+            "output": args.output,
+            "job_key": done,
+        }
+    elif args.no_flow:
         from zerosafe.convert import convert_checkpoint
 
         summary = convert_checkpoint(
@@ -297,13 +424,14 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     else:
         from flows.runtime import configure_embedded_prefect, local_server
 
-        configure_embedded_prefect(verbose=bool(args.verbose))
+        configure_embedded_prefect(verbose=args.verbose)
         with local_server():  # unless PREFECT_API_URL names one
             from flows.convert import run_convert  # Prefect only from here on
 
             summary = run_convert(
                 args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
                 show_progress=show_progress, quiet=args.quiet, storage_options=_storage_options(args),
+                mode=_requested_mode(args),
             )  # fmt: skip
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -325,6 +453,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                 f"{summary['source_read_ratio']:.3f} x the {format_bytes(summary['source_bytes_needed'])} "
                 "it needs (fp32 masters, frozen params and buffers, pickles, zip directories)"
             )
+        if summary.get("mode_reason"):
+            print(f"  mode: {summary['mode_reason']}")
         for alias, target in summary.get("aliases", {}).items():
             print(f"  tied: {alias} -> {target} (stored once; recorded in the metadata)")
         for note in summary.get("notes", []):

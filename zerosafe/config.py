@@ -16,6 +16,7 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "DEFAULT_MEMORY_BYTES",
     "ConvertOptions",
+    "choose_mode",
     "normalize_dtype",
 ]
 
@@ -40,6 +41,47 @@ def normalize_dtype(name: str) -> str:
     return key
 
 
+MODES = ("auto", "direct", "staged")
+"""How merges read the fp32 masters: `direct` in place, `staged` from intermediates that one
+extract per rank part writes first, `auto` by where the checkpoint is (`choose_mode`)."""
+
+
+def choose_mode(source_url: str, mode: str = "auto") -> tuple[bool, str]:
+    """`(direct, why)` for a checkpoint at `source_url` and a requested `mode`.
+
+    `auto` reads a local or NFS checkpoint in place: its ranged reads are cheap, so the
+    extract stage's extra copy of every fp32 byte only costs time. An object store answers
+    many small ranged reads slowly, so there one sequential extract per rank part comes first.
+    Both keep resume: each merge task is cached and restartable either way.
+
+    Raises:
+        ConfigError: For an unknown mode, or `direct` on an object store.
+    """
+    from zerosafe.storage import is_local
+
+    if mode not in MODES:
+        raise ConfigError(f"`mode` must be one of {', '.join(MODES)} (got '{mode}')")
+    local = is_local(source_url)
+    if mode == "direct":
+        if not local:
+            raise ConfigError(
+                f"`mode: direct` reads the checkpoint in place and needs a local or NFS path, "
+                f"not '{source_url}'; use `mode: staged` (or `auto`) for object stores"
+            )
+        return True, "direct, as asked"
+    if mode == "staged":
+        return False, "staged, as asked"
+    if local:
+        return True, (
+            "direct (auto): the checkpoint is on a local or NFS path, so merges read its fp32 "
+            "ranges in place, with no intermediate copy"
+        )
+    return False, (
+        "staged (auto): the checkpoint is in an object store, where one sequential extract "
+        "per rank part costs less than many ranged reads per merge"
+    )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ConvertOptions:
     """How to convert. Fields that change output bytes are part of the job's identity."""
@@ -54,6 +96,8 @@ class ConvertOptions:
     """Leave frozen (requires_grad=False) params out of the output."""
     direct: bool = False
     """Merge straight from the source's fp32 records (local/NFS), with no intermediate copy."""
+    mode_reason: str = ""
+    """Why `direct` is what it is (`choose_mode`), for `inspect` and the run summary."""
     memory_bytes: int = DEFAULT_MEMORY_BYTES
     """Memory budget of one worker: the tasks it runs at once hold at most this much."""
     max_parallel_tasks: int = 2
@@ -81,12 +125,16 @@ class ConvertOptions:
                 f"`max_parallel_tasks` must be at least 1 (got {self.max_parallel_tasks})"
             )
         if self.extract_part_bytes < MIN_CHUNK_BYTES:
-            raise ConfigError(f"`extract_part_bytes` must be at least {MIN_CHUNK_BYTES}")
+            raise ConfigError(
+                f"`extract_part_bytes` must be at least {MIN_CHUNK_BYTES} bytes "
+                f"({MIN_CHUNK_BYTES // 2**20}MiB), got {self.extract_part_bytes}"
+            )
         floor = TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * MIN_CHUNK_BYTES
         if self.memory_bytes < floor:
             raise ConfigError(
                 f"`memory` budget {self.memory_bytes} bytes is below the minimum of {floor} "
-                f"bytes ({floor // 2**20} MiB) that one task needs"
+                f"bytes ({floor // 2**20} MiB) that one task needs; give at least "
+                f"{floor // 2**20}MiB"
             )
 
     @property

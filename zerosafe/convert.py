@@ -10,22 +10,41 @@ import logging
 import os
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from zerosafe.config import ConvertOptions
-from zerosafe.errors import StorageError
-from zerosafe.output import default_work_url, prepare_output, publish, quick_done
+from zerosafe.errors import IntegrityError, StorageError, VerificationError
+from zerosafe.lease import destination_lease
+from zerosafe.output import (
+    default_work_url,
+    discard_failed_work,
+    finish_work,
+    is_repair,
+    pending_url,
+    prepare_output,
+    publish,
+    quick_done,
+    reusable_shard,
+    shard_location,
+)
 from zerosafe.plan import Plan, build_plan, save_plan
 from zerosafe.progress import NullProgress, Progress
 from zerosafe.stages import DirectLocator, StagedLocator, check_integrity, extract_part, merge_shard
-from zerosafe.storage import Storage, is_local, join_url, local_path
+from zerosafe.storage import Storage, is_local, join_url, local_path, normalize_url
 from zerosafe.units import format_bytes
 from zerosafe.verify import verify_shard
 from zerosafe.verify_output import lowp_report
 from zerosafe.zero_checkpoint import open_zero_checkpoint
 
-__all__ = ["WorkLayout", "check_free_space", "convert_checkpoint", "peak_rss_bytes"]
+__all__ = [
+    "WorkLayout",
+    "check_free_space",
+    "convert_checkpoint",
+    "merge_or_reuse",
+    "peak_rss_bytes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +103,102 @@ def check_free_space(
             )
 
 
+def _run_stages(
+    plan: Plan,
+    storage: Storage,
+    out_url: str,
+    work: WorkLayout,
+    options: ConvertOptions,
+    progress: Progress,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Extract (staged), merge into pending shards and verify them, one after another."""
+    chunk = options.chunk_bytes
+    extracts: list[dict[str, Any]] = []
+    if options.direct:
+        locator: DirectLocator | StagedLocator = DirectLocator(plan, storage)
+    else:
+        repair = is_repair(storage, out_url, plan.plan_id)
+        reused = {
+            s.index
+            for s in plan.shards
+            if repair
+            and reusable_shard(storage, out_url, plan.plan_id, s.index, s.file_name) is not None
+        }
+        needed = sorted(
+            {p for i, parts in enumerate(plan.shard_parts()) if i not in reused for p in parts}
+        )
+        progress.start("extract", sum(plan.part_bytes(i) for i in needed))
+        for i in needed:
+            extracts.append(
+                extract_part(
+                    plan,
+                    i,
+                    storage,
+                    work.intermediate,
+                    chunk_bytes=chunk,
+                    on_bytes=progress.advance,
+                )  # fmt: skip
+            )
+        progress.finish()
+        locator = StagedLocator(plan, storage, work.intermediate)
+
+    merges = []
+    progress.start("merge", plan.slot_bytes)
+    try:
+        for shard in range(len(plan.shards)):
+            merges.append(
+                merge_or_reuse(
+                    plan,
+                    shard,
+                    storage,
+                    out_url,
+                    locator,
+                    chunk_bytes=chunk,
+                    on_bytes=progress.advance,
+                )  # fmt: skip
+            )
+    finally:
+        locator.close()
+    progress.finish()
+
+    verifies = []
+    progress.start("verify", sum(s.data_bytes for s in plan.shards))
+    for m in merges:
+        report = verify_shard(
+            storage, shard_location(storage, out_url, plan.plan_id, m["file"]),
+            expected=m["tensors"], check_finite=options.check_finite, chunk_bytes=chunk,
+            on_bytes=progress.advance,
+        )  # fmt: skip
+        verifies.append(report.as_dict())
+    progress.finish()
+    if options.check_lowp:
+        verifies.append(lowp_report(storage, plan.source, out_url, merges, job_key=plan.plan_id))
+    return extracts, merges, verifies
+
+
+def merge_or_reuse(
+    plan: Plan,
+    shard: int,
+    storage: Storage,
+    out_url: str,
+    locator: DirectLocator | StagedLocator,
+    *,
+    chunk_bytes: int,
+    on_bytes: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Merge output shard `shard` into the job's pending folder, or, in a repair, reuse the
+    published shard when it is still as published."""
+    file_name = plan.shards[shard].file_name
+    reused = reusable_shard(storage, out_url, plan.plan_id, shard, file_name)
+    if reused is not None:
+        log.info("%s: still as published; kept", join_url(out_url, file_name))
+        return reused
+    return merge_shard(
+        plan, shard, storage, pending_url(out_url, plan.plan_id), locator,
+        chunk_bytes=chunk_bytes, on_bytes=on_bytes,
+    )  # fmt: skip
+
+
 def convert_checkpoint(
     ckpt_url: str,
     out_url: str,
@@ -110,8 +225,28 @@ def convert_checkpoint(
     """
     options = options or ConvertOptions()
     storage = storage or Storage()
+    ckpt_url, out_url = normalize_url(ckpt_url), normalize_url(out_url)
+    work_url = normalize_url(work_url) if work_url else None
     progress = progress or NullProgress()
     started = time.monotonic()
+    with destination_lease(storage, out_url, job=f"{ckpt_url} -> {out_url}", clean=[out_url]):
+        return _convert_held(
+            ckpt_url, out_url, options, tag=tag, storage=storage, work_url=work_url,
+            progress=progress, started=started,
+        )  # fmt: skip
+
+
+def _convert_held(
+    ckpt_url: str,
+    out_url: str,
+    options: ConvertOptions,
+    *,
+    tag: str | None,
+    storage: Storage,
+    work_url: str | None,
+    progress: Progress,
+    started: float,
+) -> dict[str, Any]:
     done = quick_done(storage, ckpt_url, tag, out_url, options)
     if done is not None:
         return {"status": "already-complete", "output": out_url, "job_key": done}
@@ -125,87 +260,31 @@ def convert_checkpoint(
     work = WorkLayout(work_url or default_work_url(out_url, plan.plan_id))
     check_free_space(storage, plan, out_url, work.root, direct=options.direct)
     save_plan(plan, storage, work.plan)
-    chunk = options.chunk_bytes
-
-    extracts: list[dict[str, Any]] = []
-    if options.direct:
-        locator: DirectLocator | StagedLocator = DirectLocator(plan, storage)
-    else:
-        progress.start("extract", plan.slot_bytes)
-        for i in range(len(plan.parts)):
-            extracts.append(
-                extract_part(
-                    plan,
-                    i,
-                    storage,
-                    work.intermediate,
-                    chunk_bytes=chunk,
-                    on_bytes=progress.advance,
-                )
-            )
-        progress.finish()
-        locator = StagedLocator(plan, storage, work.intermediate)
-
-    merges = []
-    progress.start("merge", plan.slot_bytes)
     try:
-        for shard in range(len(plan.shards)):
-            merges.append(
-                merge_shard(
-                    plan,
-                    shard,
-                    storage,
-                    out_url,
-                    locator,
-                    chunk_bytes=chunk,
-                    on_bytes=progress.advance,
-                )
-            )
-    finally:
-        locator.close()
-    progress.finish()
-
-    verifies = []
-    progress.start("verify", sum(s.data_bytes for s in plan.shards))
-    for m in merges:
-        report = verify_shard(
-            storage, join_url(out_url, m["file"]), expected=m["tensors"],
-            check_finite=options.check_finite, chunk_bytes=chunk, on_bytes=progress.advance,
+        extracts, merges, verifies = _run_stages(plan, storage, out_url, work, options, progress)
+        integrity = check_integrity(
+            plan, storage, [e["ledger"] for e in extracts] + [m["ledger"] for m in merges],
+            intermediate_url=None if options.direct else work.intermediate,
+        ).as_dict()  # fmt: skip
+        seconds = time.monotonic() - started
+        stats = {
+            "seconds": round(seconds, 3),
+            "bytes_read": storage.counter.bytes_read,
+            "source_bytes_read": storage.counter.bytes_read_from({f.url for f in plan.files}),
+            "fp32_bytes": plan.fp32_bytes,
+            "bytes_written": storage.counter.bytes_written,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "mode": "direct" if options.direct else "staged",
+            "mode_reason": options.mode_reason,
+        }
+        manifest = publish(
+            plan, storage, out_url, options=options, merges=merges, verifies=verifies,
+            integrity=integrity, stats=stats,
         )  # fmt: skip
-        verifies.append(report.as_dict())
-    progress.finish()
-    if options.check_lowp:
-        verifies.append(lowp_report(storage, plan.source, out_url, merges))
-
-    integrity = check_integrity(
-        plan, storage, [e["ledger"] for e in extracts] + [m["ledger"] for m in merges],
-        intermediate_url=None if options.direct else work.intermediate,
-    ).as_dict()  # fmt: skip
-    seconds = time.monotonic() - started
-    stats = {
-        "seconds": round(seconds, 3),
-        "bytes_read": storage.counter.bytes_read,
-        "source_bytes_read": storage.counter.bytes_read_from({f.url for f in plan.files}),
-        "fp32_bytes": plan.fp32_bytes,
-        "bytes_written": storage.counter.bytes_written,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "mode": "direct" if options.direct else "staged",
-    }
-    manifest = publish(
-        plan,
-        storage,
-        out_url,
-        options=options,
-        merges=merges,
-        verifies=verifies,
-        integrity=integrity,
-        stats=stats,
-    )
-    if not options.keep_work:
-        storage.remove_tree(work.root)
-        parent = work.root.rsplit("/", 1)[0]
-        if is_local(parent) and not storage.listdir(parent):
-            storage.remove_tree(parent)
+    except (IntegrityError, VerificationError):
+        discard_failed_work(storage, out_url, plan.plan_id, work.root)
+        raise
+    finish_work(storage, out_url, plan.plan_id, work.root, keep=options.keep_work)
     return {
         "status": "converted",
         "output": out_url,

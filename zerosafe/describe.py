@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosafe.config import OUTPUT_DTYPES, ConvertOptions
+from zerosafe.config import OUTPUT_DTYPES, PIPELINE_BUFFERS, TASK_OVERHEAD_BYTES, ConvertOptions
 from zerosafe.dtypes import dtype_info
 from zerosafe.plan import Plan
 from zerosafe.units import format_bytes
@@ -34,6 +34,7 @@ def describe_plan(
     checkpoint_bytes = plan.source["checkpoint_bytes"]
     read_bytes = plan.slot_bytes + metadata_bytes_read
     parallel = options.parallel_tasks
+    memory = _memory_estimate(plan, options)
     return {
         "checkpoint": ckpt.ckpt_url,
         "tag": ckpt.tag,
@@ -80,7 +81,8 @@ def describe_plan(
             "parallel_tasks": parallel,
             "chunk_bytes": options.chunk_bytes,
             "task_bytes": options.task_memory_bytes,
-            "peak_bytes": parallel * options.task_memory_bytes,
+            "budget_peak_bytes": parallel * options.task_memory_bytes,
+            **memory,
             "interpreter_baseline_bytes": INTERPRETER_BASELINE_BYTES,
         },
         "tasks": {
@@ -88,9 +90,38 @@ def describe_plan(
             "merge": len(plan.shards),
             "verify": len(plan.shards),
         },
+        "mode": "direct" if options.direct else "staged",
+        "mode_reason": options.mode_reason,
         "plan_id": plan.plan_id,
         "notes": plan.notes,
         "warnings": plan.warnings,
+    }
+
+
+def _memory_estimate(plan: Plan, options: ConvertOptions) -> dict[str, int]:
+    """What this checkpoint's tasks hold at most, not only what the budget allows.
+
+    A task's pipeline allocates `PIPELINE_BUFFERS` buffers of one chunk, and a chunk is never
+    larger than the largest piece the task copies (`zerosafe.streaming._chunk_need`): a small
+    checkpoint needs small buffers whatever the budget. Tasks at once are bounded by the
+    budget and by how many tasks a stage has.
+    """
+    widest = 0  # the largest piece, in the wider of its source and output element
+    for t in plan.tensors:
+        size = max(dtype_info(t.src_dtype).itemsize, dtype_info(t.out_dtype).itemsize)
+        widest = max(widest, t.numel * size)
+    if not options.direct:
+        for part in plan.parts:
+            for _, _, numel in part.pieces:
+                widest = max(widest, numel * 4)  # fp32 slot ranges
+    buffer_bytes = min(options.chunk_bytes, widest)
+    task_bytes = TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * buffer_bytes
+    most_tasks = max(len(plan.shards), 0 if options.direct else len(plan.parts), 1)
+    tasks_at_once = min(options.parallel_tasks, most_tasks)
+    return {
+        "tasks_at_once": tasks_at_once,
+        "buffer_bytes": buffer_bytes,
+        "peak_bytes": tasks_at_once * task_bytes,
     }
 
 
@@ -122,7 +153,12 @@ def render_inspect(r: dict[str, Any]) -> str:
         f"{format_bytes(reads['metadata_bytes'])}; Adam moments are never read",
         "Output      "
         + ", ".join(f"{dt}: {format_bytes(n)}" for dt, n in out["bytes_by_dtype"].items())
-        + f"; planned as {out['dtype']} in {len(out['shards'])} file(s) of at most {format_bytes(out['max_shard_bytes'])}",
+        + f"; planned as {out['dtype']} in {len(out['shards'])} file(s) of at most {format_bytes(out['max_shard_bytes'])}"
+        + (
+            f" ({over} holding one larger tensor each)"
+            if (over := sum(s["bytes"] > out["max_shard_bytes"] for s in out["shards"]))
+            else ""
+        ),
     ]
     for shard in out["shards"][:12]:
         lines.append(
@@ -132,17 +168,19 @@ def render_inspect(r: dict[str, Any]) -> str:
         lines.append(f"  ... and {len(out['shards']) - 12} more")
     if out["intermediate_bytes"]:
         lines.append(
-            f"  work area: {format_bytes(out['intermediate_bytes'])} of intermediates (staged mode; --direct skips them)"
+            f"  work area: {format_bytes(out['intermediate_bytes'])} of intermediates (staged mode; --mode direct skips them)"
         )
     lines.append(
-        f"Memory      peak {format_bytes(mem['peak_bytes'])} under the {format_bytes(mem['budget_bytes'])} budget: "
-        f"{mem['parallel_tasks']} task(s) at once x {format_bytes(mem['task_bytes'])} "
-        f"({format_bytes(mem['chunk_bytes'])} chunks), plus about {format_bytes(mem['interpreter_baseline_bytes'])} "
-        "for the interpreter"
+        f"Memory      about {format_bytes(mem['peak_bytes'])} for this checkpoint: {mem['tasks_at_once']} task(s) at once, "
+        f"each {PIPELINE_BUFFERS} buffers of {format_bytes(mem['buffer_bytes'])} (its largest piece) plus "
+        f"{format_bytes(TASK_OVERHEAD_BYTES)}; plus about {format_bytes(mem['interpreter_baseline_bytes'])} for the interpreter. "
+        f"The {format_bytes(mem['budget_bytes'])} budget bounds any checkpoint at {format_bytes(mem['budget_peak_bytes'])} "
+        f"({mem['parallel_tasks']} task(s) x {format_bytes(mem['task_bytes'])}, {format_bytes(mem['chunk_bytes'])} chunks)"
     )
     lines.append(
         f"Tasks       {r['tasks']['extract']} extract, {r['tasks']['merge']} merge, {r['tasks']['verify']} verify"
     )
+    lines.append(f"Mode        {r['mode_reason'] or r['mode']}")
     for note in r["notes"]:
         lines.append(f"note: {note}")
     for warning in r["warnings"]:

@@ -31,6 +31,7 @@ from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
 from zerosafe.storage import Storage, join_url
 from zerosafe.torch_zip import TensorRecord
+from zerosafe.verify_source import content_fingerprint
 from zerosafe.zero_checkpoint import LoadedFile, ZeroCheckpoint
 from zerosafe.zero_layout import split_by_segments, zero3_pieces, zero12_partition_pieces
 
@@ -227,6 +228,22 @@ class Plan:
 
     def part_bytes(self, part: int) -> int:
         return sum(n * self.slots[s].itemsize for s, _, n in self.parts[part].pieces)
+
+    def shard_parts(self) -> list[list[int]]:
+        """Per output shard, the extract parts (staged mode) its merge reads, in order."""
+        parts_of_slot: dict[int, set[int]] = {}
+        for p in self.parts:
+            for slot, _, _ in p.pieces:
+                parts_of_slot.setdefault(slot, set()).add(p.index)
+        out = []
+        for shard in self.shards:
+            slots = {
+                slot
+                for t in self.shard_tensors(shard.index)
+                for slot, *_ in self.fragments.for_tensor(t.index)
+            }
+            out.append(sorted({p for slot in slots for p in parts_of_slot.get(slot, ())}))
+        return out
 
 
 def shard_file_name(index: int, count: int) -> str:
@@ -482,6 +499,21 @@ def build_plan(ckpt: ZeroCheckpoint, options: ConvertOptions) -> Plan:
             )
         )  # fmt: skip
 
+    notes = list(ckpt.notes)
+    if options.exclude_frozen and ckpt.frozen:
+        names = [fp.name for fp in ckpt.frozen]
+        notes.append(
+            f"{len(names)} frozen param(s) left out of the output (`exclude_frozen`, "
+            f"--exclude-frozen): {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+        )
+    oversized = [s for s in specs if s.out_nbytes > options.max_shard_bytes]
+    if oversized:
+        big = max(oversized, key=lambda s: s.out_nbytes)
+        notes.append(
+            f"{len(oversized)} tensor(s) exceed the shard size of {options.max_shard_bytes} bytes "
+            f"and get a file of their own, the largest '{big.name}' ({big.out_nbytes} bytes); "
+            "safetensors files never split a tensor"
+        )
     fragments = FragmentTable.from_rows(rows)
     used_slots = sorted(set(fragments.slot.tolist()))
     parts = _plan_parts(slots, used_slots, options.extract_part_bytes)
@@ -497,6 +529,7 @@ def build_plan(ckpt: ZeroCheckpoint, options: ConvertOptions) -> Plan:
         "num_params": sum(_numel(s) for g in ckpt.param_groups for _, s in g),
         "checkpoint_bytes": sum(f.identity.size_bytes for f in ckpt.files),
         "files": _source_identity(ckpt),
+        "content_sha256": content_fingerprint(ckpt),
     }
     return Plan(
         plan_id=job_key(ckpt, options),
@@ -509,7 +542,7 @@ def build_plan(ckpt: ZeroCheckpoint, options: ConvertOptions) -> Plan:
         parts=parts,
         fragments=fragments,
         aliases=aliases,
-        notes=list(ckpt.notes),
+        notes=notes,
         warnings=list(ckpt.warnings),
     )
 

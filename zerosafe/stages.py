@@ -255,6 +255,10 @@ def extract_part(
         "crc32": {e.name: c for e, c in zip(entries, writer.crc32, strict=True)},
     }
     storage.write_bytes(_sidecar_url(url), json.dumps(sums).encode())
+    log.info(
+        "extract rank %d part %d: %d bytes into %s in %.1f s",
+        part.rank, part.number, writer.file_bytes, part.file_name, time.monotonic() - started,
+    )  # fmt: skip
     return {
         "part": index,
         "rank": part.rank,
@@ -363,6 +367,11 @@ def merge_shard(
     except BaseException:
         writer.abort()
         raise
+    log.info(
+        "merge shard %d/%d: %d tensors, %d bytes into %s in %.1f s",
+        shard + 1, len(plan.shards), len(tensors), writer.file_bytes, spec.file_name,
+        time.monotonic() - started,
+    )  # fmt: skip
     return {
         "shard": shard,
         "file": spec.file_name,

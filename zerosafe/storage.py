@@ -45,6 +45,7 @@ __all__ = [
     "is_local",
     "join_url",
     "local_path",
+    "normalize_url",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,19 @@ def is_local(url: str) -> bool:
 def local_path(url: str) -> str:
     """The OS path of a local URL (`file:///x` or `/x`)."""
     return url[len("file://") :] if url.startswith("file://") else url
+
+
+def normalize_url(url: str) -> str:
+    """One spelling per location, before a URL enters any identity (job key, lease, manifest).
+
+    A local path or `file://` URL becomes the absolute, symlink-resolved path, so `ckpt`,
+    `./ckpt`, `/abs/ckpt` and `file:///abs/ckpt` are one job. Other URLs only lose a trailing
+    `/`.
+    """
+    if is_local(url):
+        path = local_path(url)
+        return os.path.realpath(os.path.expanduser(path)) if path else path
+    return url.rstrip("/") if not url.endswith("://") else url
 
 
 def join_url(base: str, *parts: str) -> str:
@@ -591,6 +605,53 @@ class Storage:
         except BaseException:
             sink.abort()
             raise
+
+    def ensure_folder(self, url: str) -> None:
+        """Make sure `url` is a folder this process can write into (created if missing).
+
+        Raises:
+            StorageError: If it is a file, under a file, or not writable (permissions, a
+                read-only filesystem), naming the path and the reason.
+        """
+        if not is_local(url):
+            return  # object stores have no folders; permissions show on the first write
+        path = local_path(url)
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise StorageError(
+                f"{url}: expected an output folder, found a file. Choose a folder path (it is "
+                "created if missing)."
+            )
+        probe = os.path.join(path, f".zerosafe-probe-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.makedirs(path, exist_ok=True)
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+        except OSError as e:
+            reason = e.strerror or str(e)
+            raise StorageError(
+                f"{url}: expected a folder this user can write, but writing there failed: "
+                f"{reason}. Choose another output folder, or fix its permissions (or mount it "
+                "read-write)."
+            ) from e
+
+    def rename(self, src_url: str, dst_url: str) -> None:
+        """Move a finished file to its final name (atomic locally; a server-side copy on
+        object stores, where the object appears whole or not at all)."""
+        if is_local(src_url) and is_local(dst_url):
+            dst = local_path(dst_url)
+            try:
+                os.replace(local_path(src_url), dst)
+                _fsync_dir(os.path.dirname(dst) or ".")
+            except OSError as e:
+                raise StorageError(
+                    f"{dst_url}: could not move {src_url} into place: {e.strerror}"
+                ) from e
+            return
+        fs, src = self._fs(src_url)
+        _, dst = self._fs(dst_url)
+        with translated_errors(dst_url, "write"):
+            fs.mv(src, dst)
 
     def makedirs(self, url: str) -> None:
         if is_local(url):

@@ -204,7 +204,7 @@ def _rebuild_tensor_v2(
     metadata: Any = None,
 ) -> TensorRecord:
     # a typed storage: the tensor's dtype is the storage's
-    ref, _ = storage
+    ref = _storage_ref(storage)
     return _rebuild_tensor_v3(
         storage, storage_offset, size, stride, requires_grad, backward_hooks, ref.dtype
     )
@@ -221,15 +221,34 @@ def _rebuild_tensor_v3(
     metadata: Any = None,
 ) -> TensorRecord:
     # v3 is used with untyped (byte) storages: the offset is in elements of `dtype`.
-    ref, _ = storage
     return TensorRecord(
-        storage=ref,
-        storage_offset=int(storage_offset),
-        shape=tuple(int(s) for s in size),
-        stride=tuple(int(s) for s in stride),
+        storage=_storage_ref(storage),
+        storage_offset=_exact_int(storage_offset, "storage offset"),
+        shape=tuple(_exact_int(s, "size") for s in size),
+        stride=tuple(_exact_int(s, "stride") for s in stride),
         dtype=str(dtype),
         requires_grad=bool(requires_grad),
     )
+
+
+def _storage_ref(storage: Any) -> StorageRef:
+    ref = storage[0] if isinstance(storage, tuple) and len(storage) == 2 else storage
+    if not isinstance(ref, StorageRef):
+        raise CheckpointFormatError(
+            f"a tensor is rebuilt from {type(ref).__name__} {ref!r} where torch.save writes a "
+            "storage reference; the file was not written by torch.save"
+        )
+    return ref
+
+
+def _exact_int(value: Any, what: str) -> int:
+    # int() would quietly turn 2.7 into 2 or '3' into 3; torch.save writes Python ints only.
+    if type(value) is not int:
+        raise CheckpointFormatError(
+            f"a tensor's {what} is {type(value).__name__} {value!r}, expected an int; the file "
+            "was not written by torch.save"
+        )
+    return value
 
 
 def _rebuild_tensor_v1(
@@ -402,9 +421,23 @@ class _RestrictedUnpickler(pickle.Unpickler):
         _, storage_type, key, location, numel = pid
         if not isinstance(storage_type, _StorageType):
             raise CheckpointFormatError(f"{self._url}: storage of unknown type {storage_type!r}")
+        if type(numel) is not int or numel < 0:
+            raise CheckpointFormatError(
+                f"{self._url}: storage '{key}' has {numel!r} elements, expected a count >= 0; "
+                "the file is corrupt or was not written by torch.save"
+            )
         ref = StorageRef(
-            key=str(key), dtype=storage_type.dtype, numel=int(numel), location=str(location)
+            key=str(key), dtype=storage_type.dtype, numel=numel, location=str(location)
         )
+        known = self.storages.get(ref.key)
+        if known is not None and known != ref:
+            # torch.save refuses to save one storage under two types; a file that does would
+            # size its views against whichever reference came first.
+            raise CheckpointFormatError(
+                f"{self._url}: storage '{key}' is named twice with different types or sizes "
+                f"({known.numel} x {known.dtype}, then {ref.numel} x {ref.dtype}); the file "
+                "was not written by torch.save"
+            )
         self.storages[ref.key] = ref
         return (ref, storage_type.dtype)
 
@@ -671,8 +704,10 @@ class TorchZipFile:
         unpickler = _RestrictedUnpickler(data, self.url)
         try:
             obj = unpickler.load()
-        except (CheckpointFormatError, IntegrityError):
-            raise
+        except (CheckpointFormatError, IntegrityError) as e:
+            if str(e).startswith(self.url):
+                raise
+            raise type(e)(f"{self.url}: {e}") from e  # raised by a rebuild function
         except Exception as e:
             raise CheckpointFormatError(f"{self.url}: the pickle could not be read: {e}") from e
         self.globals_found |= unpickler.globals_found

@@ -339,6 +339,11 @@ def verify_shard(
             _compare_expected(report, expected, name)
     finally:
         source.close()
+    log.info(
+        "verify %s: %d tensors, %d bytes read, %s",
+        name, len(report.tensors), report.bytes_read,
+        f"{len(report.failures)} check(s) failed" if report.failures else "ok",
+    )  # fmt: skip
     return report
 
 

@@ -13,14 +13,24 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from zerosafe.dtypes import dtype_info, torch_dtype
-from zerosafe.errors import CheckpointFormatError
-from zerosafe.output import INDEX_NAME, MANIFEST_NAME, MARKER_NAME, read_complete_manifest
-from zerosafe.storage import Storage, join_url
+from zerosafe.errors import CheckpointFormatError, ConversionError
+from zerosafe.lease import DESTINATION_LEASE_NAME
+from zerosafe.output import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    MARKER_NAME,
+    WORK_DIR_NAME,
+    read_complete_manifest,
+    shard_location,
+)
+from zerosafe.storage import Storage, join_url, normalize_url
 from zerosafe.verify import Failure, parse_safetensors_header, verify_shard
+from zerosafe.verify_source import content_fingerprint, sample_values
 
 __all__ = ["render_verify", "verify_output"]
 
@@ -52,9 +62,29 @@ def verify_output(
         CheckpointFormatError: If there is no safetensors output to check at all.
     """
     storage = storage or Storage()
+    out_url = normalize_url(out_url)
+    if not storage.isdir(out_url):
+        what = "a file" if storage.exists(out_url) else "missing"
+        raise CheckpointFormatError(
+            f"{out_url}: expected an output folder (model.safetensors or an index with its "
+            f"shards), found {what}. Pass the folder `zerosafe convert` wrote."
+        )
     names = storage.listdir(out_url)
     failures: list[Failure] = []
     index = None
+    unfinished = _unfinished_work(names)
+    if unfinished and MARKER_NAME not in names:
+        failures.append(
+            Failure(
+                MARKER_NAME,
+                "*",
+                "complete",
+                f"incomplete conversion: zerosafe work files ({', '.join(unfinished)}) but no "
+                "completion marker; run the same `zerosafe convert` again to finish it",
+            )  # fmt: skip
+        )
+        if INDEX_NAME not in names and "model.safetensors" not in names:
+            return _report(out_url, failures, complete=False)
     if INDEX_NAME in names:
         index = _load_json(storage, join_url(out_url, INDEX_NAME))
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -116,9 +146,9 @@ def verify_output(
         else:
             try:
                 vouched = read_complete_manifest(storage, out_url)
-            except (ValueError, AttributeError, TypeError) as e:
+            except (ValueError, AttributeError, TypeError, ConversionError) as e:
                 failures.append(
-                    Failure(MARKER_NAME, "*", "complete", f"unreadable completion marker: {e}")
+                    Failure(MARKER_NAME, "*", "complete", f"completion marker not usable: {e}")
                 )
             else:
                 if vouched is None:
@@ -260,7 +290,7 @@ def verify_output(
         exclude_frozen = bool(((manifest or {}).get("options") or {}).get("exclude_frozen"))
         against_report = _check_against(
             storage, out_url, against, tag, reports, aliases, failures, chunk_bytes,
-            exclude_frozen=exclude_frozen,
+            exclude_frozen=exclude_frozen, source=(manifest or {}).get("source"),
         )  # fmt: skip
 
     tensors = {t: info for r in reports for t, info in r.tensors.items()}
@@ -279,6 +309,29 @@ def verify_output(
             if info["nan"] or info["posinf"] or info["neginf"]
         },
         "against": against_report,
+        "failures": [f.as_dict() for f in failures],
+    }
+
+
+def _unfinished_work(names: list[str]) -> list[str]:
+    """The zerosafe work files among a folder's entries (a run's plan, pending shards,
+    intermediates or lease)."""
+    return [n for n in names if n in (WORK_DIR_NAME, DESTINATION_LEASE_NAME)]
+
+
+def _report(out_url: str, failures: list[Failure], *, complete: bool | None) -> dict[str, Any]:
+    """The report of an output with nothing to check tensor by tensor."""
+    return {
+        "output": out_url,
+        "ok": not failures,
+        "files": [],
+        "num_tensors": 0,
+        "data_bytes": 0,
+        "complete": complete,
+        "has_manifest": False,
+        "aliases": {},
+        "nonfinite": {},
+        "against": None,
         "failures": [f.as_dict() for f in failures],
     }
 
@@ -305,8 +358,10 @@ def _check_against(
     chunk_bytes: int,
     *,
     exclude_frozen: bool = False,
+    source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Coverage against the checkpoint, and the ZeRO-1/2 16-bit cross-check.
+    """Coverage against the checkpoint, its identity (`source`: the manifest's record), a
+    sample of values, and the ZeRO-1/2 16-bit cross-check.
 
     With `exclude_frozen` (the output's manifest says it was converted so), frozen params
     must be absent instead of present.
@@ -363,12 +418,29 @@ def _check_against(
         if name not in expected and name not in ckpt.shared:
             failures.append(Failure(stored[name][0], name, "coverage", "not in the checkpoint"))
 
+    content = content_fingerprint(ckpt)
+    source = source or {}
+    recorded = source.get("content_sha256")
+    if recorded is not None and recorded != content:
+        failures.append(
+            Failure(
+                MANIFEST_NAME,
+                "*",
+                "source",
+                f"converted from {source.get('checkpoint')} (tag {source.get('tag')}) whose "
+                f"contents differ from {ckpt.ckpt_url} (tag {ckpt.tag}): another checkpoint, "
+                "another step, or files changed since",
+            )  # fmt: skip
+        )
+    sampled = sample_values(storage, out_url, ckpt, stored, failures)
     checked, mismatched, skipped_why = lowp_cross_check(
         storage, out_url, ckpt, stored, failures, chunk_bytes
     )
     return {
         "checkpoint": ckpt.ckpt_url,
         "tag": ckpt.tag,
+        "source_identity": _identity_word(recorded, content),
+        "values_sampled": sampled,
         "expected_tensors": len(expected),
         "lowp_checked": checked,
         "lowp_mismatched": mismatched,
@@ -376,21 +448,36 @@ def _check_against(
     }
 
 
+def _identity_word(recorded: str | None, content: str) -> str:
+    if recorded is None:
+        return "no record in the output"
+    return "same contents" if recorded == content else "different"
+
+
 def lowp_report(
-    storage: Storage, source: dict[str, Any], out_url: str, merges: list[dict[str, Any]]
+    storage: Storage,
+    source: dict[str, Any],
+    out_url: str,
+    merges: list[dict[str, Any]],
+    *,
+    job_key: str | None = None,
 ) -> dict[str, Any]:
     """The 16-bit cross-check of a conversion's output, as a verify-shaped report.
 
     Args:
         source: The plan's `source` (checkpoint URL and tag).
         merges: The merge summaries (which file holds which tensor, its dtype and shape).
+        job_key: The job whose shards are still pending publish (read them there).
     """
     from zerosafe.zero_checkpoint import open_zero_checkpoint
 
     ckpt = open_zero_checkpoint(storage, source["checkpoint"], tag=source["tag"])
     stored = {name: (m["file"], info) for m in merges for name, info in m["tensors"].items()}
     failures: list[Failure] = []
-    checked, mismatched, why = lowp_cross_check(storage, out_url, ckpt, stored, failures)
+    checked, mismatched, why = lowp_cross_check(
+        storage, out_url, ckpt, stored, failures,
+        locate=(lambda f: shard_location(storage, out_url, job_key, f)) if job_key else None,
+    )  # fmt: skip
     return {
         "file": "*",
         "check": "lowp",
@@ -408,6 +495,8 @@ def lowp_cross_check(
     stored: dict[str, tuple[str, dict[str, Any]]],
     failures: list[Failure],
     chunk_bytes: int = 16 * 2**20,
+    *,
+    locate: Callable[[str], str] | None = None,
 ) -> tuple[int, int, str | None]:
     """ZeRO-1/2: each output tensor cast to the training dtype must equal the 16-bit weight
     DeepSpeed saved in the model states, a witness independent of the fp32 partitions.
@@ -446,7 +535,7 @@ def lowp_cross_check(
                 continue
             file = stored[name][0]
             if file not in sources:
-                src = storage.open_source(join_url(out_url, file))
+                src = storage.open_source(locate(file) if locate else join_url(out_url, file))
                 sources[file] = (src, *parse_safetensors_header(src))
             checked += 1
             if not _compare_lowp(sources[file], name, out_dtype, model0, m, chunk_bytes):
@@ -511,6 +600,7 @@ def render_verify(report: dict[str, Any]) -> str:
         a = report["against"]
         lines.append(
             f"  against {a['checkpoint']} (tag {a['tag']}): {a['expected_tensors']} tensors expected; "
+            f"source {a.get('source_identity')}; {a.get('values_sampled', 0)} value samples compared; "
             + (
                 f"16-bit cross-check skipped ({a['lowp_skipped']})"
                 if a["lowp_checked"] == 0 and a["lowp_skipped"]

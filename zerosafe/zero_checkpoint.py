@@ -22,7 +22,8 @@ from zerosafe.errors import (
     LayoutMismatchError,
     UnsupportedCheckpointError,
 )
-from zerosafe.storage import FileIdentity, Storage, join_url
+from zerosafe.save_identity import check_one_save
+from zerosafe.storage import FileIdentity, Storage, join_url, normalize_url
 from zerosafe.torch_zip import InertObject, TensorRecord, TorchZipFile
 
 __all__ = [
@@ -113,6 +114,19 @@ class ZeroCheckpoint:
         return [name for group in self.param_groups for name, _ in group]
 
 
+def _file_not_folder(url: str) -> str:
+    """The error for a file given where a checkpoint folder is expected, with the fix."""
+    folder, _, name = url.rpartition("/")
+    if name.endswith(("_optim_states.pt", "_model_states.pt")):
+        fix = f"give its tag folder '{folder or '.'}' (or the folder above, holding `latest`)"
+    else:
+        fix = f"to convert one torch.save file, use `zerosafe pt2st {url}`"
+    return (
+        f"{url}: is a file; expected a DeepSpeed checkpoint folder (holding `latest`) or a tag "
+        f"folder (holding *_optim_states.pt); {fix}"
+    )
+
+
 def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str, str]:
     """Resolve `CKPT_DIR [--tag T]` to `(tag, tag folder URL)`.
 
@@ -121,11 +135,14 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
     Raises:
         CheckpointFormatError: If no tag can be found, with what the folder does hold.
     """
-    ckpt_url = ckpt_url.rstrip("/") or "/"
+    ckpt_url = normalize_url(ckpt_url)
     if not storage.isdir(ckpt_url):
+        if storage.exists(ckpt_url):
+            raise CheckpointFormatError(_file_not_folder(ckpt_url))
         raise CheckpointFormatError(f"{ckpt_url}: no such checkpoint folder")
     names = storage.listdir(ckpt_url)
     if tag is not None:
+        _check_tag_name(ckpt_url, tag, "`--tag`")
         tag_url = join_url(ckpt_url, tag)
         if not storage.isdir(tag_url):
             tags = [n for n in names if storage.isdir(join_url(ckpt_url, n))]
@@ -136,7 +153,7 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
     if any(n.endswith("_model_states.pt") for n in names):
         return ckpt_url.rstrip("/").rsplit("/", 1)[-1], ckpt_url
     if "latest" in names:
-        tag = storage.read_bytes(join_url(ckpt_url, "latest")).decode().strip()
+        tag = _tag_from_latest(storage, ckpt_url)
         tag_url = join_url(ckpt_url, tag)
         if not storage.isdir(tag_url):
             raise CheckpointFormatError(
@@ -150,6 +167,41 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
         f"DeepSpeed checkpoint folder or tag folder. Folders inside: {subdirs or 'none'}; "
         "pass the folder that holds 'latest', or --tag TAG."
     )
+
+
+def _check_tag_name(ckpt_url: str, tag: str, where: str) -> None:
+    """A tag names one folder inside the checkpoint folder, nothing else."""
+    if (
+        not tag
+        or tag in (".", "..")
+        or "/" in tag
+        or "\\" in tag
+        or "\0" in tag
+        or "://" in tag
+        or tag != tag.strip()
+    ):
+        raise CheckpointFormatError(
+            f"{ckpt_url}: {where} names tag {tag!r}, which is not a folder name inside the "
+            "checkpoint folder (a tag is one folder name, e.g. 'global_step1000'). Fix "
+            "'latest', or pass --tag with the tag folder to convert."
+        )
+
+
+def _tag_from_latest(storage: Storage, ckpt_url: str) -> str:
+    url = join_url(ckpt_url, "latest")
+    raw = storage.read_bytes(url)
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = repr(raw[:40])
+    if not tag or len(raw) > 4096:
+        raise CheckpointFormatError(
+            f"{url}: expected the name of the tag to convert (e.g. 'global_step1000'), found "
+            f"{'an empty file' if not tag else f'{len(raw)} bytes'}. Is training still saving? "
+            "Pass --tag TAG to convert a tag folder that is complete."
+        )
+    _check_tag_name(ckpt_url, tag, "'latest'")
+    return tag
 
 
 def _scan_files(storage: Storage, tag_url: str) -> tuple[dict[int, str], dict[int, str], list[str]]:
@@ -320,6 +372,7 @@ def open_zero_checkpoint(
         UnsupportedCheckpointError: Layouts zerosafe does not convert yet.
         LayoutMismatchError: Ranks or sizes that disagree.
     """
+    ckpt_url = normalize_url(ckpt_url)
     tag, tag_url = find_tag_dir(storage, ckpt_url, tag)
     optim_urls, model_urls, _ = _scan_files(storage, tag_url)
 
@@ -379,6 +432,7 @@ def open_zero_checkpoint(
 
     optim_files = [optim_by_rank[r] for r in range(world_size)]
     model_files = [model_by_rank[r] for r in sorted(model_by_rank)]
+    check_one_save(tag_url, optim_files, model_files)
 
     for f in optim_files:
         osd = f.obj.get("optimizer_state_dict")
@@ -633,6 +687,13 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
             f"{len(recovered)} frozen param(s) taken from the {ckpt.train_dtype} module weights in "
             f"{model0.url.rsplit('/', 1)[-1]} ({why}; DeepSpeed's converter drops them): "
             + ", ".join(recovered)
+        )
+    if ckpt.stage >= 2 and "frozen_param_shapes" in obj and frozen_shapes is None and not recovered:
+        # DeepSpeed writes None here only when saving with `exclude_frozen_parameters=True`
+        # (engine.py: save_frozen_param = partition_gradients and not exclude_frozen_parameters).
+        ckpt.notes.append(
+            "saved with DeepSpeed's `exclude_frozen_parameters`: frozen parameters are not in "
+            "the checkpoint, so the output holds only the trained ones and buffers"
         )
     owners = param_names | {fp.name for fp in ckpt.frozen}
     for alias, target in ckpt.shared.items():

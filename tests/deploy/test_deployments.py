@@ -215,7 +215,7 @@ def test_runs_and_artifacts_are_named_and_keyed_per_job(
     for out in outs:
         proc = stack.prefect(
             "deployment", "run", "convert/default",
-            "--params", params_json(source=str(SAMPLE_CKPT), destination=str(out), max_shard_size="20KB", keep_work=True),
+            "--params", params_json(source=str(SAMPLE_CKPT), destination=str(out), max_shard_size="20KB", keep_work=True, mode="staged"),
             "--watch", "--watch-timeout", "600",
         )  # fmt: skip
         parent, child = _job_runs(stack, _created_run_id(proc.stdout))
@@ -262,7 +262,7 @@ def test_verify_only_rerun_reports_its_own_peak_memory(sqlite_stack: Stack, tmp_
     def run() -> dict[str, Any]:
         stack.prefect(
             "deployment", "run", "convert/default",
-            "--params", params_json(source=str(SAMPLE_CKPT), destination=str(out), max_shard_size="20KB", keep_work=True),
+            "--params", params_json(source=str(SAMPLE_CKPT), destination=str(out), max_shard_size="20KB", keep_work=True, mode="staged"),
             "--watch", "--watch-timeout", "600",
         )  # fmt: skip
         stats: dict[str, Any] = json.loads((out / "zerosafe-manifest.json").read_text())["stats"]

@@ -16,9 +16,13 @@ from tests.s3.support import run_zerosafe
 
 
 def run_cli(
-    env: dict[str, str], *args: str, timeout: int = 600, check: bool = True
+    env: dict[str, str],
+    *args: str,
+    timeout: int = 600,
+    check: bool = True,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    return run_zerosafe(env, *args, timeout=timeout, check=check)
+    return run_zerosafe(env, *args, timeout=timeout, check=check, cwd=cwd)
 
 
 def convert_json(env: dict[str, str], *args: str, **kw: Any) -> dict[str, Any]:

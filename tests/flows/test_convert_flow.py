@@ -15,7 +15,7 @@ from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
 from zerosafe.convert import convert_checkpoint
 
-SHARD_ARGS = ("--max-shard-size", "20KB")
+SHARD_ARGS = ("--max-shard-size", "20KB", "--mode", "staged")  # every stage runs
 
 
 def _latest_subflow_run(client, name: str):  # type: ignore[no-untyped-def]
@@ -44,7 +44,11 @@ def test_flow_matches_engine_and_names_its_tasks(prefect_server: None, tmp_path:
 
     out = tmp_path / "flow"
     result = convert(
-        source=str(SAMPLE_CKPT), destination=str(out), max_shard_size="20KB", dtype="bf16"
+        source=str(SAMPLE_CKPT),
+        destination=str(out),
+        max_shard_size="20KB",
+        dtype="bf16",
+        mode="staged",
     )
     assert result["status"] == "converted" and len(result["files"]) > 1
     n = len(result["files"])

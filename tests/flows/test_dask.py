@@ -87,7 +87,7 @@ def test_flow_runs_its_tasks_on_two_dask_workers(dask_cluster: str, tmp_path: Pa
         "import json; from flows.runtime import configure_embedded_prefect; configure_embedded_prefect();"
         "from flows.convert import convert;"
         f"print(json.dumps(convert(source={str(SAMPLE_CKPT)!r}, destination={str(out)!r}, runner='dask',"
-        f" dask_address={dask_cluster!r}, max_shard_size='20KB', keep_work=True)))"
+        f" dask_address={dask_cluster!r}, max_shard_size='20KB', keep_work=True, mode='staged')))"
     )
     env = {
         **os.environ,

@@ -118,3 +118,50 @@ def assert_same_sharing(got: Any, want: Any) -> None:
         return out
 
     assert groups(got) == groups(want), "tensors share storages differently"
+
+
+class CraftedStorage:
+    """A storage for `craft_pt`: pickled as torch.save's persistent id, its bytes a record."""
+
+    def __init__(self, key: str, storage_type: type, numel: int, data: bytes) -> None:
+        self.key, self.storage_type, self.numel, self.data = key, storage_type, numel, data
+
+
+class Rebuild:
+    """`torch._utils._rebuild_tensor_v2(*args)` as a pickle names it, with any arguments."""
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (torch._utils._rebuild_tensor_v2, self.args)
+
+
+def craft_pt(path: Path, obj: Any, storages: list[CraftedStorage]) -> Path:
+    """Write a torch zip file whose pickle holds exactly `obj`: records torch.save would never
+    write (a crafted or corrupted file), to test what the reader accepts."""
+    import io
+    import pickle
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:
+            if isinstance(o, CraftedStorage):
+                return ("storage", o.storage_type, o.key, "cpu", o.numel)
+            return None
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(obj)
+    return write_torch_zip(path, buf.getvalue(), {s.key: s.data for s in storages})
+
+
+def write_torch_zip(path: Path, pickle_bytes: bytes, storages: dict[str, bytes]) -> Path:
+    """A torch zip file (stored records, as torch.save writes) with this pickle and storages."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        zf.writestr("archive/data.pkl", pickle_bytes)
+        zf.writestr("archive/byteorder", "little")
+        for key, data in storages.items():
+            zf.writestr(f"archive/data/{key}", data)
+        zf.writestr("archive/version", "3\n")
+    return path

@@ -117,13 +117,17 @@ def cli_env(base: dict[str, str], aws_home: Path, **extra: str) -> dict[str, str
 
 
 def run_zerosafe(
-    env: dict[str, str], *args: str, timeout: int = 300, check: bool = True
+    env: dict[str, str],
+    *args: str,
+    timeout: int = 300,
+    check: bool = True,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`python -m zerosafe.cli ARGS` in its own process group (killed whole when done)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "zerosafe.cli", *args],
         env=env,
-        cwd=REPO,
+        cwd=cwd or REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

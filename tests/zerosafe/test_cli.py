@@ -34,7 +34,7 @@ def test_inspect_reports_what_a_user_needs(capsys) -> None:
         "frozen: side.weight",
         "Adam moments are never read",
         "model-00001-of-",
-        "Memory      peak",
+        "Memory      about",
         "Tasks",
     ):
         assert text in out, text

@@ -31,3 +31,13 @@ def test_parse_size_refuses(bad):
 def test_format_bytes():
     assert format_bytes(999) == "999 B"
     assert format_bytes(1_234_000) == "1.23 MB"
+
+
+def test_parse_size_is_exact_and_bounded():
+    # Exact integer arithmetic: through a float this was 123456789012345680 bytes.
+    assert parse_size("123456789012345678B") == 123456789012345678
+    assert parse_size("1.000000001GB") == 1_000_000_001
+    assert parse_size(str(2**63 - 1)) == 2**63 - 1
+    for absurd in (str(2**63), "99999999999999999999PB", 2**63):
+        with pytest.raises(ValueError, match="largest size"):
+            parse_size(absurd)

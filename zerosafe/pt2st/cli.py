@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from zerosafe.errors import ConfigError, VerificationError
 from zerosafe.storage import Storage
 from zerosafe.units import format_bytes, size_argument
 
@@ -71,10 +72,10 @@ def add_parser(subparsers: Any, add_verbosity: Callable[..., None]) -> None:
 
 
 def _list_globals(args: argparse.Namespace) -> int:
-    from zerosafe.pt2st.convert import list_pt_globals
+    from zerosafe.pt2st.convert import _open_pt, list_pt_globals
     from zerosafe.torch_zip import TorchZipFile
 
-    src = _storage(args).open_source(args.source)
+    src = _open_pt(_storage(args), args.source)
     try:
         found = list_pt_globals(TorchZipFile(src))
     finally:
@@ -89,6 +90,17 @@ def _list_globals(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_memory(memory_bytes: int) -> None:
+    """Refuse a budget too small for the copy before anything is opened, naming `--memory`."""
+    from zerosafe.cli import _with_flag_names
+    from zerosafe.config import ConvertOptions
+
+    try:
+        ConvertOptions(memory_bytes=memory_bytes, max_parallel_tasks=1)
+    except ConfigError as e:
+        raise _with_flag_names(e) from e
+
+
 def _run(args: argparse.Namespace) -> int:
     from zerosafe.progress import NullProgress, Progress, TerminalProgress
     from zerosafe.pt2st.convert import convert_pt, inspect_pt, verify_pt
@@ -96,6 +108,7 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.list_globals:
         return _list_globals(args)
+    _check_memory(args.memory)
     storage = _storage(args)
     if args.inspect:
         report = inspect_pt(args.source, storage=storage)
@@ -122,9 +135,14 @@ def _run(args: argparse.Namespace) -> int:
     if show:
         progress.finish()
     if not args.no_verify:
-        summary["verify"] = verify_pt(
-            output, storage=storage, expected_sha256=summary.get("sha256")
-        )
+        try:
+            summary["verify"] = verify_pt(
+                output, storage=storage, expected_sha256=summary.get("sha256")
+            )
+        except VerificationError:
+            if summary["status"] == "converted":
+                storage.remove(output)  # ours, just written: leave nothing that looks done
+            raise
     if args.json:
         print(json.dumps(summary, indent=1))
     elif summary["status"] == "already-complete":

@@ -28,10 +28,13 @@ On-disk layout (format version 1; safetensors: https://github.com/huggingface/sa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import pickletools
+import posixpath
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +45,7 @@ from zerosafe.crc import CrcLedger
 from zerosafe.dtypes import DTYPES, dtype_info, from_safetensors_code
 from zerosafe.errors import (
     CheckpointFormatError,
+    ConfigError,
     IntegrityError,
     OutputExistsError,
     UnsafePickleError,
@@ -76,6 +80,7 @@ __all__ = [
     "list_pt_globals",
     "load_pt_records",
     "plan_pt",
+    "safetensors_path_for",
     "verify_pt",
     "view_end_bytes",
 ]
@@ -89,7 +94,9 @@ META_SOURCE_BYTES = "zerosafe.pt2st.source_bytes"
 META_SOURCE_VERSION = "zerosafe.pt2st.source_version"
 STORAGE_PREFIX = "@storage/"
 _MAX_HEADER_BYTES = 100_000_000  # the safetensors reference reader's limit
+_INT64_MAX = 2**63 - 1  # torch sizes, strides and offsets are int64
 _VERIFY_CHUNK_BYTES = 8 * 2**20
+_PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,6 +127,12 @@ class PtPlan:
         return sum(e.nbytes for e in self.entries)
 
 
+def safetensors_path_for(path: str) -> str:
+    """Where `zerosafe pt2st` output for `path` is looked for: `x.pt` -> `x.safetensors`."""
+    root, ext = posixpath.splitext(path)
+    return (root if ext in _PT_SUFFIXES else path) + ".safetensors"
+
+
 def view_end_bytes(shape: list[int], stride: list[int], offset: int, itemsize: int) -> int:
     """Bytes of storage a view needs: one past its last element (0 for an empty view)."""
     if not all(shape):
@@ -129,6 +142,45 @@ def view_end_bytes(shape: list[int], stride: list[int], offset: int, itemsize: i
 
 
 # -- reading the source ---------------------------------------------------------------------
+
+
+def _open_pt(storage: Storage, source: str) -> ByteSource:
+    """Open the `.pt` file, refusing a folder with the command that converts one."""
+    if is_local(source) and os.path.isdir(local_path(source)):
+        raise CheckpointFormatError(
+            f"{source}: is a folder; pt2st converts one file written by torch.save. For a "
+            "DeepSpeed checkpoint folder use `zerosafe convert`."
+        )
+    return storage.open_source(source)
+
+
+def _canonical(storage: Storage, url: str) -> str:
+    """One spelling per file: local paths absolute with links resolved, URLs as the
+    filesystem names them (`s3a://b//k` and `s3://b/k` are one key)."""
+    if is_local(url):
+        return os.path.realpath(local_path(url))
+    fs, path = storage.filesystem(url)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return f"{protocol}://{posixpath.normpath(path)}"
+
+
+def _check_not_source(storage: Storage, source: str, destination: str) -> None:
+    """Refuse an output that is the input, however spelled (`x.pt`, `./x.pt`, a symbolic or
+    hard link): writing it would replace the file being read."""
+    same = _canonical(storage, source) == _canonical(storage, destination)
+    if not same and is_local(source) and is_local(destination):
+        with contextlib.suppress(OSError):
+            same = os.path.samefile(local_path(source), local_path(destination))
+    if same:
+        raise ConfigError(
+            f"{destination}: is the input file '{source}' itself; give another output, e.g. "
+            f"'{safetensors_path_for(source)}'"
+        )
+    if is_local(destination) and os.path.isdir(local_path(destination)):
+        raise ConfigError(
+            f"{destination}: is a folder; the output is one file, e.g. "
+            f"'{posixpath.join(destination, posixpath.basename(safetensors_path_for(source)))}'"
+        )
 
 
 def _pickle_globals(data: bytes, url: str) -> list[str]:
@@ -209,6 +261,42 @@ def _check_dtype(url: str, site: TensorSite) -> None:
         )
 
 
+def _check_view(url: str, site: TensorSite, storage_bytes: int) -> None:
+    """Refuse a tensor record that no torch tensor can be: the file would load as something
+    else or fail to load, so nothing is written (torch.save never writes one)."""
+    rec = site.record
+    where = f"{url}: the tensor at {format_path(site.path)}"
+    corrupt = "the file is corrupt or was not written by torch.save"
+    if len(rec.stride) != len(rec.shape):
+        raise CheckpointFormatError(
+            f"{where} has shape {list(rec.shape)} but strides {list(rec.stride)} (one per "
+            f"dimension expected); {corrupt}"
+        )
+    if any(v < 0 or v > _INT64_MAX for v in (*rec.shape, *rec.stride, rec.storage_offset)):
+        raise CheckpointFormatError(
+            f"{where} has shape {list(rec.shape)}, strides {list(rec.stride)}, offset "
+            f"{rec.storage_offset}, expected each between 0 and 2**63-1; {corrupt}"
+        )
+    if rec.numel > _INT64_MAX:
+        raise CheckpointFormatError(
+            f"{where} has shape {list(rec.shape)}, {rec.numel} elements (torch holds at most "
+            f"2**63-1); {corrupt}"
+        )
+    end = view_end_bytes(list(rec.shape), list(rec.stride), rec.storage_offset, rec.itemsize)
+    end = max(end, rec.storage_offset * rec.itemsize)
+    if end > storage_bytes:
+        raise CheckpointFormatError(
+            f"{where} (shape {list(rec.shape)}, strides {list(rec.stride)}, offset "
+            f"{rec.storage_offset}, {rec.dtype}) reaches byte {end} of storage "
+            f"'{rec.storage.key}', which holds {storage_bytes} bytes; {corrupt}"
+        )
+    if rec.requires_grad and not dtype_info(rec.dtype).is_floating:
+        raise CheckpointFormatError(
+            f"{where} is {rec.dtype} with requires_grad set, which torch allows only for "
+            f"floating tensors (it would fail to load); {corrupt}"
+        )
+
+
 def _is_whole(record: TensorRecord, storage_bytes: int) -> bool:
     return (
         record.storage_offset == 0
@@ -243,6 +331,11 @@ def plan_pt(zf: TorchZipFile, obj: Any, *, source_version: str | None = None) ->
         doc, sites = encode_tree(obj)
     except UnsupportedCheckpointError as e:
         raise UnsupportedCheckpointError(f"{zf.url}: {e}") from e
+    except RecursionError as e:
+        raise UnsupportedCheckpointError(
+            f"{zf.url}: the saved object is nested too deeply to write as JSON; save a flatter "
+            "structure (a dict of tensors)"
+        ) from e
     groups: dict[str, list[TensorSite]] = {}
     for site in sites:
         _check_dtype(zf.url, site)
@@ -252,6 +345,8 @@ def plan_pt(zf: TorchZipFile, obj: Any, *, source_version: str | None = None) ->
     for key, group in groups.items():
         ref = group[0].record.storage
         storage_bytes = ref.numel * dtype_info(ref.dtype).itemsize
+        for site in group:
+            _check_view(zf.url, site, storage_bytes)
         whole = next((s.record for s in group if _is_whole(s.record, storage_bytes)), None)
         if whole is not None:
             name = entry_name(next(s.path for s in group if s.record is whole))
@@ -283,6 +378,15 @@ def plan_pt(zf: TorchZipFile, obj: Any, *, source_version: str | None = None) ->
                 site.node["parameter"] = True
             if rec.requires_grad:
                 site.node["requires_grad"] = True
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        # Keys that differ but encode alike (two NaN float keys): the header would hold one
+        # name twice, which safetensors refuses to load.
+        dup = next(n for n in names if names.count(n) > 1)
+        raise UnsupportedCheckpointError(
+            f"{zf.url}: two tensors get the same entry name '{dup}' (their keys differ but "
+            "encode alike, e.g. NaN keys); give them distinct keys before saving"
+        )
     # Largest elements first: every entry then starts aligned for its dtype (sizes are
     # multiples of the element size), which zero-copy loads from a memory map rely on.
     entries.sort(key=lambda e: -dtype_info(e.dtype).itemsize)
@@ -340,7 +444,7 @@ def inspect_pt(source: str, *, storage: Storage | None = None) -> dict[str, Any]
         A JSON-able summary: tensor, entry and view counts, bytes, globals found.
     """
     storage = storage or Storage()
-    src = storage.open_source(source)
+    src = _open_pt(storage, source)
     try:
         zf = TorchZipFile(src)
         plan = plan_pt(zf, load_pt_records(zf))
@@ -406,19 +510,22 @@ def convert_pt(
 
     storage = storage or Storage()
     chunk_bytes = _chunk_bytes(memory_bytes)
-    if source == destination:
-        raise ValueError(f"`destination` is the source itself ('{source}')")
-    identity = storage.identity(source)
-    if not overwrite and storage.exists(destination):
-        if current_output(storage, source, destination):
-            return {"status": "already-complete", "source": source, "destination": destination}
-        raise OutputExistsError(
-            f"{destination}: already exists and was not converted from this version of "
-            f"'{source}'; pass `overwrite` (--overwrite) to replace it"
-        )
+    _check_not_source(storage, source, destination)
+    src = _open_pt(storage, source)
+    try:
+        identity = storage.identity(source)
+        if not overwrite and storage.exists(destination):
+            if current_output(storage, source, destination):
+                return {"status": "already-complete", "source": source, "destination": destination}
+            raise OutputExistsError(
+                f"{destination}: already exists and was not converted from this version of "
+                f"'{source}'; pass `overwrite` (--overwrite) to replace it"
+            )
+    except BaseException:
+        src.close()
+        raise
     started = time.monotonic()
     read_before = storage.counter.bytes_read
-    src = storage.open_source(source)
     try:
         zf = TorchZipFile(src)
         plan = plan_pt(zf, load_pt_records(zf), source_version=identity.version)

@@ -17,7 +17,6 @@ import json
 import logging
 import mmap
 import os
-import posixpath
 from typing import TYPE_CHECKING, Any
 
 from zerosafe.dtypes import dtype_info, from_safetensors_code, torch_dtype
@@ -27,6 +26,7 @@ from zerosafe.pt2st.convert import (
     META_SOURCE_BYTES,
     META_TREE,
     META_VERSION,
+    safetensors_path_for,
     view_end_bytes,
 )
 from zerosafe.pt2st.tree import decode_tree
@@ -42,7 +42,6 @@ __all__ = ["load_pt", "load_pt_like", "safetensors_path_for"]
 log = logging.getLogger(__name__)
 
 _STAGING_BYTES = 64 * 2**20
-_PT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 class _Storages:
@@ -204,12 +203,6 @@ def load_pt_like(
         return decode_tree(json.loads(metadata[META_TREE]), storages.tensor)
     finally:
         src.close()  # the memory map, if any, holds its own reference to the file
-
-
-def safetensors_path_for(path: str) -> str:
-    """Where `zerosafe pt2st` output for `path` is looked for: `x.pt` -> `x.safetensors`."""
-    root, ext = posixpath.splitext(path)
-    return (root if ext in _PT_SUFFIXES else path) + ".safetensors"
 
 
 def _is_stale(storage: Storage, pt_url: str, st_url: str) -> str | None:

@@ -183,6 +183,29 @@ def _numpy_dtype(obj: Any, path: Path) -> str:
     return order + code
 
 
+def _check_numpy_bytes(code: str, shape: list[int] | None, raw: bytes, path: Path) -> None:
+    """Refuse numpy data that would not load back: an unknown dtype, or bytes that do not
+    fill the shape exactly (numpy's own pickles always match)."""
+    import numpy as np
+
+    try:
+        itemsize = np.dtype(code).itemsize
+    except TypeError as e:
+        raise UnsupportedCheckpointError(
+            f"numpy value at {format_path(path)} has dtype '{code}', which numpy does not know"
+        ) from e
+    if shape is not None and any(s < 0 for s in shape):
+        raise UnsupportedCheckpointError(
+            f"numpy array at {format_path(path)} has shape {shape}; sizes must be >= 0"
+        )
+    want = itemsize * (math.prod(shape) if shape is not None else 1)
+    if len(raw) != want:
+        raise UnsupportedCheckpointError(
+            f"numpy value at {format_path(path)} ({code}, shape {shape}) has {len(raw)} bytes "
+            f"of data, expected {want}; the file is corrupt or was not written by numpy"
+        )
+
+
 class _Encoder:
     def __init__(self) -> None:
         self.sites: list[TensorSite] = []
@@ -242,13 +265,25 @@ class _Encoder:
         if kind is list:
             return [self.encode(v, (*path, i)) for i, v in enumerate(obj)]
         if kind is TorchSize:
-            return {"size": [int(v) for v in obj]}
+            if not all(type(v) is int for v in obj):
+                raise UnsupportedCheckpointError(
+                    f"the torch.Size at {format_path(path)} holds {list(obj)!r}; a size holds "
+                    "ints only (the file was not written by torch.save)"
+                )
+            return {"size": list(obj)}
         if kind is tuple:
             return {"tuple": [self.encode(v, (*path, i)) for i, v in enumerate(obj)]}
         if kind is dict:
             return {"dict": self._items(obj.items(), path)}
         if kind is collections.OrderedDict:
             node = {"odict": self._items(obj.items(), path)}
+            bad = [k for k in vars(obj) if type(k) is not str or k.startswith("__")]
+            if bad:
+                # Loading sets each attribute again: a name like '__class__' or 1 would fail.
+                raise UnsupportedCheckpointError(
+                    f"the OrderedDict at {format_path(path)} has attribute(s) {bad!r}, which "
+                    "cannot be set again when loading; save it without them"
+                )
             if vars(obj):  # a module state dict's `_metadata` (versions for load_state_dict)
                 node["attrs"] = self._items(vars(obj).items(), (*path, "__dict__"))
             return node
@@ -264,29 +299,32 @@ class _Encoder:
         )
 
     def _encode_inert(self, obj: InertObject, path: Path) -> Any:
-        if obj.qualname == "argparse.Namespace" and isinstance(obj.state, dict):
+        if (
+            obj.qualname == "argparse.Namespace"
+            and isinstance(obj.state, dict)
+            and all(type(k) is str for k in obj.state)
+        ):
             return {"namespace": self._items(obj.state.items(), path)}
-        if obj.qualname in _NUMPY_SCALAR and len(obj.args) == 2:
+        if obj.qualname in _NUMPY_SCALAR and len(obj.args) == 2 and type(obj.args[1]) is bytes:
             dtype, raw = obj.args
-            return {
-                "numpy": {
-                    "dtype": _numpy_dtype(dtype, path),
-                    "shape": None,
-                    "fortran": False,
-                    "data": _b64(bytes(raw)),
-                }
-            }
+            code = _numpy_dtype(dtype, path)
+            _check_numpy_bytes(code, None, raw, path)
+            return {"numpy": {"dtype": code, "shape": None, "fortran": False, "data": _b64(raw)}}
         if (
             obj.qualname in _NUMPY_ARRAY
             and isinstance(obj.state, tuple)
             and len(obj.state) == 5
             and isinstance(obj.state[4], bytes)
+            and isinstance(obj.state[1], tuple)
+            and all(type(s) is int for s in obj.state[1])
         ):
             _, shape, dtype, fortran, raw = obj.state
+            code = _numpy_dtype(dtype, path)
+            _check_numpy_bytes(code, list(shape), raw, path)
             return {
                 "numpy": {
-                    "dtype": _numpy_dtype(dtype, path),
-                    "shape": [int(s) for s in shape],
+                    "dtype": code,
+                    "shape": list(shape),
                     "fortran": bool(fortran),
                     "data": _b64(raw),
                 }

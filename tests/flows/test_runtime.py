@@ -1,0 +1,67 @@
+"""The local Prefect server `zerosafe convert` runs on: started once, reused, stopped when idle."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from flows.runtime import STATE_NAME, stop_local_server
+from tests.conftest import SAMPLE_CKPT
+from tests.flows.conftest import convert_json, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_commands_share_one_server_that_stops_when_idle(
+    prefect_env: dict[str, str], tmp_path: Path
+) -> None:
+    home = tmp_path / "prefect-home"
+    env = {**prefect_env, "PREFECT_HOME": str(home), "ZEROSAFE_SERVER_IDLE_SECONDS": "4"}
+    first = convert_json(env, str(SAMPLE_CKPT), str(tmp_path / "a"))
+    assert first["status"] == "converted"
+    state = json.loads((home / STATE_NAME).read_text())
+    assert _alive(state["pid"]) and _alive(state["server_pid"])
+    second = convert_json(env, str(SAMPLE_CKPT), str(tmp_path / "b"), "--dtype", "bf16")
+    assert second["status"] == "converted"
+    assert json.loads((home / STATE_NAME).read_text())["pid"] == state["pid"]  # reused
+    deadline = time.monotonic() + 60
+    while _alive(state["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _alive(state["pid"]) and not _alive(state["server_pid"]), "idle server kept"
+    assert not (home / STATE_NAME).exists()
+    # the next command starts a new one; stop_local_server ends it at once
+    assert convert_json(env, str(SAMPLE_CKPT), str(tmp_path / "c"))["status"] == "converted"
+    assert stop_local_server(home)
+    assert not (home / STATE_NAME).exists()
+
+
+def test_a_no_op_starts_no_server(prefect_env: dict[str, str], tmp_path: Path) -> None:
+    home = tmp_path / "prefect-home"
+    env = {**prefect_env, "PREFECT_HOME": str(home)}
+    out = tmp_path / "out"
+    assert convert_json(env, str(SAMPLE_CKPT), str(out))["status"] == "converted"
+    assert stop_local_server(home)
+    proc = run_cli(env, "convert", str(SAMPLE_CKPT), str(out))
+    assert "nothing to do" in proc.stdout
+    assert not (home / STATE_NAME).exists()  # answered from file stats; no server started
+
+
+def test_a_private_server_ends_with_its_command(
+    prefect_env: dict[str, str], tmp_path: Path
+) -> None:
+    home = tmp_path / "prefect-home"
+    env = {**prefect_env, "PREFECT_HOME": str(home), "ZEROSAFE_SERVER_IDLE_SECONDS": "0"}
+    assert convert_json(env, str(SAMPLE_CKPT), str(tmp_path / "out"))["status"] == "converted"
+    assert not (home / STATE_NAME).exists()

@@ -1,0 +1,24 @@
+"""`convert -v` prints zerosafe's own lines (one per extract, merge and verify task), not
+Prefect's anonymous 'Finished in state Completed()' lines or links to the embedded server,
+which is gone once the command ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SAMPLE_CKPT
+from tests.flows.conftest import run_cli
+
+
+@pytest.mark.slow
+def test_verbose_is_zerosafes_lines_not_prefect_noise(
+    prefect_env: dict[str, str], tmp_path: Path
+) -> None:
+    proc = run_cli(prefect_env, "convert", "-v", str(SAMPLE_CKPT), str(tmp_path / "o"))
+    err = proc.stderr
+    for line in ("extract rank 0 part 0:", "merge shard 1/1:", "verify model.safetensors:"):
+        assert f"zerosafe: INFO: {line}" in err, err
+    for noise in ("Finished in state", "View at", "http://127.0.0.1"):
+        assert noise not in err + proc.stdout, err
