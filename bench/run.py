@@ -63,7 +63,8 @@ from bench._iolimit import (  # noqa: E402
 from bench._measure import Measured, meminfo_bytes, run_measured  # noqa: E402
 
 PY = sys.executable
-ZEROSAFE = os.path.join(os.path.dirname(PY), "zerosafe")
+ZEROSAFE = [PY, "-m", "zerosafe.cli"]
+"""The command, as `python -m` so that `--src`/`--before` checkouts run their own entry point."""
 
 SIZES: dict[str, dict[str, Any]] = {
     # tests: seconds, exercises every kind of run
@@ -237,7 +238,7 @@ def _run_tool(
         argv = [PY, os.path.join(REPO, "bench", "_ds_convert.py"), ckpt, out, *common]
         env = {**_env(), "DS_ACCELERATOR": "cpu"}
     else:
-        argv = [ZEROSAFE, "convert", ckpt, out, *common, "--json", "--quiet"]
+        argv = [*ZEROSAFE, "convert", ckpt, out, *common, "--json", "--quiet"]
         # `cli-default` is the command as a user types it: no mode flag. The others name
         # their mode; a checkout from before `--mode` existed takes `--direct` or nothing.
         if "direct" in kind:

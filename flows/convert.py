@@ -14,22 +14,28 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import socket
 import time
 from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, tags
 from prefect.artifacts import (
+    create_link_artifact,
     create_markdown_artifact,
     create_progress_artifact,
     update_progress_artifact,
 )
 from prefect.futures import PrefectFuture, as_completed
+from prefect.runtime import deployment as deployment_run
+from prefect.runtime import flow_run
+from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.config import JobConfig, load_job_config
-from tasks._common import Job, read_journal, set_progress
+from tasks._common import Job, read_journal, set_progress, stage_memory
 from tasks._common import progress as task_progress
 from tasks.credentials import storage_for
 from tasks.extract import extract, extract_is_present
@@ -38,10 +44,10 @@ from tasks.merge import expected_shard_bytes, merge, reusable_shards, shard_iden
 from tasks.publish import publish
 from tasks.verify import verify
 from zerosafe.config import ConvertOptions
-from zerosafe.errors import VerificationError
+from zerosafe.errors import ConversionError, VerificationError
 from zerosafe.lease import destination_lease, work_lease
 from zerosafe.output import pending_url
-from zerosafe.storage import Storage, join_url
+from zerosafe.storage import Storage, is_local, join_url
 from zerosafe.units import format_bytes
 
 __all__ = ["convert", "run_convert"]
@@ -55,7 +61,57 @@ def _task_runner(cfg: JobConfig) -> Any:
     return ThreadPoolTaskRunner(max_workers=cfg.options().parallel_tasks)
 
 
-@flow(name="convert", log_prints=False)
+def _short(url: str | None, tag: str | None = None) -> str:
+    """The last two parts of a URL or path (`llm/checkpoints`), then the tag if one is given."""
+    if not url:
+        return "?"
+    parts = [p for p in re.split(r"[/\\]+", url.split("://", 1)[-1]) if p]
+    text = "/".join(parts[-2:]) or url
+    return f"{parts[-1] if parts else url}/{tag}" if tag else text
+
+
+def job_slug(destination: str) -> str:
+    """A key for one job's artifacts, from its destination: readable, and unique by a hash
+    (Prefect artifact keys allow lowercase letters, digits and dashes)."""
+    readable = re.sub(r"[^a-z0-9]+", "-", _short(destination).lower()).strip("-")[:40]
+    digest = hashlib.sha256(destination.encode()).hexdigest()[:8]
+    return f"{readable}-{digest}" if readable else digest
+
+
+def _run_name_of(params: dict[str, Any]) -> str:
+    source, destination, tag = params.get("source"), params.get("destination"), params.get("tag")
+    if (not source or not destination) and params.get("conf"):
+        try:
+            cfg = load_job_config(
+                params["conf"], **{k: v for k, v in params.items() if k in JobConfig.model_fields}
+            )
+            source, destination, tag = cfg.source, cfg.destination, tag or cfg.tag
+        except Exception:  # a bad job file fails the run itself, with its own message
+            pass
+    return f"convert {_short(source, tag)} -> {_short(destination)}"
+
+
+def _convert_run_name() -> str:
+    """`convert llm/global_step1000 -> hf/step1000`: what the run converts, not random words."""
+    return _run_name_of(dict(flow_run.parameters or {}))
+
+
+def failure_message(e: ConversionError, cfg: JobConfig | None = None) -> str:
+    """The one line a user needs for a permanent error: the error's own message (file,
+    expected, found, fix), and, on a worker, where local paths were read."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    text = f"{type(e).__name__}: {text}"
+    urls = [u for u in ((cfg.source, cfg.destination) if cfg else ()) if u]
+    on_worker = deployment_run.id or flow_run.parent_deployment_id
+    if on_worker and any(is_local(u) for u in urls):
+        text += (
+            f" (local paths are read on the machine that runs the flow, {socket.gethostname()};"
+            " they must exist there)"
+        )
+    return text
+
+
+@flow(name="convert", log_prints=False, flow_run_name=_convert_run_name)
 def convert(
     source: str | None = None,
     destination: str | None = None,
@@ -78,20 +134,89 @@ def convert(
     dask_address: str | None = None,
     storage_options: dict[str, Any] | None = None,
     timeout_seconds: int | None = None,
-) -> dict[str, Any]:
+) -> Any:
     """Convert one DeepSpeed ZeRO checkpoint tag into verified safetensors.
+
+    The stages run in a subflow, `convert-job`, so this flow can pick its task runner. The
+    subflow carries this run's tags; this run's state message and its link artifact name the
+    subflow, and a permanent error (bad input or options) fails both with the one-line message,
+    without a traceback.
 
     Args:
         source: The checkpoint folder (holding `latest`) or a tag folder.
         destination: The output folder.
         conf: A YAML job file (see conf/example.yaml); the other parameters override it.
     """
-    params = {k: v for k, v in locals().items() if k != "conf"}
-    cfg = load_job_config(conf, **params)
+    log = get_run_logger()
+    params = {k: v for k, v in locals().items() if k not in ("conf", "log")}
+    try:
+        cfg = load_job_config(conf, **params)
+    except ConversionError as e:
+        message = failure_message(e)
+        log.error("%s", message)
+        _announce_failure(message, destination or "")
+        return Failed(message=message, data=e)
     job_flow = run_job.with_options(
-        task_runner=_task_runner(cfg), timeout_seconds=cfg.timeout_seconds
+        task_runner=_task_runner(cfg),
+        timeout_seconds=cfg.timeout_seconds,
+        flow_run_name=_run_name_of(cfg.model_dump()).replace("convert ", "convert-job ", 1),
     )
-    return job_flow(cfg.model_dump())
+    with tags(*(flow_run.tags or [])):  # so filtering runs by tag finds the subflow too
+        state = job_flow(cfg.model_dump(), return_state=True)
+    child = state.state_details.flow_run_id
+    where = f"stages, logs and artifacts in subflow run {_run_ref(child)}"
+    if child is not None:
+        create_link_artifact(
+            _flow_run_url(child) or f"flow-run/{child}",
+            link_text=f"convert-job run of {cfg.destination}",
+            key=f"zerosafe-{job_slug(cfg.destination)}-run",
+            description=f"The `convert-job` subflow run that holds this job's task runs and artifacts (`{cfg.destination}`).",
+        )
+    if state.is_failed() or state.is_crashed() or state.is_cancelled():
+        error = state.result(raise_on_failure=False)
+        if not isinstance(error, ConversionError):
+            return state  # an unexpected error: its traceback is in the subflow's logs
+        message = state.message or failure_message(error, cfg)
+        log.error("%s (%s)", message, where)
+        _announce_failure(message, cfg.destination)
+        return Failed(message=f"{message} ({where})", data=error)
+    result = state.result()
+    log.info("%s: %s (%s)", cfg.destination, result["status"], where)
+    return Completed(message=f"{result['status']}: {cfg.destination} ({where})", data=result)
+
+
+def _announce_failure(message: str, destination: str) -> None:
+    """An event naming the error, related to this run, sent before the run turns Failed:
+    `prefect deployment run --watch` prints the run's events (its log lines only when the
+    server streams logs out), so the one line shows there too."""
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+
+    emit_event(
+        event="zerosafe.convert.failed",
+        resource={
+            "prefect.resource.id": f"zerosafe.job.{job_slug(destination)}",
+            "prefect.resource.name": message,
+        },
+        related=[
+            {
+                "prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
+                "prefect.resource.role": "flow-run",
+            }
+        ],
+    )
+    EventsWorker.instance().wait_until_empty()
+
+
+def _flow_run_url(flow_run_id: Any) -> str | None:
+    from prefect.settings import PREFECT_UI_URL
+
+    ui = PREFECT_UI_URL.value()
+    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui else None
+
+
+def _run_ref(flow_run_id: Any) -> str:
+    return f"{flow_run_id}" + (f" ({url})" if (url := _flow_run_url(flow_run_id)) else "")
 
 
 def _result_storage(work: str, storage_options: dict[str, Any]) -> Any:
@@ -100,7 +225,7 @@ def _result_storage(work: str, storage_options: dict[str, Any]) -> Any:
     block (Prefect reads a plain string as a block name, and refuses unsaved blocks) whose
     settings are the job's secret-free storage options: credentials stay a reference, resolved
     where the results are read or written (`flows.results`)."""
-    from zerosafe.storage import is_local, local_path
+    from zerosafe.storage import local_path
 
     url = join_url(work, "results")
     if is_local(url):
@@ -119,12 +244,12 @@ def _fingerprint(*values: Any) -> str:
 class _Progress:
     """The run's progress artifact, advanced by the bytes each finished task handled."""
 
-    def __init__(self, total_bytes: int) -> None:
+    def __init__(self, total_bytes: int, *, key: str) -> None:
         self.total = max(total_bytes, 1)
         self.done = 0
         task_progress().start("convert", total_bytes)  # the terminal bar, when run embedded
         artifact_id = create_progress_artifact(
-            progress=0.0, description="zerosafe: bytes processed (extract, merge, verify)"
+            progress=0.0, key=key, description="zerosafe: bytes processed (extract, merge, verify)"
         )
         assert isinstance(artifact_id, UUID)  # the sync API, called from a sync flow
         self.id = artifact_id
@@ -135,11 +260,37 @@ class _Progress:
 
 
 @flow(name="convert-job", log_prints=False)
-def run_job(config: dict[str, Any]) -> dict[str, Any]:
-    """The stages of one validated job (a subflow, so `convert` can pick the task runner)."""
+def run_job(config: dict[str, Any]) -> Any:
+    """The stages of one validated job (a subflow, so `convert` can pick the task runner).
+
+    A `ConversionError` (bad input, options or output: permanent, so never retried) ends the
+    run in a Failed state whose message is the error's one line, with a failure artifact
+    saying the same; any other error raises, with its traceback.
+    """
+    cfg = JobConfig(**config)
+    try:
+        return _run_job(cfg)
+    except ConversionError as e:
+        message = failure_message(e, cfg)
+        get_run_logger().error("%s", message)
+        if not isinstance(e, VerificationError):  # that one has its own table of failures
+            create_markdown_artifact(
+                f"# zerosafe: conversion failed\n\n{_md(message)}\n\n"
+                f"- source: `{cfg.source}`\n- destination: `{cfg.destination}`\n"
+                "- nothing was published; fix the cause and run again (finished work is kept)\n",
+                key=f"zerosafe-{job_slug(cfg.destination)}-failure",
+                description="Why the conversion failed",
+            )
+        return Failed(message=message, data=e)
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _run_job(cfg: JobConfig) -> dict[str, Any]:
     started = time.monotonic()
     started_wall = time.time()
-    cfg = JobConfig(**config)
     storage = storage_for(cfg.storage_options)
     # One job at a time per output folder, whatever its options: held from before the output
     # is inspected (and, with --overwrite, cleared) until it is published.
@@ -160,9 +311,9 @@ def _run_held(
     )  # fmt: skip
     if info["state"] == "done":
         log.info("%s already holds this conversion; nothing to do", cfg.destination)
+        # Unkeyed: the job's keyed summary stays the one of the run that converted it.
         create_markdown_artifact(
             f"`{cfg.destination}` already holds this conversion (job `{info['plan_id'][:16]}`); nothing to do.",
-            key="zerosafe-summary",
         )
         return {"status": "already-complete", "output": cfg.destination, "job_key": info["plan_id"]}
     job = Job(
@@ -215,8 +366,10 @@ def _run_stages(
     needed = {p for s in shards if s["index"] not in reused for p in s["parts"]}
     parts = [p for p in parts if p["index"] in needed]
     work_bytes = 0 if options.direct else sum(p["bytes"] for p in parts)
+    slug = job_slug(cfg.destination)
     progress = _Progress(
-        work_bytes + sum(s["source_bytes"] for s in shards) + sum(s["bytes"] for s in shards)
+        work_bytes + sum(s["source_bytes"] for s in shards) + sum(s["bytes"] for s in shards),
+        key=f"zerosafe-{slug}-progress",
     )
 
     part_of = {p["index"]: p for p in parts}
@@ -242,8 +395,9 @@ def _run_stages(
         on_disk = shard_identity(job, index)
         fresh = on_disk is None or on_disk[0] != expected_shard_bytes(job, index)
         merge_futures[index] = run(merge, refresh=fresh).submit(
-            job, index, index + 1, count, fingerprint=fingerprint
-        )
+            job, index, index + 1, count, fingerprint=fingerprint,
+            wait_for=[extract_futures[p] for p in shard["parts"] if p in extract_futures],
+        )  # fmt: skip
 
     waiting = {s["index"]: s for s in shards}
     for shard in shards:
@@ -287,6 +441,7 @@ def _run_stages(
             count,
             merges[index]["tensors"],
             fingerprint=_fingerprint(identity, merges[index]["tensors"]),
+            wait_for=[future],
         )
 
     verifies: dict[int, dict[str, Any]] = {}
@@ -301,9 +456,7 @@ def _run_stages(
         r["bytes_read"] for r in (extracts.values() if not options.direct else ordered_merges)
     )
     journal = [e for e in read_journal(storage, info["work"]) if e["time"] >= since]  # this run
-    peaks: dict[str, int] = {}
-    for entry in journal:
-        peaks[entry["stage"]] = max(peaks.get(entry["stage"], 0), entry["peak_rss_bytes"])
+    growth, baseline = stage_memory(journal)
     stats = {
         "mode": "direct" if options.direct else "staged",
         "mode_reason": options.mode_reason,
@@ -311,7 +464,9 @@ def _run_stages(
         "source_bytes_needed": info.get("source_bytes_needed", 0),
         "intermediate_bytes_written": sum(e["file_bytes"] for e in extracts.values()),
         "output_bytes_written": sum(m["file_bytes"] for m in ordered_merges),
-        "peak_rss_bytes_by_stage": peaks,
+        # Each stage's own peak: the most one of its tasks raised the RSS (tasks/_common.py).
+        "rss_growth_bytes_by_stage": growth,
+        "rss_baseline_bytes": baseline,
         "tasks_executed": {
             stage: sum(1 for e in journal if e["stage"] == stage)
             for stage in ("extract", "merge", "verify")
@@ -324,6 +479,7 @@ def _run_stages(
             ordered_merges,
             [verifies[i] for i in range(count)],
             stats,
+            wait_for=list(verify_futures.values()),
         )
     except VerificationError as e:
         rows = "\n".join(
@@ -332,7 +488,7 @@ def _run_stages(
         )
         create_markdown_artifact(
             f"# zerosafe: checks failed, nothing published\n\n| file | tensor | check | detail |\n|---|---|---|---|\n{rows}\n",
-            key="zerosafe-failures",
+            key=f"zerosafe-{slug}-failure",
         )
         raise
     stats.update(published.get("stats", {}))  # with the bytes publish's CRC checks read
@@ -347,7 +503,8 @@ def _run_stages(
         "notes": info["notes"],
         "warnings": info["warnings"],
         "checks_passed": sum(r["num_tensors"] for r in verifies.values()),
-        "peak_rss_bytes": max(peaks.values(), default=0),
+        # the process's lifetime peak (ru_maxrss), as the command line has always reported
+        "peak_rss_bytes": max((e["peak_rss_bytes"] for e in journal), default=0),
         **stats,
     }
 
@@ -364,10 +521,7 @@ def _summary_artifact(cfg: JobConfig, info: dict[str, Any], r: dict[str, Any]) -
         ("intermediates written", format_bytes(r["intermediate_bytes_written"])),
         ("output written", format_bytes(r["output_bytes_written"])),
         ("time", f"{r['seconds']:.1f} s ({format_bytes(r['throughput_bytes_per_second'])}/s read)"),
-        (
-            "peak memory by stage",
-            ", ".join(f"{k} {format_bytes(v)}" for k, v in r["peak_rss_bytes_by_stage"].items()),
-        ),
+        ("peak memory by stage", _memory_text(r)),
         (
             "tasks executed (not cached)",
             ", ".join(f"{k} {v}" for k, v in r["tasks_executed"].items()),
@@ -382,7 +536,21 @@ def _summary_artifact(cfg: JobConfig, info: dict[str, Any], r: dict[str, Any]) -
     body = "\n".join(f"| {k} | {v} |" for k, v in rows)
     notes = "".join(f"\n- {n}" for n in info["notes"])
     create_markdown_artifact(
-        f"# zerosafe conversion\n\n| | |\n|---|---|\n{body}\n{notes}\n", key="zerosafe-summary"
+        f"# zerosafe conversion\n\n| | |\n|---|---|\n{body}\n{notes}\n",
+        key=f"zerosafe-{job_slug(cfg.destination)}",
+        description=f"zerosafe summary of `{cfg.destination}`",
+    )
+
+
+def _memory_text(r: dict[str, Any]) -> str:
+    """Each stage's own peak, as growth over the worker process's baseline RSS."""
+    growth = r["rss_growth_bytes_by_stage"]
+    if not growth:
+        return "no task executed (all cached)"
+    stages = ", ".join(f"{k} +{format_bytes(v)}" for k, v in growth.items())
+    return (
+        f"{stages} (the most one task of the stage raised the worker's RSS, over a "
+        f"{format_bytes(r['rss_baseline_bytes'])} process baseline)"
     )
 
 

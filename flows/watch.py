@@ -21,6 +21,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     FlowRunFilter,
+    FlowRunFilterDeploymentId,
     FlowRunFilterState,
     FlowRunFilterStateType,
     FlowRunFilterTags,
@@ -49,12 +50,15 @@ def _dest_tag(destination: str) -> str:
 
 
 def _runs(tags: list[str], states: list[StateType]) -> list[Any]:
+    """The deployment runs with `tags` in `states` (a conversion's `convert-job` subflow
+    carries its tags too, but is no run of its own)."""
     with get_client(sync_client=True) as client:
         return list(
             client.read_flow_runs(
                 flow_run_filter=FlowRunFilter(
                     tags=FlowRunFilterTags(all_=tags),
                     state=FlowRunFilterState(type=FlowRunFilterStateType(any_=states)),
+                    deployment_id=FlowRunFilterDeploymentId(is_null_=False),
                 )
             )
         )

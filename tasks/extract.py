@@ -6,7 +6,15 @@ from typing import Any
 
 from prefect import task
 
-from tasks._common import cache_key, context, is_transient, job_of, progress, record_run
+from tasks._common import (
+    TaskMeter,
+    cache_key,
+    context,
+    is_transient,
+    job_of,
+    progress,
+    record_run,
+)
 from zerosafe.stages import extract_part, read_intermediate_sums
 
 
@@ -23,6 +31,7 @@ def extract(
     job: dict[str, Any], index: int, rank: int, label: str, fingerprint: str = ""
 ) -> dict[str, Any]:
     """Extract part `index` (`rank`'s `label`); returns sizes, content hash and CRC ledger."""
+    meter = TaskMeter()
     j = job_of(job)
     plan, storage, options, work = context(j)
     summary = extract_part(
@@ -33,7 +42,7 @@ def extract(
         chunk_bytes=options.chunk_bytes,
         on_bytes=progress().advance,
     )
-    record_run(j, "extract", index, summary)
+    record_run(j, "extract", index, summary, meter)
     return summary
 
 

@@ -6,7 +6,15 @@ from typing import Any
 
 from prefect import task
 
-from tasks._common import cache_key, context, is_transient, job_of, progress, record_run
+from tasks._common import (
+    TaskMeter,
+    cache_key,
+    context,
+    is_transient,
+    job_of,
+    progress,
+    record_run,
+)
 from zerosafe.convert import merge_or_reuse
 from zerosafe.output import is_repair, reusable_shard, shard_location
 from zerosafe.safetensors_writer import HeaderEntry, build_header
@@ -27,6 +35,7 @@ def merge(
 ) -> dict[str, Any]:
     """Merge shard `index` (shown as `number`/`count`). `fingerprint` names the content of
     the intermediates it reads, so a re-extracted identical file keeps this result cached."""
+    meter = TaskMeter()
     j = job_of(job)
     plan, storage, options, work = context(j)
     if options.direct:
@@ -40,7 +49,7 @@ def merge(
         )  # fmt: skip
     finally:
         locator.close()
-    record_run(j, "merge", index, summary)
+    record_run(j, "merge", index, summary, meter)
     return summary
 
 

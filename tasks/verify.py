@@ -7,7 +7,15 @@ from typing import Any
 
 from prefect import task
 
-from tasks._common import cache_key, context, is_transient, job_of, progress, record_run
+from tasks._common import (
+    TaskMeter,
+    cache_key,
+    context,
+    is_transient,
+    job_of,
+    progress,
+    record_run,
+)
 from zerosafe.output import shard_location
 from zerosafe.verify import verify_shard
 
@@ -34,6 +42,7 @@ def verify(
     `fingerprint` holds the file's size and version, so a file changed after a cached
     verification is verified again.
     """
+    meter = TaskMeter()
     started = time.monotonic()
     j = job_of(job)
     plan, storage, options, _ = context(j)
@@ -44,5 +53,5 @@ def verify(
     ).as_dict()  # fmt: skip
     report["shard"] = index
     report["seconds"] = round(time.monotonic() - started, 3)
-    record_run(j, "verify", index, report)
+    record_run(j, "verify", index, report, meter)
     return report

@@ -55,6 +55,7 @@ class Stack:
     env: dict[str, str]
     home: Path
     procs: list[tuple[subprocess.Popen[Any], bool]] = field(default_factory=list)
+    deploy_output: str = ""
 
     def prefect(
         self, *args: str, timeout: int = 600, check: bool = True
@@ -139,6 +140,7 @@ def deploy(stack: Stack) -> None:
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stack.deploy_output = proc.stdout
 
 
 @contextlib.contextmanager

@@ -5,8 +5,10 @@ process worker and the loopback S3 server; the server's scheduler creating `watc
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
 import time
 from datetime import datetime, timedelta, timezone
 from datetime import time as dt_time
@@ -16,8 +18,8 @@ from typing import Any
 import pytest
 
 from bench.forge import forge_checkpoint, transformer_shapes
-from tests.conftest import SAMPLE_CKPT
-from tests.deploy.conftest import Stack, params_json
+from tests.conftest import REPO, SAMPLE_CKPT
+from tests.deploy.conftest import BIN, Stack, params_json
 from tests.helpers import load_output, same_bytes
 from tests.s3.support import MotoServer, assert_same_output, download_folder, upload_folder
 from zerosafe.config import ConvertOptions
@@ -62,7 +64,7 @@ def test_deployment_run_convert_80b_from_s3_is_bit_exact(
         )
 
 
-def test_server_schedules_watch_runs(sqlite_stack: Stack) -> None:
+def _scheduled_runs(stack: Stack, deployment: str | None = None) -> list[Any]:
     from prefect.client.schemas.filters import (
         DeploymentFilter,
         DeploymentFilterName,
@@ -72,28 +74,220 @@ def test_server_schedules_watch_runs(sqlite_stack: Stack) -> None:
     )
     from prefect.client.schemas.objects import StateType
 
-    deadline = time.monotonic() + 120
-    scheduled: list[Any] = []
-    while not scheduled:
-        with sqlite_stack.client() as client:
-            scheduled = client.read_flow_runs(
-                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["watch"])),
+    with stack.client() as client:
+        return list(
+            client.read_flow_runs(
+                deployment_filter=(
+                    DeploymentFilter(name=DeploymentFilterName(any_=[deployment]))
+                    if deployment
+                    else None
+                ),
                 flow_run_filter=FlowRunFilter(
                     state=FlowRunFilterState(
                         type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])
                     )
                 ),
             )
-        if time.monotonic() > deadline:
-            raise AssertionError("the server created no scheduled run for watch within 120 s")
+        )
+
+
+def test_deploy_arms_no_schedule_and_resuming_turns_watch_on(sqlite_stack: Stack) -> None:
+    stack = sqlite_stack
+    # deploy.sh says what is an example and how to turn the schedule on
+    out = stack.deploy_output
+    assert "convert/80b" in out and "needs S3" in out and "Dask" in out
+    assert "PAUSED" in out and "prefect deployment schedule resume watch/watch" in out
+    with stack.client() as client:
+        deployments = client.read_deployments()
+        schedules = [(d.name, s) for d in deployments for s in d.schedules]
+    assert ("watch", False) in [(name, s.active) for name, s in schedules]
+    assert not [name for name, s in schedules if s.active], schedules
+    # the scheduler loops every 2 s here: give it several chances to create runs
+    time.sleep(10)
+    assert not _scheduled_runs(stack), "a scheduled run exists right after deploy.sh"
+
+    # turned on as the README says, the server schedules watch runs on its cron
+    listed = stack.prefect("deployment", "schedule", "ls", "watch/watch").stdout
+    (schedule_id,) = re.findall(
+        r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", listed
+    )
+    stack.prefect("deployment", "schedule", "resume", "watch/watch", schedule_id)
+    deadline = time.monotonic() + 120
+    while not (scheduled := _scheduled_runs(stack, "watch")):
+        assert time.monotonic() < deadline, "the server created no scheduled watch run in 120 s"
         time.sleep(2)
     times = sorted(r.expected_start_time for r in scheduled)
     assert all(t.minute % 15 == 0 and t.second == 0 for t in times), times  # cron */15
-    print(f"\nthe scheduler created {len(scheduled)} watch runs, first at {times[0]}")
-    # The production defaults (a real bucket, a credentials block) are not for this server:
-    # stop the schedule and its queued runs so the worker runs only the tests' watch runs.
-    with sqlite_stack.client() as client:
-        client.pause_deployment(scheduled[0].deployment_id)  # also drops its scheduled runs
+    print(f"\nresumed: the scheduler created {len(scheduled)} watch runs, first at {times[0]}")
+    # and paused again it stops (its queued runs go with it), so the worker runs only the
+    # tests' own watch runs
+    stack.prefect("deployment", "schedule", "pause", "watch/watch", schedule_id)
+    deadline = time.monotonic() + 60
+    while _scheduled_runs(stack, "watch"):
+        assert time.monotonic() < deadline, "pausing left scheduled watch runs"
+        time.sleep(2)
+
+
+def _created_run_id(stdout: str) -> str:
+    (run_id,) = re.findall(r"UUID: ([0-9a-f-]{36})", stdout)
+    return run_id
+
+
+def _job_runs(stack: Stack, parent_id: str) -> tuple[Any, Any]:
+    """The parent `convert` run and its `convert-job` subflow run."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    with stack.client() as client:
+        parent = client.read_flow_run(parent_id)
+        (child,) = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent.id])
+            )
+        )
+    return parent, child
+
+
+def _artifacts(stack: Stack, *run_ids: Any) -> list[Any]:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with stack.client() as client:
+        return list(
+            client.read_artifacts(
+                artifact_filter=ArtifactFilter(
+                    flow_run_id=ArtifactFilterFlowRunId(any_=list(run_ids))
+                )
+            )
+        )
+
+
+def test_failed_run_says_why_in_state_message_and_watch_output(
+    sqlite_stack: Stack, tmp_path: Path
+) -> None:
+    from flows.convert import job_slug
+
+    stack = sqlite_stack
+    out = tmp_path / "out"
+    env = {**stack.env, "COLUMNS": "1000"}  # one log record, one line of the watch output
+    proc = subprocess.run(
+        [str(BIN / "prefect"), "deployment", "run", "convert/default",
+         "--param", "source=/nonexistent", "--param", f"destination={out}",
+         "--watch", "--watch-timeout", "600"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=700,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    one_line = "CheckpointFormatError: /nonexistent: no such checkpoint folder"
+    print(f"\n--watch printed:\n{proc.stdout[-2500:]}")
+    watched = [line for line in proc.stdout.splitlines() if one_line in line]
+    assert watched, proc.stdout[-3000:]
+    assert any("read on the machine that runs the flow" in line for line in watched), watched
+    assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+
+    parent, child = _job_runs(stack, _created_run_id(proc.stdout))
+    for run in (parent, child):
+        assert run.state.is_failed(), run.state
+        assert run.state.message.startswith(one_line), run.state.message
+        assert "\n" not in run.state.message
+    assert str(child.id) in parent.state.message  # the parent points at the subflow
+    assert set(parent.tags) <= set(child.tags) and "zerosafe" in child.tags
+    slug = job_slug(str(out))
+    artifacts = {a.key: a for a in _artifacts(stack, parent.id, child.id)}
+    failure = artifacts[f"zerosafe-{slug}-failure"]
+    assert failure.flow_run_id == child.id and one_line in failure.data
+    assert artifacts[f"zerosafe-{slug}-run"].flow_run_id == parent.id
+    assert str(child.id) in artifacts[f"zerosafe-{slug}-run"].data
+
+
+def test_runs_and_artifacts_are_named_and_keyed_per_job(
+    sqlite_stack: Stack, tmp_path: Path
+) -> None:
+    from prefect.client.schemas.filters import (
+        LogFilter,
+        LogFilterFlowRunId,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+    )
+
+    from flows.convert import job_slug
+
+    stack = sqlite_stack
+    outs = [tmp_path / "hf" / "a", tmp_path / "hf" / "b"]
+    children = []
+    for out in outs:
+        proc = stack.prefect(
+            "deployment", "run", "convert/default",
+            "--params", params_json(source=str(SAMPLE_CKPT), destination=str(out), max_shard_size="20KB", keep_work=True, mode="staged"),
+            "--watch", "--watch-timeout", "600",
+        )  # fmt: skip
+        parent, child = _job_runs(stack, _created_run_id(proc.stdout))
+        assert parent.name == f"convert examples/zero3-bf16-ws3 -> hf/{out.name}", parent.name
+        assert child.name == f"convert-job examples/zero3-bf16-ws3 -> hf/{out.name}", child.name
+        assert parent.state.is_completed() and str(child.id) in parent.state.message
+        assert set(parent.tags) <= set(child.tags) and "zerosafe" in child.tags
+        slug = job_slug(str(out))
+        keyed = {a.key: a for a in _artifacts(stack, parent.id, child.id) if a.key}
+        assert keyed[f"zerosafe-{slug}"].flow_run_id == child.id
+        assert "tasks executed" in keyed[f"zerosafe-{slug}"].data
+        assert keyed[f"zerosafe-{slug}-progress"].type == "progress"
+        assert float(keyed[f"zerosafe-{slug}-progress"].data) == 100.0
+        assert keyed[f"zerosafe-{slug}-run"].flow_run_id == parent.id
+        children.append(child)
+    assert job_slug(str(outs[0])) != job_slug(str(outs[1]))
+
+    # one log line per task with bytes, seconds and throughput; merge waits for its extracts
+    child = children[-1]
+    with stack.client() as client:
+        tasks = client.read_task_runs(
+            task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[child.id]))
+        )
+        logs = client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[child.id]))
+        )
+    by_id = {t.id: t for t in tasks}
+    lines = [entry.message for entry in logs]
+    for t in tasks:
+        if t.name.startswith(("extract", "merge", "verify")):
+            (line,) = [m for m in lines if m.startswith(f"{t.name}: read ")]
+            assert re.search(r" in \d+\.\d\d s \(.*/s\); memory \+", line), line
+    merges = [t for t in tasks if t.name.startswith("merge")]
+    for m in merges:
+        upstream = [by_id[i.id].name for i in m.task_inputs.get("wait_for", []) if i.id in by_id]
+        assert upstream and all(u.startswith("extract") for u in upstream), (m.name, upstream)
+    print("\n" + "\n".join(m for m in lines if m.startswith("merge shard 1/")))
+
+
+def test_verify_only_rerun_reports_its_own_peak_memory(sqlite_stack: Stack, tmp_path: Path) -> None:
+    stack = sqlite_stack
+    out = tmp_path / "out"
+
+    def run() -> dict[str, Any]:
+        stack.prefect(
+            "deployment", "run", "convert/default",
+            "--params", params_json(source=str(SAMPLE_CKPT), destination=str(out), max_shard_size="20KB", keep_work=True, mode="staged"),
+            "--watch", "--watch-timeout", "600",
+        )  # fmt: skip
+        stats: dict[str, Any] = json.loads((out / "zerosafe-manifest.json").read_text())["stats"]
+        return stats
+
+    first = run()
+    # the output loses its marker and one shard is touched: only its verify runs again
+    (out / "zerosafe-complete.json").unlink()
+    shard = sorted(out.glob("model-*.safetensors"))[0]
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    second = run()
+    print(
+        f"\nfirst run: growth by stage {first['rss_growth_bytes_by_stage']} over a "
+        f"{first['rss_baseline_bytes']} B baseline; verify-only rerun: "
+        f"{second['rss_growth_bytes_by_stage']} over {second['rss_baseline_bytes']} B"
+    )
+    assert set(first["rss_growth_bytes_by_stage"]) == {"extract", "merge", "verify"}
+    assert second["tasks_executed"] == {"extract": 0, "merge": 0, "verify": 1}
+    assert set(second["rss_growth_bytes_by_stage"]) == {"verify"}
+    # A running peak of the whole process is at least its baseline (imports alone are over
+    # 100 MB, torch included); each stage's own growth on the sample is a small fraction.
+    for stats in (first, second):
+        baseline = stats["rss_baseline_bytes"]
+        assert baseline > 100e6
+        assert all(0 <= v < baseline / 2 for v in stats["rss_growth_bytes_by_stage"].values())
 
 
 def _log_records(text: str, start: dt_time, end: dt_time) -> list[str]:
@@ -116,13 +310,21 @@ def _dest(url: str) -> str:
 
 
 def _wait_runs(stack: Stack, tag: str, count: int, timeout: float = 600) -> list[Any]:
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    """The deployment runs tagged `tag` (their `convert-job` subflows carry the tag too)."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterDeploymentId,
+        FlowRunFilterTags,
+    )
 
     deadline = time.monotonic() + timeout
     while True:
         with stack.client() as client:
             runs = client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag]))
+                flow_run_filter=FlowRunFilter(
+                    tags=FlowRunFilterTags(all_=[tag]),
+                    deployment_id=FlowRunFilterDeploymentId(is_null_=False),
+                )
             )
         final = [r for r in runs if r.state and r.state.is_final()]
         if len(final) >= count and len(final) == len(runs):

@@ -40,7 +40,7 @@ def test_flow_matches_engine_and_names_its_tasks(prefect_server: None, tmp_path:
         FlowRunFilterId,
     )
 
-    from flows.convert import convert
+    from flows.convert import convert, job_slug
 
     out = tmp_path / "flow"
     result = convert(
@@ -79,9 +79,11 @@ def test_flow_matches_engine_and_names_its_tasks(prefect_server: None, tmp_path:
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))
         )
+        slug = job_slug(str(out))
         progress = [a for a in artifacts if a.type == "progress"]
         assert progress and float(progress[0].data) == pytest.approx(100.0)
-        summary = [a for a in artifacts if a.key == "zerosafe-summary"]
+        assert progress[0].key == f"zerosafe-{slug}-progress"
+        summary = [a for a in artifacts if a.key == f"zerosafe-{slug}"]
         assert (
             summary and "tasks executed" in summary[0].data and "checks passed" in summary[0].data
         )
