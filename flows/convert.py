@@ -18,7 +18,7 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 from prefect import flow, get_run_logger, tags
@@ -31,7 +31,7 @@ from prefect.artifacts import (
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import deployment as deployment_run
 from prefect.runtime import flow_run
-from prefect.states import Completed, Failed
+from prefect.states import Completed, Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.config import JobConfig, load_job_config
@@ -162,7 +162,8 @@ def convert(
         flow_run_name=_run_name_of(cfg.model_dump()).replace("convert ", "convert-job ", 1),
     )
     with tags(*(flow_run.tags or [])):  # so filtering runs by tag finds the subflow too
-        state = job_flow(cfg.model_dump(), return_state=True)
+        # A sync flow called with `return_state=True` returns its State.
+        state = cast("State[Any]", job_flow(cfg.model_dump(), return_state=True))
     child = state.state_details.flow_run_id
     where = f"stages, logs and artifacts in subflow run {_run_ref(child)}"
     if child is not None:
