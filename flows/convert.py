@@ -28,10 +28,11 @@ from prefect.artifacts import (
     create_progress_artifact,
     update_progress_artifact,
 )
+from prefect.client.schemas.objects import State
 from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import deployment as deployment_run
 from prefect.runtime import flow_run
-from prefect.states import Completed, Failed, State
+from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.config import JobConfig, load_job_config
@@ -586,13 +587,18 @@ def run_convert(
     set_progress(bar)  # the flow starts it with the total once the plan is known
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[options.dtype]
     try:
-        result = convert(
-            source=ckpt_url, destination=out_url, tag=tag, dtype=dtype, max_shard_size=str(options.max_shard_bytes),
-            memory=str(options.memory_bytes), max_parallel_tasks=options.max_parallel_tasks,
-            mode=mode or ("direct" if options.direct else "staged"), tied=options.tied, exclude_frozen=options.exclude_frozen,
-            overwrite=options.overwrite, keep_work=options.keep_work, allow_nonfinite=not options.check_finite,
-            check_lowp=options.check_lowp,
-            extract_part_size=str(options.extract_part_bytes), work_dir=work_url, storage_options=storage_options,
+        result = cast(
+            "dict[str, Any]",
+            convert(
+                source=ckpt_url, destination=out_url, tag=tag, dtype=dtype,
+                max_shard_size=str(options.max_shard_bytes), memory=str(options.memory_bytes),
+                max_parallel_tasks=options.max_parallel_tasks,
+                mode=mode or ("direct" if options.direct else "staged"), tied=options.tied,
+                exclude_frozen=options.exclude_frozen, overwrite=options.overwrite,
+                keep_work=options.keep_work, allow_nonfinite=not options.check_finite,
+                check_lowp=options.check_lowp, extract_part_size=str(options.extract_part_bytes),
+                work_dir=work_url, storage_options=storage_options,
+            ),
         )  # fmt: skip
     finally:
         set_progress(NullProgress())
