@@ -246,10 +246,12 @@ def _fingerprint(*values: Any) -> str:
 class _Progress:
     """The run's progress artifact, advanced by the bytes each finished task handled."""
 
-    def __init__(self, total_bytes: int, *, key: str) -> None:
+    def __init__(self, stages: dict[str, int], *, key: str) -> None:
+        total_bytes = sum(stages.values())
         self.total = max(total_bytes, 1)
         self.done = 0
-        task_progress().start("convert", total_bytes)  # the terminal bar, when run embedded
+        # The terminal bar, when run embedded: each stage's bytes against its own total.
+        task_progress().start("convert", total_bytes, stages=stages)
         artifact_id = create_progress_artifact(
             progress=0.0, key=key, description="zerosafe: bytes processed (extract, merge, verify)"
         )
@@ -370,7 +372,11 @@ def _run_stages(
     work_bytes = 0 if options.direct else sum(p["bytes"] for p in parts)
     slug = job_slug(cfg.destination)
     progress = _Progress(
-        work_bytes + sum(s["source_bytes"] for s in shards) + sum(s["bytes"] for s in shards),
+        {
+            "extract": work_bytes,
+            "merge": sum(s["source_bytes"] for s in shards),
+            "verify": sum(s["bytes"] for s in shards),
+        },
         key=f"zerosafe-{slug}-progress",
     )
 

@@ -40,7 +40,7 @@ def extract(
         storage,
         work.intermediate,
         chunk_bytes=options.chunk_bytes,
-        on_bytes=progress().advance,
+        on_bytes=lambda n: progress().advance(n, "extract"),
     )
     record_run(j, "extract", index, summary, meter)
     return summary

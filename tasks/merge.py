@@ -45,7 +45,7 @@ def merge(
     try:
         summary = merge_or_reuse(
             plan, index, storage, j.destination, locator, chunk_bytes=options.chunk_bytes,
-            on_bytes=progress().advance,
+            on_bytes=lambda n: progress().advance(n, "merge"),
         )  # fmt: skip
     finally:
         locator.close()

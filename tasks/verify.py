@@ -49,7 +49,7 @@ def verify(
     url = shard_location(storage, j.destination, plan.plan_id, plan.shards[index].file_name)
     report = verify_shard(
         storage, url, expected=expected, check_finite=options.check_finite,
-        chunk_bytes=options.chunk_bytes, on_bytes=progress().advance,
+        chunk_bytes=options.chunk_bytes, on_bytes=lambda n: progress().advance(n, "verify"),
     ).as_dict()  # fmt: skip
     report["shard"] = index
     report["seconds"] = round(time.monotonic() - started, 3)
