@@ -248,8 +248,10 @@ def _run_tool(
         if kind.startswith("zerosafe"):
             argv.append("--no-flow")
         env = _env()
+    # `python -m` imports from the working directory first: run in the measured checkout.
+    cwd = REPO if kind == "deepspeed" else SRC
     m: Measured = run_measured(
-        argv, env=env, cwd=REPO, limit_bytes=cfg.mem_limit, timeout_s=cfg.timeout
+        argv, env=env, cwd=cwd, limit_bytes=cfg.mem_limit, timeout_s=cfg.timeout
     )
     row: dict[str, Any] = {"kind": kind, **m.as_dict(tail=1500)}
     row["out_bytes_on_disk"] = _du(out) if os.path.isdir(out) else 0
