@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from zerosafe.errors import ConversionError
+from zerosafe.lease import pid_alive
 
 __all__ = ["configure_embedded_prefect", "local_server", "stop_local_server"]
 
@@ -90,16 +91,6 @@ def _idle_seconds() -> float:
         return DEFAULT_IDLE_SECONDS
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _healthy(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url + "/api/health", timeout=timeout) as response:
@@ -119,7 +110,7 @@ def _read_state(home: Path) -> dict[str, Any] | None:
 def _running(home: Path) -> str | None:
     """The URL of this `PREFECT_HOME`'s shared server, if it is up."""
     state = _read_state(home)
-    if not state or not _alive(int(state.get("pid", -1))):
+    if not state or not pid_alive(int(state.get("pid", -1))):
         return None
     url = str(state.get("url", ""))
     return url if url and _healthy(url) else None
@@ -277,11 +268,11 @@ def stop_local_server(home: Path | None = None) -> bool:
     """Stop the shared server of `home` (default: `PREFECT_HOME`); True if one was running."""
     home = home or _home()
     state = _read_state(home)
-    if not state or not _alive(int(state.get("pid", -1))):
+    if not state or not pid_alive(int(state.get("pid", -1))):
         return False
     os.kill(int(state["pid"]), signal.SIGTERM)
     deadline = time.monotonic() + 20
-    while _alive(int(state["pid"])) and time.monotonic() < deadline:
+    while pid_alive(int(state["pid"])) and time.monotonic() < deadline:
         time.sleep(0.1)
     return True
 
@@ -293,7 +284,7 @@ def _busy(clients: Path) -> bool:
             pid = int(entry.name)
         except ValueError:
             continue
-        if _alive(pid):
+        if pid_alive(pid):
             busy = True
         else:
             with contextlib.suppress(OSError):

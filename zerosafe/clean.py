@@ -20,13 +20,12 @@ import logging
 import os
 import posixpath
 import re
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zerosafe.lease import STALE_SECONDS, destination_lease_url
+from zerosafe.lease import destination_lease_url, lease_is_stale
 from zerosafe.output import MANIFEST_NAME, MARKER_NAME, WORK_DIR_NAME, read_complete_manifest
 from zerosafe.s3 import (
     STORAGE_OPTION_HELP,
@@ -124,16 +123,7 @@ def _lease_file_is_live(storage: Storage, url: str, now: float) -> bool:
         lease = json.loads(storage.read_bytes(url))
     except ValueError:
         return False  # a torn lease file: nobody holds it
-    if now - float(lease.get("heartbeat", 0)) > STALE_SECONDS:
-        return False
-    if lease.get("host") == socket.gethostname():
-        try:
-            os.kill(int(lease.get("pid", -1)), 0)
-        except ProcessLookupError:
-            return False
-        except (PermissionError, ValueError):
-            return True
-    return True
+    return isinstance(lease, dict) and not lease_is_stale(lease, now)
 
 
 def _kept_by_complete_output(storage: Storage, work_url: str) -> bool:

@@ -34,6 +34,8 @@ __all__ = [
     "STALE_SECONDS",
     "destination_lease",
     "destination_lease_url",
+    "lease_is_stale",
+    "pid_alive",
     "work_lease",
 ]
 
@@ -48,7 +50,8 @@ class LeaseHeldError(ConversionError):
     """Another live run holds the work area."""
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -58,10 +61,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _is_stale(lease: dict[str, Any], now: float) -> bool:
-    if now - float(lease.get("heartbeat", 0)) > STALE_SECONDS:
+def lease_is_stale(lease: dict[str, Any], now: float) -> bool:
+    """A lease whose heartbeat is older than `STALE_SECONDS`, or whose holder on this host is
+    gone (killed with SIGKILL), holds nothing."""
+    if now - float(lease.get("heartbeat", 0) or 0) > STALE_SECONDS:
         return True
-    return lease.get("host") == socket.gethostname() and not _alive(int(lease.get("pid", -1)))
+    if lease.get("host") != socket.gethostname():
+        return False
+    try:
+        return not pid_alive(int(lease.get("pid", -1)))
+    except (TypeError, ValueError):
+        return False  # an unreadable pid: trust the heartbeat
 
 
 def _clean_partials(storage: Storage, folders: list[str]) -> None:
@@ -94,7 +104,7 @@ def _held(
             held = {}
         if not isinstance(held, dict):
             held = {}
-        if held and not _is_stale(held, now):
+        if held and not lease_is_stale(held, now):
             raise LeaseHeldError(refuse(held, now))
         if held:
             log.info("taking over the stale lease of run %s", held.get("run_id"))
