@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -392,13 +391,11 @@ def test_bad_input_is_refused_before_prefect_starts(tmp_path: Path) -> None:
         print(codes, "prefect" in sys.modules)
         """
     )
-    started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
     )
     assert proc.stdout.strip() == "[2, 2] False", (proc.stdout, proc.stderr)
     assert proc.stderr.count("zerosafe: error: ") == 2
-    assert time.monotonic() - started < 60  # generous; the point is that no server started
 
 
 def test_manifest_files_record_their_published_identity(sample_ckpt: Path, tmp_path: Path) -> None:
