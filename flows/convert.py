@@ -592,20 +592,25 @@ def run_convert(
     bar = TerminalProgress() if show_progress else NullProgress()
     set_progress(bar)  # the flow starts it with the total once the plan is known
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[options.dtype]
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
     try:
-        result = cast(
-            "dict[str, Any]",
-            convert(
-                source=ckpt_url, destination=out_url, tag=tag, dtype=dtype,
-                max_shard_size=str(options.max_shard_bytes), memory=str(options.memory_bytes),
-                max_parallel_tasks=options.max_parallel_tasks,
-                mode=mode or ("direct" if options.direct else "staged"), tied=options.tied,
-                exclude_frozen=options.exclude_frozen, overwrite=options.overwrite,
-                keep_work=options.keep_work, allow_nonfinite=not options.check_finite,
-                check_lowp=options.check_lowp, extract_part_size=str(options.extract_part_bytes),
-                work_dir=work_url, storage_options=storage_options,
-            ),
-        )  # fmt: skip
+        # No heartbeats for a run the command itself watches: ending each of its two flow
+        # runs would otherwise wait up to a second for the heartbeat thread.
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            result = cast(
+                "dict[str, Any]",
+                convert(
+                    source=ckpt_url, destination=out_url, tag=tag, dtype=dtype,
+                    max_shard_size=str(options.max_shard_bytes), memory=str(options.memory_bytes),
+                    max_parallel_tasks=options.max_parallel_tasks,
+                    mode=mode or ("direct" if options.direct else "staged"), tied=options.tied,
+                    exclude_frozen=options.exclude_frozen, overwrite=options.overwrite,
+                    keep_work=options.keep_work, allow_nonfinite=not options.check_finite,
+                    check_lowp=options.check_lowp, extract_part_size=str(options.extract_part_bytes),
+                    work_dir=work_url, storage_options=storage_options,
+                ),
+            )  # fmt: skip
     finally:
         set_progress(NullProgress())
         if show_progress:

@@ -169,13 +169,13 @@ def check_module_copy_sample(ckpt: ZeroCheckpoint, plan: Plan) -> None:
     Raises:
         LayoutMismatchError: Naming the model states file, the param and the optimizer file.
     """
+    module = _module_copy(ckpt)
+    if not module:
+        return
     import torch
 
     from zerosafe.dtypes import torch_dtype
 
-    module = _module_copy(ckpt)
-    if not module:
-        return
     model = ckpt.model_files[0]
     loaded = {f.url: f for f in ckpt.optim_files}
     checked = 0
