@@ -15,8 +15,9 @@ from tasks._common import (
     progress,
     record_run,
 )
+from zerosafe import output
 from zerosafe.convert import merge_or_reuse
-from zerosafe.output import is_repair, reusable_shard, shard_location
+from zerosafe.output import shard_location
 from zerosafe.safetensors_writer import HeaderEntry, build_header
 from zerosafe.stages import DirectLocator, StagedLocator, shard_metadata
 
@@ -76,11 +77,4 @@ def shard_identity(job: dict[str, Any], index: int) -> tuple[int, str] | None:
 def reusable_shards(job: dict[str, Any]) -> set[int]:
     """In a repair: the shards that are published and still intact (nothing to merge)."""
     plan, storage, _, _ = context(job_of(job))
-    if not is_repair(storage, job["destination"], plan.plan_id):
-        return set()
-    return {
-        s.index
-        for s in plan.shards
-        if reusable_shard(storage, job["destination"], plan.plan_id, s.index, s.file_name)
-        is not None
-    }
+    return output.reusable_shards(storage, job["destination"], plan)

@@ -21,12 +21,12 @@ from zerosafe.output import (
     default_work_url,
     discard_failed_work,
     finish_work,
-    is_repair,
     pending_url,
     prepare_output,
     publish,
     quick_done,
     reusable_shard,
+    reusable_shards,
     shard_location,
 )
 from zerosafe.plan import Plan, build_plan, save_plan
@@ -117,13 +117,7 @@ def _run_stages(
     if options.direct:
         locator: DirectLocator | StagedLocator = DirectLocator(plan, storage)
     else:
-        repair = is_repair(storage, out_url, plan.plan_id)
-        reused = {
-            s.index
-            for s in plan.shards
-            if repair
-            and reusable_shard(storage, out_url, plan.plan_id, s.index, s.file_name) is not None
-        }
+        reused = reusable_shards(storage, out_url, plan)
         needed = sorted(
             {p for i, parts in enumerate(plan.shard_parts()) if i not in reused for p in parts}
         )

@@ -32,9 +32,9 @@ __all__ = [
     "clear_output",
     "discard_failed_work",
     "finish_work",
-    "is_repair",
     "pending_url",
     "reusable_shard",
+    "reusable_shards",
     "shard_location",
     "default_work_url",
     "inspect_output",
@@ -104,29 +104,31 @@ def changed_files(storage: Storage, out_url: str, manifest: dict[str, Any]) -> d
     return out
 
 
-def is_repair(storage: Storage, out_url: str, job_key: str) -> bool:
-    """Whether this job is repairing a published output (it then keeps intact shards)."""
-    return storage.exists(join_url(pending_url(out_url, job_key), PREVIOUS_MANIFEST_NAME))
-
-
-def reusable_shard(
-    storage: Storage, out_url: str, job_key: str, shard: int, file_name: str
-) -> dict[str, Any] | None:
-    """In a repair: the merge result of a published shard that is still intact, rebuilt from
-    the manifest it was published with (nothing is read from the checkpoint). None when the
-    shard must be merged again."""
-    prev_url = join_url(pending_url(out_url, job_key), PREVIOUS_MANIFEST_NAME)
-    if not storage.exists(prev_url):
+def _previous_manifest(storage: Storage, out_url: str, job_key: str) -> dict[str, Any] | None:
+    """In a repair: the manifest the output was published with (None outside a repair)."""
+    url = join_url(pending_url(out_url, job_key), PREVIOUS_MANIFEST_NAME)
+    if not storage.exists(url):
         return None
     try:
-        manifest = json.loads(storage.read_bytes(prev_url))
+        manifest = json.loads(storage.read_bytes(url))
+    except ValueError:
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _reused(
+    storage: Storage, out_url: str, manifest: dict[str, Any], shard: int, file_name: str
+) -> dict[str, Any] | None:
+    """The merge result of published shard `file_name` rebuilt from `manifest`, if the file
+    is still as published; else None."""
+    try:
         entry = next(f for f in manifest["files"] if f["file"] == file_name)
         tensors = {
             name: {k: v for k, v in info.items() if k not in ("file", "role")}
             for name, info in manifest["tensors"].items()
             if info["file"] == file_name
         }
-    except (ValueError, KeyError, TypeError, StopIteration):
+    except (KeyError, TypeError, StopIteration):
         return None
     if _file_changed(storage, out_url, entry) is not None:
         return None
@@ -140,6 +142,29 @@ def reusable_shard(
         "ledger": {},
         "seconds": 0.0,
         "reused": True,
+    }
+
+
+def reusable_shard(
+    storage: Storage, out_url: str, job_key: str, shard: int, file_name: str
+) -> dict[str, Any] | None:
+    """In a repair: the merge result of a published shard that is still intact, rebuilt from
+    the manifest it was published with (nothing is read from the checkpoint). None when the
+    shard must be merged again."""
+    manifest = _previous_manifest(storage, out_url, job_key)
+    return None if manifest is None else _reused(storage, out_url, manifest, shard, file_name)
+
+
+def reusable_shards(storage: Storage, out_url: str, plan: Plan) -> set[int]:
+    """In a repair: the shards that are published and still intact, so neither their merge
+    nor the extracts only they need have to run. Empty outside a repair."""
+    manifest = _previous_manifest(storage, out_url, plan.plan_id)
+    if manifest is None:
+        return set()
+    return {
+        s.index
+        for s in plan.shards
+        if _reused(storage, out_url, manifest, s.index, s.file_name) is not None
     }
 
 
