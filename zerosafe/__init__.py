@@ -20,11 +20,11 @@ from zerosafe.errors import (
     UnsafePickleError,
     UnsupportedCheckpointError,
 )
-from zerosafe.plan import Plan, build_plan, load_plan, save_plan
+from zerosafe.formats.deepspeed.checkpoint import ZeroCheckpoint, open_zero_checkpoint
+from zerosafe.formats.torch_zip import TensorRecord, TorchZipFile
+from zerosafe.io.storage import Storage
+from zerosafe.plan.model import Plan, build_plan, load_plan, save_plan
 from zerosafe.pt2st import convert_pt, load_pt, load_pt_like
-from zerosafe.storage import Storage
-from zerosafe.torch_zip import TensorRecord, TorchZipFile
-from zerosafe.zero_checkpoint import ZeroCheckpoint, open_zero_checkpoint
 
 __all__ = [
     "CheckpointFormatError",
