@@ -63,11 +63,14 @@ from bench._iolimit import (  # noqa: E402
 from bench._measure import Measured, meminfo_bytes, run_measured  # noqa: E402
 
 PY = sys.executable
+
+
 def _zerosafe_command(src: str) -> list[str]:
     """The command, as `python -m` so that `--src`/`--before` checkouts run their own entry
     point (`zerosafe_app.cli`; `zerosafe.cli` in checkouts from before the package layout)."""
     new = os.path.exists(os.path.join(src, "zerosafe_app", "cli.py"))
     return [PY, "-m", "zerosafe_app.cli" if new else "zerosafe.cli"]
+
 
 SIZES: dict[str, dict[str, Any]] = {
     # tests: seconds, exercises every kind of run
