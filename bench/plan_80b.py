@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = load_spec(args.spec, world_size=ws)
         for direct in (False, True):
             options = ConvertOptions(
-                dtype="bf16", max_shard_bytes=5 * 10**9, memory_bytes=8 * 10**9,
-                max_parallel_tasks=4, extract_part_bytes=4 * 10**9, direct=direct,
+                dtype="bf16", max_shard_size=5 * 10**9, memory=8 * 10**9,
+                max_parallel_tasks=4, extract_part_size=4 * 10**9, direct=direct,
             )  # fmt: skip
             _, plan = simulate_plan(spec, options)
             reports.append([

@@ -526,12 +526,12 @@ def main(argv: list[str] | None = None) -> int:
     ranges, fp32_bytes = fp32_ranges(ckpt)
     from zerosafe.config import ConvertOptions
     from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
+    from zerosafe.formats.deepspeed.reader import build_plan
     from zerosafe.io.storage import Storage
-    from zerosafe.plan.model import build_plan
 
     plan = build_plan(
         open_zero_checkpoint(Storage(), ckpt),
-        ConvertOptions(dtype=cfg.dtype, max_shard_bytes=_parse_size(cfg.max_shard_size)),
+        ConvertOptions(dtype=cfg.dtype, max_shard_size=_parse_size(cfg.max_shard_size)),
     )
     out_bytes = sum(s.data_bytes for s in plan.shards)
     files = _files(ckpt)

@@ -21,9 +21,11 @@ from zerosafe.errors import (
     UnsupportedCheckpointError,
 )
 from zerosafe.formats.deepspeed.checkpoint import ZeroCheckpoint, open_zero_checkpoint
+from zerosafe.formats.deepspeed.reader import build_plan
 from zerosafe.formats.torch_zip import TensorRecord, TorchZipFile
 from zerosafe.io.storage import Storage
-from zerosafe.plan.model import Plan, build_plan, load_plan, save_plan
+from zerosafe.plan.build import plan_checkpoint, plan_layout
+from zerosafe.plan.model import Plan, load_plan, save_plan
 from zerosafe.pt2st import convert_pt, load_pt, load_pt_like
 
 __all__ = [
@@ -49,5 +51,7 @@ __all__ = [
     "load_pt",
     "load_pt_like",
     "open_zero_checkpoint",
+    "plan_checkpoint",
+    "plan_layout",
     "save_plan",
 ]

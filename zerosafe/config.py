@@ -88,7 +88,7 @@ class ConvertOptions:
 
     dtype: str = "float32"
     """Output dtype of every floating tensor (params, frozen params, float buffers)."""
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    max_shard_size: int = DEFAULT_MAX_SHARD_BYTES
     """Largest output file's tensor bytes; a bigger single tensor gets a file of its own."""
     tied: Literal["dedupe", "copy"] = "dedupe"
     """`dedupe`: store a tied alias once and record it; `copy`: write it as a real tensor."""
@@ -98,18 +98,18 @@ class ConvertOptions:
     """Merge straight from the source's fp32 records (local/NFS), with no intermediate copy."""
     mode_reason: str = ""
     """Why `direct` is what it is (`choose_mode`), for `inspect` and the run summary."""
-    memory_bytes: int = DEFAULT_MEMORY_BYTES
+    memory: int = DEFAULT_MEMORY_BYTES
     """Memory budget of one worker: the tasks it runs at once hold at most this much."""
     max_parallel_tasks: int = 2
-    """Tasks one worker runs at once (further bounded by `memory_bytes`)."""
-    extract_part_bytes: int = 2 * 10**9
+    """Tasks one worker runs at once (further bounded by `memory`)."""
+    extract_part_size: int = 2 * 10**9
     """Staged mode: a rank's fp32 bytes are extracted in parts of at most this size."""
     overwrite: bool = False
     """Replace a complete output from another source or other options."""
     keep_work: bool = False
     """Keep the work area (plan, intermediates) after a verified publish."""
-    check_finite: bool = True
-    """Verify fails on NaN/Inf values (allow them with False)."""
+    allow_nonfinite: bool = False
+    """Verify passes NaN/Inf values (they are counted either way); by default they fail it."""
     check_lowp: bool = False
     """ZeRO-1/2: before publishing, check each tensor cast to the training dtype equals the
     16-bit weight in the model states (reads those weights: 2 more bytes per parameter)."""
@@ -118,21 +118,21 @@ class ConvertOptions:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if self.tied not in ("dedupe", "copy"):
             raise ConfigError(f"`tied` must be 'dedupe' or 'copy' (got '{self.tied}')")
-        if self.max_shard_bytes <= 0:
-            raise ConfigError(f"`max_shard_bytes` must be positive (got {self.max_shard_bytes})")
+        if self.max_shard_size <= 0:
+            raise ConfigError(f"`max_shard_size` must be positive (got {self.max_shard_size})")
         if self.max_parallel_tasks < 1:
             raise ConfigError(
                 f"`max_parallel_tasks` must be at least 1 (got {self.max_parallel_tasks})"
             )
-        if self.extract_part_bytes < MIN_CHUNK_BYTES:
+        if self.extract_part_size < MIN_CHUNK_BYTES:
             raise ConfigError(
-                f"`extract_part_bytes` must be at least {MIN_CHUNK_BYTES} bytes "
-                f"({MIN_CHUNK_BYTES // 2**20}MiB), got {self.extract_part_bytes}"
+                f"`extract_part_size` must be at least {MIN_CHUNK_BYTES} bytes "
+                f"({MIN_CHUNK_BYTES // 2**20}MiB), got {self.extract_part_size}"
             )
         floor = TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * MIN_CHUNK_BYTES
-        if self.memory_bytes < floor:
+        if self.memory < floor:
             raise ConfigError(
-                f"`memory` budget {self.memory_bytes} bytes is below the minimum of {floor} "
+                f"`memory` budget {self.memory} bytes is below the minimum of {floor} "
                 f"bytes ({floor // 2**20} MiB) that one task needs; give at least "
                 f"{floor // 2**20}MiB"
             )
@@ -141,12 +141,12 @@ class ConvertOptions:
     def parallel_tasks(self) -> int:
         """Tasks that fit the budget at once (at least 1)."""
         per_task_floor = TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * MIN_CHUNK_BYTES
-        return max(1, min(self.max_parallel_tasks, self.memory_bytes // per_task_floor))
+        return max(1, min(self.max_parallel_tasks, self.memory // per_task_floor))
 
     @property
     def chunk_bytes(self) -> int:
-        """Bytes per copy chunk, so `parallel_tasks` tasks fit in `memory_bytes`."""
-        per_task = self.memory_bytes // self.parallel_tasks - TASK_OVERHEAD_BYTES
+        """Bytes per copy chunk, so `parallel_tasks` tasks fit in `memory`."""
+        per_task = self.memory // self.parallel_tasks - TASK_OVERHEAD_BYTES
         chunk = per_task // PIPELINE_BUFFERS
         chunk = max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, chunk))
         return chunk - chunk % 4096
@@ -157,10 +157,12 @@ class ConvertOptions:
         return TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * self.chunk_bytes
 
     def identity(self) -> dict[str, Any]:
-        """The options that change output bytes (part of the job key)."""
+        """The options that change output bytes (part of the job key). The keys are frozen:
+        renaming one would change every job key, and outputs converted before would no
+        longer count as done."""
         return {
             "dtype": self.dtype,
-            "max_shard_bytes": self.max_shard_bytes,
+            "max_shard_bytes": self.max_shard_size,
             "tied": self.tied,
             "exclude_frozen": self.exclude_frozen,
         }

@@ -16,10 +16,10 @@ from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import IntegrityError, StorageError, VerificationError
-from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
 from zerosafe.io.lease import destination_lease
 from zerosafe.io.storage import Storage, is_local, join_url, local_path, normalize_url
-from zerosafe.plan.model import Plan, build_plan, save_plan
+from zerosafe.plan.build import plan_checkpoint
+from zerosafe.plan.model import Plan, save_plan
 from zerosafe.stages.output import (
     default_work_url,
     discard_failed_work,
@@ -165,14 +165,14 @@ def _run_stages(
     progress.start("verify", sum(s.data_bytes for s in plan.shards))
     for m in merges:
         report = verify_shard(
-            storage, shard_location(storage, out_url, plan.plan_id, m["file"]),
-            expected=m["tensors"], check_finite=options.check_finite, chunk_bytes=chunk,
+            storage, shard_location(storage, out_url, plan.job_key, m["file"]),
+            expected=m["tensors"], allow_nonfinite=options.allow_nonfinite, chunk_bytes=chunk,
             on_bytes=progress.advance,
         )  # fmt: skip
         verifies.append(report.as_dict())
     progress.finish()
     if options.check_lowp:
-        verifies.append(lowp_report(storage, plan.source, out_url, merges, job_key=plan.plan_id))
+        verifies.append(lowp_report(storage, plan.source, out_url, merges, job_key=plan.job_key))
     return extracts, merges, verifies
 
 
@@ -189,12 +189,12 @@ def merge_or_reuse(
     """Merge output shard `shard` into the job's pending folder, or, in a repair, reuse the
     published shard when it is still as published."""
     file_name = plan.shards[shard].file_name
-    reused = reusable_shard(storage, out_url, plan.plan_id, shard, file_name)
+    reused = reusable_shard(storage, out_url, plan.job_key, shard, file_name)
     if reused is not None:
         log.info("%s: still as published; kept", join_url(out_url, file_name))
         return reused
     return merge_shard(
-        plan, shard, storage, pending_url(out_url, plan.plan_id), locator,
+        plan, shard, storage, pending_url(out_url, plan.job_key), locator,
         chunk_bytes=chunk_bytes, on_bytes=on_bytes,
     )  # fmt: skip
 
@@ -250,14 +250,13 @@ def _convert_held(
     done = quick_done(storage, ckpt_url, tag, out_url, options)
     if done is not None:
         return {"status": "already-complete", "output": out_url, "job_key": done}
-    ckpt = open_zero_checkpoint(storage, ckpt_url, tag=tag)
-    plan = build_plan(ckpt, options)
+    _, plan = plan_checkpoint(storage, ckpt_url, tag=tag, options=options)
     for warning in plan.warnings:
         log.warning("%s", warning)
-    state = prepare_output(storage, out_url, plan.plan_id, overwrite=options.overwrite)
+    state = prepare_output(storage, out_url, plan.job_key, overwrite=options.overwrite)
     if state.kind == "done":
-        return {"status": "already-complete", "output": out_url, "job_key": plan.plan_id}
-    work = WorkLayout(work_url or default_work_url(out_url, plan.plan_id))
+        return {"status": "already-complete", "output": out_url, "job_key": plan.job_key}
+    work = WorkLayout(work_url or default_work_url(out_url, plan.job_key))
     check_free_space(storage, plan, out_url, work.root, direct=options.direct)
     save_plan(plan, storage, work.plan)
     try:
@@ -282,13 +281,13 @@ def _convert_held(
             integrity=integrity, stats=stats,
         )  # fmt: skip
     except (IntegrityError, VerificationError):
-        discard_failed_work(storage, out_url, plan.plan_id, work.root)
+        discard_failed_work(storage, out_url, plan.job_key, work.root)
         raise
-    finish_work(storage, out_url, plan.plan_id, work.root, keep=options.keep_work)
+    finish_work(storage, out_url, plan.job_key, work.root, keep=options.keep_work)
     return {
         "status": "converted",
         "output": out_url,
-        "job_key": plan.plan_id,
+        "job_key": plan.job_key,
         "files": [f["file"] for f in manifest["files"]],
         "num_tensors": len(manifest["tensors"]),
         "aliases": plan.aliases,

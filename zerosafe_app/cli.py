@@ -82,9 +82,8 @@ def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
 _FLAG_OF_FIELD = {
     "`max_parallel_tasks`": "`--parallel`",
     "`memory`": "`--memory`",
-    "`memory_bytes`": "`--memory`",
-    "`max_shard_bytes`": "`--max-shard-size`",
-    "`extract_part_bytes`": "`--extract-part-size`",
+    "`max_shard_size`": "`--max-shard-size`",
+    "`extract_part_size`": "`--extract-part-size`",
     "`dtype`": "`--dtype`",
     "`tied`": "`--tied`",
     "`mode: direct`": "`--mode direct`",
@@ -312,19 +311,19 @@ def _options(args: argparse.Namespace) -> Any:
             direct, why = _requested_mode(args) == "direct", f"{_requested_mode(args)}, as asked"
         return ConvertOptions(
             dtype=args.dtype,
-            max_shard_bytes=args.max_shard_size,
-            memory_bytes=args.memory,
+            max_shard_size=args.max_shard_size,
+            memory=args.memory,
             exclude_frozen=args.exclude_frozen,
             tied=args.tied,
             direct=direct,
             mode_reason=why,
             overwrite=getattr(args, "overwrite", False),
             keep_work=getattr(args, "keep_work", False),
-            check_finite=not getattr(args, "allow_nonfinite", False),
+            allow_nonfinite=getattr(args, "allow_nonfinite", False),
             check_lowp=getattr(args, "check_lowp", False),
             max_parallel_tasks=getattr(args, "parallel", 2),
             **(
-                {"extract_part_bytes": args.extract_part_size}
+                {"extract_part_size": args.extract_part_size}
                 if getattr(args, "extract_part_size", None) is not None
                 else {}
             ),
@@ -354,9 +353,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
+    from zerosafe.plan.build import plan_checkpoint
     from zerosafe.plan.describe import describe_plan, render_inspect
-    from zerosafe.plan.model import build_plan
 
     if args.simulate:
         if args.checkpoint:
@@ -371,9 +369,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         )
     options = _options(args)
     storage = _storage(args)
-    ckpt = open_zero_checkpoint(storage, args.checkpoint, tag=args.tag)
-    plan = build_plan(ckpt, options)
-    report = describe_plan(ckpt, plan, options, metadata_bytes_read=storage.counter.bytes_read)
+    layout, plan = plan_checkpoint(storage, args.checkpoint, tag=args.tag, options=options)
+    report = describe_plan(layout, plan, options, metadata_bytes_read=storage.counter.bytes_read)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -391,7 +388,7 @@ def _check_before_starting(args: argparse.Namespace, options: Any) -> str | None
         stat-only check the flow's inspect makes first): then there is nothing to run.
     """
     from zerosafe.errors import ConfigError
-    from zerosafe.formats.deepspeed.checkpoint import quick_identities
+    from zerosafe.formats.registry import quick_identities
     from zerosafe.io.storage import normalize_url
     from zerosafe.stages.output import quick_done
 
@@ -471,7 +468,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from zerosafe.verify.output import render_verify, verify_output
 
     report = verify_output(
-        args.output, against=args.against, tag=args.tag, check_finite=not args.allow_nonfinite,
+        args.output, against=args.against, tag=args.tag, allow_nonfinite=args.allow_nonfinite,
         storage=_storage(args),
     )  # fmt: skip
     if args.json:

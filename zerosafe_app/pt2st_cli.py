@@ -90,13 +90,13 @@ def _list_globals(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_memory(memory_bytes: int) -> None:
+def _check_memory(memory: int) -> None:
     """Refuse a budget too small for the copy before anything is opened, naming `--memory`."""
     from zerosafe.config import ConvertOptions
     from zerosafe_app.cli import _with_flag_names
 
     try:
-        ConvertOptions(memory_bytes=memory_bytes, max_parallel_tasks=1)
+        ConvertOptions(memory=memory, max_parallel_tasks=1)
     except ConfigError as e:
         raise _with_flag_names(e) from e
 
@@ -128,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
         args.source,
         output,
         storage=storage,
-        memory_bytes=args.memory,
+        memory=args.memory,
         overwrite=args.overwrite,
         on_bytes=progress.advance,
     )

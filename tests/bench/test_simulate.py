@@ -22,6 +22,7 @@ from bench import forge as F  # noqa: E402
 from zerosafe.config import ConvertOptions  # noqa: E402
 from zerosafe.errors import ConfigError  # noqa: E402
 from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint  # noqa: E402
+from zerosafe.formats.deepspeed.reader import build_plan  # noqa: E402
 from zerosafe.formats.deepspeed.simulate import (  # noqa: E402
     load_spec,
     predict_seconds,
@@ -29,7 +30,6 @@ from zerosafe.formats.deepspeed.simulate import (  # noqa: E402
     simulation_report,
 )
 from zerosafe.io.storage import Storage  # noqa: E402
-from zerosafe.plan.model import build_plan  # noqa: E402
 
 SHAPES = F.transformer_shapes(vocab=1001, width=64, layers=3, tied=True)
 
@@ -58,7 +58,7 @@ def test_simulated_plan_equals_plan_of_forged_checkpoint(
         tied=True, buffers=[], sub_group_numel=sub_group, threads=1,
     )  # fmt: skip
     options = ConvertOptions(
-        dtype="bf16", max_shard_bytes=60_000, direct=direct, extract_part_bytes=2**20
+        dtype="bf16", max_shard_size=60_000, direct=direct, extract_part_size=2**20
     )
     real = build_plan(open_zero_checkpoint(Storage(), str(tmp_path / "ckpt")), options)
     spec = load_spec(
@@ -84,7 +84,7 @@ def test_simulated_plan_equals_plan_of_forged_checkpoint(
 
 def test_prediction_model(tmp_path: Path) -> None:
     spec = load_spec(str(_spec(tmp_path / "s.json", world_size=4)))
-    options = ConvertOptions(dtype="bf16", max_shard_bytes=60_000, direct=True)
+    options = ConvertOptions(dtype="bf16", max_shard_size=60_000, direct=True)
     _, plan = simulate_plan(spec, options)
     moved = sum(plan.shard_source_bytes(i) + 2 * s.data_bytes for i, s in enumerate(plan.shards))
     # one slot, storage the limit: every byte at the bandwidth

@@ -373,7 +373,7 @@ def test_watch_converts_each_new_tag_once_and_resumes_partial_ones(
     assert convert_run.state.is_completed(), convert_run.state
     got = download_folder(moto.url, f"{dest}/global_step2", tmp_path / "step2")
     ref = tmp_path / "ref"
-    convert_checkpoint(str(SAMPLE_CKPT), str(ref), ConvertOptions(max_shard_bytes=20_000))
+    convert_checkpoint(str(SAMPLE_CKPT), str(ref), ConvertOptions(max_shard_size=20_000))
     ours, _ = load_output(got)
     theirs, _ = load_output(ref)
     assert set(ours) == set(theirs) and all(same_bytes(ours[k], theirs[k]) for k in ours)
@@ -542,7 +542,7 @@ def test_hundreds_of_tasks_on_one_server(
         _wait_heartbeat_after(stack, ended_utc)
     ref = tmp_path / "ref"
     convert_checkpoint(
-        str(ckpt), str(ref), ConvertOptions(dtype="bf16", max_shard_bytes=1000, direct=True)
+        str(ckpt), str(ref), ConvertOptions(dtype="bf16", max_shard_size=1000, direct=True)
     )
     theirs, _ = load_output(ref)
     assert set(ours) == set(theirs) and all(same_bytes(ours[k], theirs[k]) for k in ours)

@@ -54,7 +54,7 @@ def test_flow_matches_engine_and_names_its_tasks(prefect_server: None, tmp_path:
     n = len(result["files"])
     ref = tmp_path / "engine"
     convert_checkpoint(
-        str(SAMPLE_CKPT), str(ref), ConvertOptions(max_shard_bytes=20_000, dtype="bf16")
+        str(SAMPLE_CKPT), str(ref), ConvertOptions(max_shard_size=20_000, dtype="bf16")
     )
     ours, manifest = load_output(out)
     theirs, ref_manifest = load_output(ref)

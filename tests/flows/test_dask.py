@@ -116,7 +116,7 @@ def test_flow_runs_its_tasks_on_two_dask_workers(dask_cluster: str, tmp_path: Pa
     assert (work / "results").is_dir() and len(list((work / "results").iterdir())) >= len(ran)
 
     ref = tmp_path / "ref"
-    convert_checkpoint(str(SAMPLE_CKPT), str(ref), ConvertOptions(max_shard_bytes=20_000))
+    convert_checkpoint(str(SAMPLE_CKPT), str(ref), ConvertOptions(max_shard_size=20_000))
     ours, manifest = load_output(out)
     theirs, _ = load_output(ref)
     assert set(ours) == set(theirs)

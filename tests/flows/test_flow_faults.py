@@ -44,7 +44,7 @@ def reference(medium_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     convert_checkpoint(
         str(medium_ckpt),
         str(out),
-        ConvertOptions(dtype="bf16", max_shard_bytes=48 * 10**6, direct=True),
+        ConvertOptions(dtype="bf16", max_shard_size=48 * 10**6, direct=True),
     )
     return out
 
@@ -55,7 +55,7 @@ def reference_small_shards(medium_ckpt: Path, tmp_path_factory: pytest.TempPathF
     convert_checkpoint(
         str(medium_ckpt),
         str(out),
-        ConvertOptions(dtype="bf16", max_shard_bytes=8 * 10**6, direct=True),
+        ConvertOptions(dtype="bf16", max_shard_size=8 * 10**6, direct=True),
     )
     return out
 
@@ -183,8 +183,8 @@ def test_sigkill_during_merges_then_resume(
 
 
 def _job_work_dir(env: dict[str, str], ckpt: Path, out: Path, *args: str) -> Path:
-    plan_id = json.loads(run_cli(env, "inspect", "--json", str(ckpt), *args).stdout)["plan_id"]
-    return out / ".zerosafe-work" / plan_id[:16]
+    job_key = json.loads(run_cli(env, "inspect", "--json", str(ckpt), *args).stdout)["job_key"]
+    return out / ".zerosafe-work" / job_key[:16]
 
 
 def test_a_live_lease_is_refused_and_a_dead_one_taken_over(

@@ -41,12 +41,12 @@ def make(pt: str, num_bytes: int) -> None:
     )
 
 
-def convert(pt: str, out: str, memory_bytes: int) -> dict[str, float]:
+def convert(pt: str, out: str, memory: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as warm:
         torch.save({"w": torch.ones(1000)}, os.path.join(warm, "w.pt"))
         convert_pt(os.path.join(warm, "w.pt"), os.path.join(warm, "w.safetensors"))
     with PeakRSS() as m:
-        summary = convert_pt(pt, out, memory_bytes=memory_bytes, overwrite=True)
+        summary = convert_pt(pt, out, memory=memory, overwrite=True)
     return {
         "baseline_rss": m.baseline,
         "peak_rss": m.peak,

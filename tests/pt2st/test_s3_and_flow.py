@@ -36,7 +36,7 @@ def test_s3_to_s3_and_lazy_load_back(moto: MotoServer, bucket: str, tmp_path: Pa
     src = _upload(moto, bucket, "run/step7/model.pt", pt)
     options = {"endpoint_url": moto.url, "part_size": 8192}
     dst = f"s3://{bucket}/run/step7/model.safetensors"
-    summary = convert_pt(src, dst, storage=Storage(options), memory_bytes=64 * 2**20)
+    summary = convert_pt(src, dst, storage=Storage(options), memory=64 * 2**20)
     assert summary["status"] == "converted"
     assert sorted(object_keys(moto.url, bucket)) == [
         "run/step7/model.pt",

@@ -48,7 +48,7 @@ BAD = [
     (["clean", "OUT", "--older-than", "-1h"], "--older-than"),
 ]
 
-INTERNAL = ("max_parallel_tasks", "memory_bytes", "max_shard_bytes", "extract_part_bytes")
+INTERNAL = ("max_parallel_tasks", "`memory`", "`max_shard_size`", "`extract_part_size`", "_bytes")
 
 
 @pytest.mark.parametrize(("argv", "flag"), BAD, ids=[" ".join(a[2:] or a) for a, _ in BAD])

@@ -182,7 +182,7 @@ def convert(
 
 FP32_MODES = {
     "staged": {"dtype": "float32"},
-    "direct": {"dtype": "float32", "direct": True, "max_shard_bytes": SMALL_SHARDS},
+    "direct": {"dtype": "float32", "direct": True, "max_shard_size": SMALL_SHARDS},
 }
 
 
@@ -294,7 +294,7 @@ def test_fp32_matches_live_weights(name: str, checkpoints, convert) -> None:
 def test_direct_equals_staged(name: str, convert) -> None:
     staged, direct = convert(name, **FP32_MODES["staged"]), convert(name, **FP32_MODES["direct"])
     assert len(direct.summary["files"]) > 1, (
-        f"expected several shards with max_shard_bytes={SMALL_SHARDS}"
+        f"expected several shards with max_shard_size={SMALL_SHARDS}"
     )
     assert set(direct.tensors) == set(staged.tensors)
     assert direct.aliases == staged.aliases
@@ -311,7 +311,7 @@ LOWP = [
 
 
 LOWP_MODES: dict[str, dict[str, Any]] = {
-    f"{short}-{mode}": {"dtype": dtype, "direct": mode == "direct", "max_shard_bytes": SMALL_SHARDS}
+    f"{short}-{mode}": {"dtype": dtype, "direct": mode == "direct", "max_shard_size": SMALL_SHARDS}
     for short, dtype in (("bf16", "bfloat16"), ("fp16", "float16"))
     for mode in ("staged", "direct")
 }

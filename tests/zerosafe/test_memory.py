@@ -51,7 +51,7 @@ def test_largest_tensor_8x_the_budget_stays_within_it(
         "engine",
         big_tensor_ckpt,
         out,
-        {"memory_bytes": BUDGET, "direct": direct, "max_shard_bytes": 10**9},
+        {"memory": BUDGET, "direct": direct, "max_shard_size": 10**9},
     )
     grew = result["peak_rss"] - result["baseline_rss"]
     tensor_bytes = BIG[0] * BIG[1] * 4

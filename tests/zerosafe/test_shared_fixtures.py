@@ -54,7 +54,7 @@ def test_fp32_output_is_bit_exact_with_deepspeed(name: str, direct: bool, tmp_pa
     summary = convert_checkpoint(
         str(SHARED_FIXTURES / name / "checkpoint"),
         str(out),
-        ConvertOptions(direct=direct, max_shard_bytes=30_000),
+        ConvertOptions(direct=direct, max_shard_size=30_000),
     )
     ours, manifest = load_output(out)
     golden, aliases = _golden(name)

@@ -48,7 +48,7 @@ pytestmark = pytest.mark.timeout(60)
 def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The sample checkpoint converted once: fp32, five shards, manifest and marker."""
     out = tmp_path_factory.mktemp("verify-src") / "out"
-    convert_checkpoint(str(CKPT), str(out), ConvertOptions(max_shard_bytes=20_000))
+    convert_checkpoint(str(CKPT), str(out), ConvertOptions(max_shard_size=20_000))
     assert sorted(p.name for p in out.glob("model-*.safetensors")) == [
         f"model-0000{i}-of-00005.safetensors" for i in range(1, 6)
     ], "the sample no longer converts to five shards; update the shard names in this file"
@@ -412,9 +412,9 @@ def test_nan_written_into_a_tensor_is_a_finite_failure(out: Path) -> None:
     assert fails(report, "finite")[0]["detail"] == "1 NaN, 0 +Inf, 1 -Inf"
     assert report["nonfinite"] == {tensor: {"nan": 1, "posinf": 0, "neginf": 1}}
 
-    # --allow-nonfinite / check_finite=False: the finiteness check passes; the manifest still
+    # --allow-nonfinite / allow_nonfinite=True: the finiteness check passes; the manifest still
     # recorded other bytes, so the checksum check still fails
-    report = verify_output(str(out), check_finite=False)
+    report = verify_output(str(out), allow_nonfinite=True)
     assert checks(report) == {(SHARD5, tensor, "checksum")}
     assert report["nonfinite"][tensor]["nan"] == 1  # counted either way
 
@@ -434,7 +434,7 @@ def test_nan_allowed_without_manifest_passes(out: Path) -> None:
     assert checks(report) == {(SHARD5, tensor, "finite")}
     assert fails(report)[0]["detail"].startswith("40 NaN")
 
-    report = verify_output(str(out), check_finite=False)
+    report = verify_output(str(out), allow_nonfinite=True)
     assert report["ok"], report["failures"]
     assert report["nonfinite"] == {tensor: {"nan": 40, "posinf": 0, "neginf": 0}}
 

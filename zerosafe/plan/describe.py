@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from zerosafe.config import OUTPUT_DTYPES, PIPELINE_BUFFERS, TASK_OVERHEAD_BYTES, ConvertOptions
 from zerosafe.dtypes import dtype_info
-from zerosafe.formats.deepspeed.checkpoint import ZeroCheckpoint
+from zerosafe.formats.base import SourceLayout
 from zerosafe.plan.model import Plan
 from zerosafe.units import format_bytes
 
@@ -17,11 +18,15 @@ INTERPRETER_BASELINE_BYTES = 350 * 10**6
 
 
 def describe_plan(
-    ckpt: ZeroCheckpoint, plan: Plan, options: ConvertOptions, *, metadata_bytes_read: int
+    layout: SourceLayout, plan: Plan, options: ConvertOptions, *, metadata_bytes_read: int
 ) -> dict[str, Any]:
-    """A JSON-able report of the checkpoint and the planned conversion."""
+    """A JSON-able report of the checkpoint (the format's own `facts` first) and the planned
+    conversion."""
     params = [t for t in plan.tensors if t.role == "param"]
-    frozen = [fp.name for fp in ckpt.frozen]
+
+    def named(role: str) -> list[str]:
+        return [n for n, t in layout.tensors.items() if t.role == role]
+
     out_by_dtype = {}
     for dt in OUTPUT_DTYPES:
         total = 0
@@ -31,30 +36,22 @@ def describe_plan(
         out_by_dtype[dt] = total
     fp32_bytes = plan.fp32_bytes
     other_bytes = plan.slot_bytes - fp32_bytes
-    checkpoint_bytes = plan.source["checkpoint_bytes"]
+    checkpoint_bytes = plan.source.get("checkpoint_bytes") or sum(f.size_bytes for f in plan.files)
     read_bytes = plan.slot_bytes + metadata_bytes_read
     parallel = options.parallel_tasks
     memory = _memory_estimate(plan, options)
     return {
-        "checkpoint": ckpt.ckpt_url,
-        "tag": ckpt.tag,
-        "zero_stage": ckpt.stage,
-        "optimizer": ckpt.optimizer_kind,
-        "train_dtype": ckpt.train_dtype,
-        "world_size": ckpt.world_size,
-        "deepspeed_version": ckpt.ds_version,
-        "files": {
-            "optimizer": len(ckpt.optim_files),
-            "model_states": len(ckpt.model_files),
-            "total_bytes": checkpoint_bytes,
-        },
+        "format": layout.format,
+        **layout.facts,
         "params": {
-            "trained": len(ckpt.param_names),
-            "trained_elements": plan.source["num_params"],
-            "frozen": frozen,
+            "trained": len(named("param")),
+            "trained_elements": sum(
+                math.prod(t.shape) for t in layout.tensors.values() if t.role == "param"
+            ),
+            "frozen": named("frozen"),
             "frozen_in_output": not options.exclude_frozen,
-            "buffers": [name for name, _ in ckpt.buffers],
-            "tied": ckpt.shared,
+            "buffers": named("buffer"),
+            "tied": layout.aliases,
             "output_tensors": len(plan.tensors),
             "trained_in_output": len(params),
         },
@@ -63,12 +60,13 @@ def describe_plan(
             "frozen_and_buffer_bytes": other_bytes,
             "metadata_bytes": metadata_bytes_read,
             "total_bytes": read_bytes,
+            "checkpoint_bytes": checkpoint_bytes,
             "fraction_of_checkpoint": read_bytes / checkpoint_bytes if checkpoint_bytes else 0.0,
         },
         "output": {
             "dtype": options.dtype,
             "bytes_by_dtype": out_by_dtype,
-            "max_shard_bytes": options.max_shard_bytes,
+            "max_shard_size": options.max_shard_size,
             "shards": [
                 {"file": s.file_name, "tensors": s.num_tensors, "bytes": s.data_bytes}
                 for s in plan.shards
@@ -77,7 +75,7 @@ def describe_plan(
             "intermediate_bytes": 0 if options.direct else plan.slot_bytes,
         },
         "memory": {
-            "budget_bytes": options.memory_bytes,
+            "budget_bytes": options.memory,
             "parallel_tasks": parallel,
             "chunk_bytes": options.chunk_bytes,
             "task_bytes": options.task_memory_bytes,
@@ -92,7 +90,8 @@ def describe_plan(
         },
         "mode": "direct" if options.direct else "staged",
         "mode_reason": options.mode_reason,
-        "plan_id": plan.plan_id,
+        "job_key": plan.job_key,
+        "plan_id": plan.job_key,  # the old name of `job_key`, kept for one release
         "notes": plan.notes,
         "warnings": plan.warnings,
     }
@@ -128,14 +127,9 @@ def _memory_estimate(plan: Plan, options: ConvertOptions) -> dict[str, int]:
 def render_inspect(r: dict[str, Any]) -> str:
     """The `inspect` report for people."""
     p, reads, out, mem = r["params"], r["reads"], r["output"], r["memory"]
+    labels = r["read_labels"]
     lines = [
-        f"Checkpoint  {r['checkpoint']}  (tag {r['tag']})",
-        f"  ZeRO stage {r['zero_stage']}"
-        + (" (BF16_Optimizer)" if r["optimizer"] == "bf16_optimizer" else "")
-        + f", trained in {r['train_dtype']}, data-parallel world size {r['world_size']}, "
-        f"DeepSpeed {r['deepspeed_version'] or 'unknown'}",
-        f"  files: {r['files']['optimizer']} optimizer + {r['files']['model_states']} model states, "
-        f"{format_bytes(r['files']['total_bytes'])} in all",
+        *r["about"],
         f"  params: {p['trained']} trained ({p['trained_elements']:,} elements), {len(p['frozen'])} frozen"
         + (" (excluded)" if p["frozen"] and not p["frozen_in_output"] else "")
         + f", {len(p['buffers'])} buffers, {len(p['tied'])} tied",
@@ -147,16 +141,16 @@ def render_inspect(r: dict[str, Any]) -> str:
             f"    frozen: {', '.join(p['frozen'][:8])}{' ...' if len(p['frozen']) > 8 else ''}"
         )
     lines += [
-        f"Reads       {format_bytes(reads['total_bytes'])} of the {format_bytes(r['files']['total_bytes'])} checkpoint "
-        f"({reads['fraction_of_checkpoint'] * 100:.1f}%): fp32 masters {format_bytes(reads['fp32_master_bytes'])}, "
-        f"frozen params and buffers {format_bytes(reads['frozen_and_buffer_bytes'])}, pickles and zip directories "
-        f"{format_bytes(reads['metadata_bytes'])}; Adam moments are never read",
+        f"Reads       {format_bytes(reads['total_bytes'])} of the {format_bytes(reads['checkpoint_bytes'])} checkpoint "
+        f"({reads['fraction_of_checkpoint'] * 100:.1f}%): {labels['main']} {format_bytes(reads['fp32_master_bytes'])}, "
+        f"{labels['other']} {format_bytes(reads['frozen_and_buffer_bytes'])}, {labels['metadata']} "
+        f"{format_bytes(reads['metadata_bytes'])}; {labels['never']}",
         "Output      "
         + ", ".join(f"{dt}: {format_bytes(n)}" for dt, n in out["bytes_by_dtype"].items())
-        + f"; planned as {out['dtype']} in {len(out['shards'])} file(s) of at most {format_bytes(out['max_shard_bytes'])}"
+        + f"; planned as {out['dtype']} in {len(out['shards'])} file(s) of at most {format_bytes(out['max_shard_size'])}"
         + (
             f" ({over} holding one larger tensor each)"
-            if (over := sum(s["bytes"] > out["max_shard_bytes"] for s in out["shards"]))
+            if (over := sum(s["bytes"] > out["max_shard_size"] for s in out["shards"]))
             else ""
         ),
     ]

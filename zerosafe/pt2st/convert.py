@@ -417,9 +417,9 @@ def plan_pt(zf: TorchZipFile, obj: Any, *, source_version: str | None = None) ->
     )
 
 
-def _chunk_bytes(memory_bytes: int) -> int:
+def _chunk_bytes(memory: int) -> int:
     # One copy task, sized the way the ZeRO path sizes its tasks (validates the budget).
-    return ConvertOptions(memory_bytes=memory_bytes, max_parallel_tasks=1).chunk_bytes
+    return ConvertOptions(memory=memory, max_parallel_tasks=1).chunk_bytes
 
 
 def _plan_summary(url: str, source_bytes: int, plan: PtPlan) -> dict[str, Any]:
@@ -485,7 +485,7 @@ def convert_pt(
     destination: str,
     *,
     storage: Storage | None = None,
-    memory_bytes: int = DEFAULT_MEMORY_BYTES,
+    memory: int = DEFAULT_MEMORY_BYTES,
     overwrite: bool = False,
     on_bytes: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
@@ -498,7 +498,7 @@ def convert_pt(
         source: The `.pt` file (local, NFS or an fsspec URL).
         destination: The `.safetensors` file to write.
         storage: Opens both (with its storage options and byte counter).
-        memory_bytes: Memory budget of the copy; chunk buffers are sized from it.
+        memory: Memory budget of the copy; chunk buffers are sized from it.
         overwrite: Replace an existing destination.
         on_bytes: Called with the bytes of each chunk copied (progress).
 
@@ -514,7 +514,7 @@ def convert_pt(
     from zerosafe.pipeline import peak_rss_bytes
 
     storage = storage or Storage()
-    chunk_bytes = _chunk_bytes(memory_bytes)
+    chunk_bytes = _chunk_bytes(memory)
     _check_not_source(storage, source, destination)
     src = _open_pt(storage, source)
     try:

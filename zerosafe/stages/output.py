@@ -158,7 +158,7 @@ def reusable_shard(
 def reusable_shards(storage: Storage, out_url: str, plan: Plan) -> set[int]:
     """In a repair: the shards that are published and still intact, so neither their merge
     nor the extracts only they need have to run. Empty outside a repair."""
-    manifest = _previous_manifest(storage, out_url, plan.plan_id)
+    manifest = _previous_manifest(storage, out_url, plan.job_key)
     if manifest is None:
         return set()
     return {
@@ -253,7 +253,7 @@ def quick_done(
 ) -> str | None:
     """The job key if `out_url` already holds this exact conversion, checked from file stats
     alone (no checkpoint byte is read); None otherwise or when unsure."""
-    from zerosafe.formats.deepspeed.checkpoint import quick_identities
+    from zerosafe.formats.registry import quick_identities
     from zerosafe.plan.model import job_key_of
 
     if options.overwrite or not storage.exists(join_url(out_url, MARKER_NAME)):
@@ -406,7 +406,7 @@ def publish(
     by_shard = sorted(merges, key=lambda m: m["shard"])
     if [m["shard"] for m in by_shard] != list(range(len(plan.shards))):
         raise AssertionError("publish needs one merge result per shard")
-    pending = pending_url(out_url, plan.plan_id)
+    pending = pending_url(out_url, plan.job_key)
     for m in by_shard:
         src = join_url(pending, m["file"])
         if storage.exists(src):
@@ -441,7 +441,7 @@ def publish(
     manifest = {
         "manifest_format": MANIFEST_FORMAT,
         "zerosafe_version": __version__,
-        "job_key": plan.plan_id,
+        "job_key": plan.job_key,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": plan.source,
         "options": {**options.identity(), "direct": options.direct},
@@ -471,7 +471,7 @@ def publish(
     raw = (json.dumps(manifest, indent=1) + "\n").encode()
     storage.write_bytes(join_url(out_url, MANIFEST_NAME), raw)
     marker = {
-        "job_key": plan.plan_id,
+        "job_key": plan.job_key,
         "manifest_sha256": hashlib.sha256(raw).hexdigest(),
         "completed_at": manifest["created_at"],
         "zerosafe_version": __version__,

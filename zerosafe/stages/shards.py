@@ -143,10 +143,10 @@ class StagedLocator:
             url = self.part_url(part)
             src = map_source(self.storage.open_source(url), self.storage.counter)
             header, metadata, data_start = read_header(src)
-            if metadata.get("plan_id") != self.plan.plan_id:
+            if (metadata.get("job_key") or metadata.get("plan_id")) != self.plan.job_key:
                 raise IntegrityError(
-                    f"{url}: intermediate of plan '{metadata.get('plan_id')}', not of this plan "
-                    f"'{self.plan.plan_id}'; delete the work area and run again"
+                    f"{url}: intermediate of plan '{metadata.get('job_key')}', not of this plan "
+                    f"'{self.plan.job_key}'; delete the work area and run again"
                 )
             self._open[index] = (src, header, data_start)
             return self._open[index]
@@ -222,7 +222,7 @@ def extract_part(
     files = sorted({plan.slots[s].file for s, _, _ in part.pieces})
     metadata = {
         "format": "zerosafe-intermediate",
-        "plan_id": plan.plan_id,
+        "job_key": plan.job_key,
         "part": str(index),
         "rank": str(part.rank),
         "source": json.dumps(
@@ -249,7 +249,7 @@ def extract_part(
         locator.close()
     content = _content_hash(writer.digests)
     sums = {
-        "plan_id": plan.plan_id,
+        "job_key": plan.job_key,
         "file": part.file_name,
         "file_bytes": writer.file_bytes,
         "content_sha256": content,

@@ -15,7 +15,7 @@ import logging
 import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zerosafe.dtypes import dtype_info, torch_dtype
 from zerosafe.errors import CheckpointFormatError, ConversionError
@@ -29,8 +29,11 @@ from zerosafe.stages.output import (
     read_complete_manifest,
     shard_location,
 )
-from zerosafe.verify.source import content_fingerprint, sample_values
+from zerosafe.verify.source import sample_values
 from zerosafe.verify.tensors import Failure, parse_safetensors_header, verify_shard
+
+if TYPE_CHECKING:
+    from zerosafe.formats.base import SourceLayout
 
 __all__ = ["render_verify", "verify_output"]
 
@@ -51,7 +54,7 @@ def verify_output(
     *,
     against: str | None = None,
     tag: str | None = None,
-    check_finite: bool = True,
+    allow_nonfinite: bool = False,
     storage: Storage | None = None,
     chunk_bytes: int = 16 * 2**20,
     max_workers: int = 2,
@@ -181,7 +184,7 @@ def verify_output(
                     storage,
                     join_url(out_url, f),
                     expected=expected_by_file.get(f, {}) if manifest is not None else None,
-                    check_finite=check_finite,
+                    allow_nonfinite=allow_nonfinite,
                     chunk_bytes=chunk_bytes,
                 ),  # fmt: skip
                 files,
@@ -360,34 +363,73 @@ def _check_against(
     exclude_frozen: bool = False,
     source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Coverage against the checkpoint, its identity (`source`: the manifest's record), a
-    sample of values, and the ZeRO-1/2 16-bit cross-check.
+    """Coverage against the checkpoint (any format), its identity (`source`: the manifest's
+    record), a sample of values, and DeepSpeed ZeRO-1/2's 16-bit cross-check.
 
     With `exclude_frozen` (the output's manifest says it was converted so), frozen params
     must be absent instead of present.
     """
-    from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
+    from zerosafe.config import ConvertOptions
+    from zerosafe.formats.registry import read_source
 
-    ckpt = open_zero_checkpoint(storage, ckpt_url, tag=tag)
+    layout = read_source(
+        storage, ckpt_url, tag=tag, options=ConvertOptions(exclude_frozen=exclude_frozen)
+    )
     stored = {t: (r.file, info) for r in reports for t, info in r.tensors.items()}
+    expected = _check_coverage(layout, stored, aliases, failures, exclude_frozen=exclude_frozen)
+    content = layout.source.get("content_sha256")
+    recorded = (source or {}).get("content_sha256")
+    if recorded is not None and recorded != content:
+        failures.append(
+            Failure(
+                MANIFEST_NAME,
+                "*",
+                "source",
+                f"converted from {(source or {}).get('checkpoint')} (tag {(source or {}).get('tag')}) "
+                f"whose contents differ from {layout.source.get('checkpoint')} (tag {layout.tag}): "
+                "another checkpoint, another step, or files changed since",
+            )  # fmt: skip
+        )
+    sampled = sample_values(storage, out_url, layout, stored, failures)
+    if layout.format == "deepspeed":
+        checked, mismatched, skipped_why = lowp_cross_check(
+            storage, out_url, layout.native, stored, failures, chunk_bytes
+        )
+    else:
+        checked, mismatched, skipped_why = 0, 0, f"{layout.format} keeps no 16-bit copy"
+    return {
+        "checkpoint": layout.source.get("checkpoint"),
+        "tag": layout.tag,
+        "source_identity": _identity_word(recorded, content or ""),
+        "values_sampled": sampled,
+        "expected_tensors": len(expected),
+        "lowp_checked": checked,
+        "lowp_mismatched": mismatched,
+        "lowp_skipped": skipped_why,
+    }
+
+
+def _check_coverage(
+    layout: SourceLayout,
+    stored: dict[str, tuple[str, dict[str, Any]]],
+    aliases: dict[str, str],
+    failures: list[Failure],
+    *,
+    exclude_frozen: bool,
+) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint stored with its shape (or recorded as a tied alias),
+    nothing else stored. Returns the tensors expected in the output."""
     expected: dict[str, tuple[int, ...]] = {}
-    for group in ckpt.param_groups:
-        for name, shape in group:
-            expected[name] = shape
-    for fp in ckpt.frozen:
-        if not exclude_frozen:
-            expected[fp.name] = fp.shape
-        elif fp.name in stored:
+    for name, tensor in layout.tensors.items():
+        if tensor.role != "frozen" or not exclude_frozen:
+            expected[name] = tensor.shape
+        elif name in stored:
             failures.append(
                 Failure(
-                    stored[fp.name][0],
-                    fp.name,
-                    "coverage",
+                    stored[name][0], name, "coverage",
                     "frozen param stored, but the output excludes frozen params",
                 )
-            )
-    for name, t in ckpt.buffers:
-        expected[name] = t.shape
+            )  # fmt: skip
     for name, shape in expected.items():
         if name not in stored:
             failures.append(
@@ -396,56 +438,24 @@ def _check_against(
         elif tuple(stored[name][1]["shape"]) != tuple(shape):
             failures.append(
                 Failure(
-                    stored[name][0],
-                    name,
-                    "coverage",
+                    stored[name][0], name, "coverage",
                     f"shape {stored[name][1]['shape']}, checkpoint {list(shape)}",
                 )
-            )
-    for alias, target in ckpt.shared.items():
+            )  # fmt: skip
+    for alias, target in layout.aliases.items():
         if alias in stored:
             continue  # written as a copy
         if aliases.get(alias) != target:
             failures.append(
                 Failure(
-                    "*",
-                    alias,
-                    "coverage",
+                    "*", alias, "coverage",
                     f"tied to '{target}' in the checkpoint; not stored and not recorded as an alias",
                 )
-            )
-    for name in stored:
-        if name not in expected and name not in ckpt.shared:
-            failures.append(Failure(stored[name][0], name, "coverage", "not in the checkpoint"))
-
-    content = content_fingerprint(ckpt)
-    source = source or {}
-    recorded = source.get("content_sha256")
-    if recorded is not None and recorded != content:
-        failures.append(
-            Failure(
-                MANIFEST_NAME,
-                "*",
-                "source",
-                f"converted from {source.get('checkpoint')} (tag {source.get('tag')}) whose "
-                f"contents differ from {ckpt.ckpt_url} (tag {ckpt.tag}): another checkpoint, "
-                "another step, or files changed since",
             )  # fmt: skip
-        )
-    sampled = sample_values(storage, out_url, ckpt, stored, failures)
-    checked, mismatched, skipped_why = lowp_cross_check(
-        storage, out_url, ckpt, stored, failures, chunk_bytes
-    )
-    return {
-        "checkpoint": ckpt.ckpt_url,
-        "tag": ckpt.tag,
-        "source_identity": _identity_word(recorded, content),
-        "values_sampled": sampled,
-        "expected_tensors": len(expected),
-        "lowp_checked": checked,
-        "lowp_mismatched": mismatched,
-        "lowp_skipped": skipped_why,
-    }
+    for name in stored:
+        if name not in expected and name not in layout.aliases:
+            failures.append(Failure(stored[name][0], name, "coverage", "not in the checkpoint"))
+    return expected
 
 
 def _identity_word(recorded: str | None, content: str) -> str:

@@ -3,10 +3,12 @@
 Shapes alone cannot tell: the same model trained twice has the same names and shapes. Two
 independent witnesses can:
 
-- the source's content fingerprint, recorded in the manifest at conversion time: a SHA-256
-  over every zip record's name, size and CRC-32 of every file the conversion read. It comes
-  from the zip directories alone (no tensor byte is read), does not change when a checkpoint
-  is copied or moved, and changes with any change of any stored tensor;
+- the source's content fingerprint (`SourceLayout.source["content_sha256"]`, DeepSpeed:
+  `zerosafe.formats.deepspeed.reader.content_fingerprint`), recorded in the manifest at
+  conversion time: a SHA-256 over every zip record's name, size and CRC-32 of every file the
+  conversion read. It comes from the zip directories alone (no tensor byte is read), does
+  not change when a checkpoint is copied or moved, and changes with any change of any stored
+  tensor;
 - a sample of values: for every trained parameter, the first elements of each of its
   fragments (one per rank in ZeRO-3) are read from the checkpoint's fp32 master weights, cast
   to the output dtype exactly as the conversion casts, and compared bit for bit with the
@@ -15,7 +17,6 @@ independent witnesses can:
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING, Any
 
 from zerosafe.dtypes import dtype_info, torch_dtype
@@ -23,23 +24,12 @@ from zerosafe.io.storage import ByteSource, Storage, join_url
 from zerosafe.verify.tensors import Failure, parse_safetensors_header
 
 if TYPE_CHECKING:
-    from zerosafe.formats.deepspeed.checkpoint import ZeroCheckpoint
+    from zerosafe.formats.base import SourceLayout
 
-__all__ = ["SAMPLE_ELEMENTS", "content_fingerprint", "sample_values"]
+__all__ = ["SAMPLE_ELEMENTS", "sample_values"]
 
 SAMPLE_ELEMENTS = 64
 """Elements read per fragment by the value sample."""
-
-
-def content_fingerprint(ckpt: ZeroCheckpoint) -> str:
-    """SHA-256 over (file name, record name, size, CRC-32) of every record of every file."""
-    h = hashlib.sha256()
-    for f in ckpt.files:
-        h.update(f.url.rsplit("/", 1)[-1].encode() + b"\0")
-        for name, record in sorted(f.zip.records.items()):
-            short = name.split("/", 1)[-1]  # the archive folder is the save's file stem
-            h.update(f"{short}\0{record.size_bytes}\0{record.crc32}\n".encode())
-    return h.hexdigest()
 
 
 def _cast_bytes(raw: bytes, src_dtype: str, out_dtype: str) -> bytes:
@@ -54,7 +44,7 @@ def _cast_bytes(raw: bytes, src_dtype: str, out_dtype: str) -> bytes:
 def sample_values(
     storage: Storage,
     out_url: str,
-    ckpt: ZeroCheckpoint,
+    layout: SourceLayout,
     stored: dict[str, tuple[str, dict[str, Any]]],
     failures: list[Failure],
 ) -> int:
@@ -68,10 +58,10 @@ def sample_values(
         How many fragments were compared.
     """
     from zerosafe.config import ConvertOptions
-    from zerosafe.plan.model import build_plan
+    from zerosafe.plan.build import plan_layout
     from zerosafe.stages.shards import DirectLocator
 
-    plan = build_plan(ckpt, ConvertOptions(dtype="float32", tied="copy"))
+    plan = plan_layout(layout, ConvertOptions(dtype="float32", tied="copy"))
     locator = DirectLocator(plan, storage)
     outputs: dict[str, tuple[ByteSource, dict[str, Any], int]] = {}
     compared = 0

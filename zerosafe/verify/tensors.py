@@ -257,7 +257,7 @@ def verify_shard(
     url: str,
     *,
     expected: dict[str, dict[str, Any]] | None = None,
-    check_finite: bool = True,
+    allow_nonfinite: bool = False,
     chunk_bytes: int = 16 * 2**20,
     on_bytes: Callable[[int], None] | None = None,
 ) -> ShardReport:
@@ -268,7 +268,7 @@ def verify_shard(
         expected: name -> {checksum, dtype, shape} the file must hold exactly (the manifest's
             or the merge's record; the checksum under its algorithm's name, `xxh3_128` or
             `sha256`), or None to check structure and values only.
-        check_finite: Report NaN/Inf as failures (they are counted either way).
+        allow_nonfinite: Pass NaN/Inf values instead of failing (they are counted either way).
         chunk_bytes: Bytes read at a time.
     """
     pin_mmap_threshold()
@@ -338,7 +338,7 @@ def verify_shard(
                     report.tensors[tensor] = info
                     if handle is not None and end > begin:
                         _spot_check(handle, tensor, entry["shape"], scanned.first, report, name)
-                    if check_finite and (nan or posinf or neginf):
+                    if not allow_nonfinite and (nan or posinf or neginf):
                         detail = f"{nan} NaN, {posinf} +Inf, {neginf} -Inf"
                         if dtype.name == "float16" and (posinf or neginf):
                             detail += " (float16 overflow: values beyond +-65504 become Inf when cast to fp16; use --dtype bf16 or fp32)"

@@ -124,17 +124,17 @@ class JobConfig(BaseModel):
         direct, why = choose_mode(self.source, self.mode)
         return ConvertOptions(
             dtype=_DTYPES[self.dtype],
-            max_shard_bytes=self.max_shard_size,
+            max_shard_size=self.max_shard_size,
             tied=self.tied,
             exclude_frozen=self.exclude_frozen,
             direct=direct,
             mode_reason=why,
-            memory_bytes=self.memory,
+            memory=self.memory,
             max_parallel_tasks=self.max_parallel_tasks,
-            extract_part_bytes=self.extract_part_size,
+            extract_part_size=self.extract_part_size,
             overwrite=self.overwrite,
             keep_work=self.keep_work,
-            check_finite=not self.allow_nonfinite,
+            allow_nonfinite=self.allow_nonfinite,
             check_lowp=self.check_lowp,
         )
 

@@ -317,14 +317,14 @@ def _run_held(
         log.info("%s already holds this conversion; nothing to do", cfg.destination)
         # Unkeyed: the job's keyed summary stays the one of the run that converted it.
         create_markdown_artifact(
-            f"`{cfg.destination}` already holds this conversion (job `{info['plan_id'][:16]}`); nothing to do.",
+            f"`{cfg.destination}` already holds this conversion (job `{info['job_key'][:16]}`); nothing to do.",
         )
-        return {"status": "already-complete", "output": cfg.destination, "job_key": info["plan_id"]}
+        return {"status": "already-complete", "output": cfg.destination, "job_key": info["job_key"]}
     job = Job(
         cfg.source,
         cfg.destination,
         info["work"],
-        info["plan_id"],
+        info["job_key"],
         _options_dict(options),
         cfg.storage_options,
     ).as_dict()
@@ -332,7 +332,7 @@ def _run_held(
         storage,
         info["work"],
         clean=[
-            pending_url(cfg.destination, info["plan_id"]),
+            pending_url(cfg.destination, info["job_key"]),
             join_url(info["work"], "intermediate"),
         ],
     ):
@@ -503,7 +503,7 @@ def _run_stages(
     return {
         "status": "converted",
         "output": cfg.destination,
-        "job_key": info["plan_id"],
+        "job_key": info["job_key"],
         "files": published["files"],
         "num_tensors": published["num_tensors"],
         "aliases": info["aliases"],
@@ -602,12 +602,12 @@ def run_convert(
                 "dict[str, Any]",
                 convert(
                     source=ckpt_url, destination=out_url, tag=tag, dtype=dtype,
-                    max_shard_size=str(options.max_shard_bytes), memory=str(options.memory_bytes),
+                    max_shard_size=str(options.max_shard_size), memory=str(options.memory),
                     max_parallel_tasks=options.max_parallel_tasks,
                     mode=mode or ("direct" if options.direct else "staged"), tied=options.tied,
                     exclude_frozen=options.exclude_frozen, overwrite=options.overwrite,
-                    keep_work=options.keep_work, allow_nonfinite=not options.check_finite,
-                    check_lowp=options.check_lowp, extract_part_size=str(options.extract_part_bytes),
+                    keep_work=options.keep_work, allow_nonfinite=options.allow_nonfinite,
+                    check_lowp=options.check_lowp, extract_part_size=str(options.extract_part_size),
                     work_dir=work_url, storage_options=storage_options,
                 ),
             )  # fmt: skip

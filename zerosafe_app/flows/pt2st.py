@@ -53,10 +53,10 @@ def pt2st(
             "AWS credentials through their environment, profile or instance role"
         )
     try:
-        memory_bytes = parse_size(memory)
+        budget = parse_size(memory)
     except ValueError as e:
         raise ConfigError(f"`memory`: {e}") from e
-    ConvertOptions(memory_bytes=memory_bytes)  # validates the budget before any I/O
+    ConvertOptions(memory=budget)  # validates the budget before any I/O
     destination = destination or safetensors_path_for(source)
     log = get_run_logger()
     info = inspect(source, storage_options)
@@ -71,7 +71,7 @@ def pt2st(
     summary = convert(
         source,
         destination,
-        memory_bytes=memory_bytes,
+        memory=budget,
         overwrite=overwrite,
         storage_options=storage_options,
     )

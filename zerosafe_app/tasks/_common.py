@@ -46,7 +46,7 @@ class Job:
     source: str
     destination: str
     work: str
-    plan_id: str
+    job_key: str
     options: dict[str, Any]
     storage_options: dict[str, Any]
 
@@ -59,10 +59,10 @@ def job_of(data: dict[str, Any]) -> Job:
 
 
 @functools.lru_cache(maxsize=8)
-def _plan(work: str, plan_id: str, storage_key: str) -> Plan:
+def _plan(work: str, job_key: str, storage_key: str) -> Plan:
     storage = storage_for(json.loads(storage_key))
     plan = load_plan(storage, WorkLayout(work).plan)
-    assert plan.plan_id == plan_id, "work area holds another plan"
+    assert plan.job_key == job_key, "work area holds another plan"
     return plan
 
 
@@ -71,7 +71,7 @@ def context(job: Job) -> tuple[Plan, Storage, ConvertOptions, WorkLayout]:
     key = json.dumps(job.storage_options, sort_keys=True)
     storage = storage_for(job.storage_options)
     return (
-        _plan(job.work, job.plan_id, key),
+        _plan(job.work, job.job_key, key),
         storage,
         ConvertOptions(**job.options),
         WorkLayout(job.work),
@@ -84,19 +84,22 @@ def cache_key(stage: str):  # type: ignore[no-untyped-def]
     Keys never collide across stages (the stage is in the key) and change when an input's
     content fingerprint changes. Options that change output bytes are already in the plan id;
     of the rest only those that change a task's result are in the key (`direct` changes what
-    a merge reads, `check_finite` what verify reports), so e.g. `--keep-work` or another
+    a merge reads, `allow_nonfinite` what verify reports), so e.g. `--keep-work` or another
     memory budget on a re-run still finds every cached result.
     """
 
     def key_fn(_ctx: Any, inputs: dict[str, Any]) -> str:
         job = inputs["job"]
         options = job["options"]
-        relevant = {"direct": options.get("direct"), "check_finite": options.get("check_finite")}
+        relevant = {
+            "direct": options.get("direct"),
+            "allow_nonfinite": options.get("allow_nonfinite"),
+        }
         blob = json.dumps(
             [
                 CACHE_FORMAT,
                 stage,
-                job["plan_id"],
+                job["job_key"],
                 inputs.get("index"),
                 inputs.get("fingerprint"),
                 relevant,

@@ -8,9 +8,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from zerosafe.config import ConvertOptions
-from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
 from zerosafe.pipeline import WorkLayout, check_free_space
-from zerosafe.plan.model import build_plan, plan_summary, save_plan
+from zerosafe.plan.build import plan_checkpoint
+from zerosafe.plan.model import plan_summary, save_plan
 from zerosafe.stages.output import default_work_url, prepare_output, quick_done
 from zerosafe_app.tasks._common import is_transient
 from zerosafe_app.tasks.credentials import storage_for
@@ -41,11 +41,10 @@ def inspect(
     opts = ConvertOptions(**options)
     done = quick_done(storage, source, tag, destination, opts)
     if done is not None:  # this very conversion is complete: no checkpoint byte is read
-        return {"plan_id": done, "state": "done"}
-    ckpt = open_zero_checkpoint(storage, source, tag=tag)
-    plan = build_plan(ckpt, opts)
-    state = prepare_output(storage, destination, plan.plan_id, overwrite=opts.overwrite)
-    work = WorkLayout(work_dir or default_work_url(destination, plan.plan_id))
+        return {"job_key": done, "state": "done"}
+    layout, plan = plan_checkpoint(storage, source, tag=tag, options=opts)
+    state = prepare_output(storage, destination, plan.job_key, overwrite=opts.overwrite)
+    work = WorkLayout(work_dir or default_work_url(destination, plan.job_key))
     summary = {**plan_summary(plan), "state": state.kind, "work": work.root}
     if state.kind == "done":
         return summary
@@ -75,8 +74,5 @@ def inspect(
     summary["metadata_bytes_read"] = storage.counter.bytes_read_from(source_urls)
     # The least any conversion reads: the bytes it copies, plus each file's pickle and zip
     # directory. The run summary reports what was read against this.
-    summary["source_bytes_needed"] = plan.slot_bytes + sum(
-        f.zip.records[f.zip.prefix + "data.pkl"].size_bytes + f.zip.directory_bytes
-        for f in ckpt.files
-    )
+    summary["source_bytes_needed"] = plan.slot_bytes + layout.metadata_bytes
     return summary

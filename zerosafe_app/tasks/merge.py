@@ -67,7 +67,7 @@ def expected_shard_bytes(job: dict[str, Any], index: int) -> int:
 def shard_identity(job: dict[str, Any], index: int) -> tuple[int, str] | None:
     """(size, version) of shard `index` on disk (pending, else published), or None."""
     plan, storage, _, _ = context(job_of(job))
-    url = shard_location(storage, job["destination"], plan.plan_id, plan.shards[index].file_name)
+    url = shard_location(storage, job["destination"], plan.job_key, plan.shards[index].file_name)
     if not storage.exists(url):
         return None
     ident = storage.identity(url)

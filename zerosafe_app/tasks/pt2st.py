@@ -29,7 +29,7 @@ def convert(
     source: str,
     destination: str,
     *,
-    memory_bytes: int,
+    memory: int,
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def convert(
         source,
         destination,
         storage=Storage(storage_options),
-        memory_bytes=memory_bytes,
+        memory=memory,
         overwrite=overwrite,
     )
 

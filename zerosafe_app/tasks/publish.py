@@ -37,7 +37,7 @@ def publish(
         return _publish(j, extracts, merges, verifies, stats)
     except (IntegrityError, VerificationError):
         # A failed check is never kept: the next run reads the source again.
-        discard_failed_work(storage, j.destination, plan.plan_id, work.root)
+        discard_failed_work(storage, j.destination, plan.job_key, work.root)
         raise
 
 
@@ -64,14 +64,14 @@ def _publish(
     if options.check_lowp:  # the optional 16-bit witness: reads the module weights too
         verifies = [
             *verifies,
-            lowp_report(storage, plan.source, j.destination, merges, job_key=plan.plan_id),
+            lowp_report(storage, plan.source, j.destination, merges, job_key=plan.job_key),
         ]
     manifest = publish_output(
         plan, storage, j.destination, options=options, merges=merges, verifies=verifies,
         integrity=integrity, stats=stats,
     )  # fmt: skip
     record_run(j, "publish", 0, {})
-    finish_work(storage, j.destination, plan.plan_id, work.root, keep=options.keep_work)
+    finish_work(storage, j.destination, plan.job_key, work.root, keep=options.keep_work)
     return {
         "files": [f["file"] for f in manifest["files"]],
         "num_tensors": len(manifest["tensors"]),

@@ -46,9 +46,9 @@ def verify(
     started = time.monotonic()
     j = job_of(job)
     plan, storage, options, _ = context(j)
-    url = shard_location(storage, j.destination, plan.plan_id, plan.shards[index].file_name)
+    url = shard_location(storage, j.destination, plan.job_key, plan.shards[index].file_name)
     report = verify_shard(
-        storage, url, expected=expected, check_finite=options.check_finite,
+        storage, url, expected=expected, allow_nonfinite=options.allow_nonfinite,
         chunk_bytes=options.chunk_bytes, on_bytes=lambda n: progress().advance(n, "verify"),
     ).as_dict()  # fmt: skip
     report["shard"] = index

@@ -161,11 +161,14 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
                 "still saving it? Pass --tag to convert another tag."
             )
         return tag, tag_url
+    from zerosafe.formats.registry import formats_text
+
     subdirs = [n for n in names if storage.isdir(join_url(ckpt_url, n))]
     raise CheckpointFormatError(
         f"{ckpt_url}: no 'latest' file and no '*_model_states.pt' here, so this is not a "
         f"DeepSpeed checkpoint folder or tag folder. Folders inside: {subdirs or 'none'}; "
-        "pass the folder that holds 'latest', or --tag TAG."
+        "pass the folder that holds 'latest', or --tag TAG. zerosafe reads: "
+        f"{formats_text()}."
     )
 
 

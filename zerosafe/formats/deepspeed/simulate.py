@@ -47,9 +47,10 @@ from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConfigError
 from zerosafe.formats.deepspeed.checkpoint import LoadedFile, ZeroCheckpoint
 from zerosafe.formats.deepspeed.layout import zero3_partition_numel
+from zerosafe.formats.deepspeed.reader import build_plan
 from zerosafe.formats.torch_zip import StorageRef, TensorRecord, TorchZipFile, ZipRecord
 from zerosafe.io.storage import FileIdentity
-from zerosafe.plan.model import Plan, build_plan
+from zerosafe.plan.model import Plan
 from zerosafe.units import format_bytes
 
 __all__ = [
@@ -203,6 +204,11 @@ class _SimulatedZip:
             self._offsets[name] = data
             pos = data + size + 16  # a data descriptor follows each record
         self.size_bytes = pos + 4096  # central directory and end records
+        self.prefix = f"{archive}/"
+        self.records[self.prefix + "data.pkl"] = ZipRecord(
+            name=self.prefix + "data.pkl", header_offset=0, size_bytes=4096 - 64, crc32=0
+        )
+        self.directory_bytes = 4096
 
     def storage_record(self, key: str) -> ZipRecord:
         return self.records[key]
@@ -430,7 +436,7 @@ def simulation_report(
         "train_dtype": spec.train_dtype,
         "mode": "direct" if options.direct else "staged",
         "dtype": options.dtype,
-        "max_shard_bytes": options.max_shard_bytes,
+        "max_shard_size": options.max_shard_size,
         "files": len(plan.files),
         "checkpoint_bytes": plan.source["checkpoint_bytes"],
         "fp32_bytes": plan.fp32_bytes,
@@ -449,7 +455,7 @@ def simulation_report(
             "reads_per_merge": _spread(frag_per_shard),
         },
         "memory": {
-            "budget_bytes": options.memory_bytes,
+            "budget_bytes": options.memory,
             "task_bytes": options.task_memory_bytes,
             "tasks_per_worker": options.parallel_tasks,
             "chunk_bytes": options.chunk_bytes,
@@ -457,7 +463,8 @@ def simulation_report(
         "task_rate_bytes_per_s": task_rate,
         "request_latency_s": request_latency,
         "predictions": predictions,
-        "plan_id": plan.plan_id,
+        "job_key": plan.job_key,
+        "plan_id": plan.job_key,  # the old name of `job_key`, kept for one release
     }
 
 
@@ -478,7 +485,7 @@ def render_simulation(r: dict[str, Any]) -> str:
         f"  checkpoint {r['files']} files, {format_bytes(r['checkpoint_bytes'])}; fp32 masters "
         f"{format_bytes(r['fp32_bytes'])}; output {r['dtype']} {format_bytes(r['output_bytes'])}"
         f" in {t['merge_output_bytes']['count']} shard(s) of at most "
-        f"{format_bytes(r['max_shard_bytes'])}; {r['num_tensors']} tensors, "
+        f"{format_bytes(r['max_shard_size'])}; {r['num_tensors']} tensors, "
         f"{r['num_fragments']:,} fragments",
         f"Tasks ({r['mode']})",
     ]

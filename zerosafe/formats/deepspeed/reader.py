@@ -1,0 +1,323 @@
+"""DeepSpeed ZeRO (stages 1, 2, 3) as a format reader: a `ZeroCheckpoint` -> `SourceLayout`.
+
+Where each param's elements sit: the fp32 master partitions of every rank
+(`zerosafe.formats.deepspeed.layout` does the integer math), frozen params in the model states
+(ZeRO-3: one fragment per rank), buffers in rank 0's model states. See docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from zerosafe.config import ConvertOptions
+from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
+from zerosafe.formats.base import Fragment, SourceLayout, SourceTensor
+from zerosafe.formats.deepspeed.checkpoint import (
+    LoadedFile,
+    ZeroCheckpoint,
+    open_zero_checkpoint,
+    quick_identities,
+)
+from zerosafe.formats.deepspeed.layout import (
+    split_by_segments,
+    zero3_pieces,
+    zero12_partition_pieces,
+)
+from zerosafe.formats.deepspeed.save_identity import check_module_copy_sample
+from zerosafe.formats.torch_zip import TensorRecord
+from zerosafe.io.storage import Storage, join_url, normalize_url
+from zerosafe.plan.model import Slot, SourceFile
+from zerosafe.units import format_bytes
+
+if TYPE_CHECKING:
+    from zerosafe.plan.model import Plan
+
+__all__ = ["DeepSpeedReader", "build_plan", "content_fingerprint", "zero_layout"]
+
+
+class DeepSpeedReader:
+    """DeepSpeed ZeRO checkpoints: `CKPT_DIR/latest` and tag folders of per-rank files."""
+
+    name = "deepspeed"
+    title = "DeepSpeed ZeRO"
+    looks_like = "a folder holding `latest`, or a tag folder holding `*_model_states.pt`"
+
+    def detect(self, storage: Storage, url: str) -> bool:
+        url = normalize_url(url)
+        if not storage.isdir(url):
+            return False
+        names = storage.listdir(url)
+        if "latest" in names or any(n.endswith("_model_states.pt") for n in names):
+            return True
+        return any(
+            n.endswith("_model_states.pt")
+            for sub in names
+            if storage.isdir(join_url(url, sub))
+            for n in storage.listdir(join_url(url, sub))
+        )
+
+    def quick_identities(
+        self, storage: Storage, url: str, tag: str | None
+    ) -> tuple[str, list[dict[str, Any]]]:
+        return quick_identities(storage, url, tag)
+
+    def read(
+        self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
+    ) -> SourceLayout:
+        return zero_layout(open_zero_checkpoint(storage, url, tag=tag), options)
+
+
+def build_plan(ckpt: ZeroCheckpoint, options: ConvertOptions) -> Plan:
+    """The plan of converting an opened ZeRO checkpoint (`plan_layout` of its layout)."""
+    from zerosafe.plan.build import plan_layout
+
+    return plan_layout(zero_layout(ckpt, options), options)
+
+
+def zero_layout(ckpt: ZeroCheckpoint, options: ConvertOptions) -> SourceLayout:
+    """Slots and fragments of every tensor of `ckpt`. Reads only zip local headers.
+
+    Raises:
+        LayoutMismatchError: If the partitions do not hold exactly the params they should.
+    """
+    builder = _SlotBuilder(ckpt)
+    fragments: dict[str, list[Fragment]] = {}
+    fp32_slot = {
+        (f.rank, g): builder.add(f, "fp32", f"fp32/group{g}", t)
+        for f in ckpt.optim_files
+        for g, t in enumerate(ckpt.fp32_partitions[f.rank])
+    }
+    if ckpt.stage in (1, 2):
+        _zero12_fragments(ckpt, fp32_slot, fragments)
+    else:
+        _zero3_fragments(ckpt, fp32_slot, fragments)
+    tensors: dict[str, SourceTensor] = {}
+    for group in ckpt.param_groups:
+        for name, shape in group:
+            tensors[name] = SourceTensor(
+                name=name, shape=shape, dtype="float32", role="param",
+                fragments=tuple(fragments.get(name, ())),
+            )  # fmt: skip
+    if not options.exclude_frozen:  # their slots cost a header read each: skip when unused
+        for fp in ckpt.frozen:
+            tensors[fp.name] = _frozen_tensor(ckpt, builder, fp.name, fp.shape, fp.dtype, fp.pieces)
+    for name, t in ckpt.buffers:
+        tensors[name] = _buffer_tensor(ckpt, builder, name, t)
+    layout = SourceLayout(
+        format=DeepSpeedReader.name, where=ckpt.tag_url, tag=ckpt.tag,
+        files=builder.files, slots=builder.resolve(), tensors=tensors,
+        order=list(ckpt.module_order), aliases=dict(ckpt.shared),
+        source=_source_block(ckpt), facts=_facts(ckpt),
+        metadata_bytes=sum(
+            f.zip.records[f.zip.prefix + "data.pkl"].size_bytes + f.zip.directory_bytes
+            for f in ckpt.files
+        ),
+        notes=list(ckpt.notes), warnings=list(ckpt.warnings),
+        checks=(functools.partial(check_module_copy_sample, ckpt),),
+        native=ckpt,
+    )  # fmt: skip
+    if options.exclude_frozen:  # counted and named by the planner's note
+        for fp in ckpt.frozen:
+            layout.tensors[fp.name] = SourceTensor(
+                name=fp.name, shape=fp.shape, dtype=fp.dtype, role="frozen", fragments=()
+            )
+    return layout
+
+
+def _zero12_fragments(
+    ckpt: ZeroCheckpoint, fp32_slot: dict[tuple[int, int], int], out: dict[str, list[Fragment]]
+) -> None:
+    """ZeRO-1/2: each group's params laid end to end (with alignment padding) and cut into
+    equal rank partitions."""
+    for g, group in enumerate(ckpt.param_groups):
+        numels = [math.prod(shape) for _, shape in group]
+        saved = [ckpt.fp32_partitions[r][g].numel for r in range(ckpt.world_size)]
+        pieces = zero12_partition_pieces(
+            numels, ckpt.alignment_paddings[g], ckpt.partition_numels[g], saved,
+            where=f"{ckpt.tag_url}: param group {g}",
+        )  # fmt: skip
+        for piece in pieces:
+            out.setdefault(group[piece.param][0], []).append(
+                (fp32_slot[(piece.rank, g)], piece.src_offset, piece.numel, piece.dst_offset)
+            )
+
+
+def _zero3_fragments(
+    ckpt: ZeroCheckpoint, fp32_slot: dict[tuple[int, int], int], out: dict[str, list[Fragment]]
+) -> None:
+    """ZeRO-3: every param split in `ceil(numel / world_size)` pieces, one per rank, each
+    rank's pieces laid end to end across its sub-group partitions."""
+    flat = [(name, shape) for group in ckpt.param_groups for name, shape in group]
+    pieces, per_rank = zero3_pieces([math.prod(s) for _, s in flat], ckpt.world_size)
+    for rank in range(ckpt.world_size):
+        saved_numel = sum(t.numel for t in ckpt.fp32_partitions[rank])
+        if saved_numel != per_rank:
+            raise LayoutMismatchError(
+                f"{ckpt.optim_files[rank].url}: rank {rank} saved {saved_numel} fp32 elements "
+                f"but 'param_shapes' partitioned over {ckpt.world_size} ranks needs exactly "
+                f"{per_rank}; was the checkpoint saved with another world size or another model?"
+            )
+    for piece in pieces:
+        segments = [t.numel for t in ckpt.fp32_partitions[piece.rank]]
+        for seg, seg_offset, count, run_offset in split_by_segments(
+            piece.src_offset, piece.numel, segments
+        ):
+            out.setdefault(flat[piece.param][0], []).append(
+                (fp32_slot[(piece.rank, seg)], seg_offset, count, piece.dst_offset + run_offset)
+            )
+
+
+def _frozen_tensor(
+    ckpt: ZeroCheckpoint,
+    builder: _SlotBuilder,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: str,
+    pieces: Sequence[tuple[int, TensorRecord]],
+) -> SourceTensor:
+    """A frozen param: whole in the model states (ZeRO-1/2), or one piece per rank (ZeRO-3)."""
+    numel = math.prod(shape)
+    fragments: list[Fragment] = []
+    dst = 0
+    for rank, t in pieces:
+        loaded = next(f for f in ckpt.model_files if f.rank == rank)
+        slot = builder.add(loaded, "frozen", f"frozen/{name}", t)
+        count = min(t.numel, numel - dst)
+        if count > 0:
+            fragments.append((slot, 0, count, dst))
+        dst += count
+    return SourceTensor(
+        name=name, shape=shape, dtype=dtype, role="frozen", fragments=tuple(fragments)
+    )
+
+
+def _buffer_tensor(
+    ckpt: ZeroCheckpoint, builder: _SlotBuilder, name: str, t: TensorRecord
+) -> SourceTensor:
+    fragments: tuple[Fragment, ...] = ()
+    if t.numel:
+        if not t.is_contiguous():
+            raise CheckpointFormatError(
+                f"{ckpt.model_files[0].url}: buffer '{name}' is not contiguous"
+            )
+        slot = builder.add(ckpt.model_files[0], "buffer", f"buffer/{name}", t)
+        fragments = ((slot, 0, t.numel, 0),)
+    return SourceTensor(
+        name=name, shape=tuple(t.shape), dtype=t.dtype, role="buffer", fragments=fragments
+    )
+
+
+def _source_block(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    return {
+        "checkpoint": ckpt.ckpt_url,
+        "tag": ckpt.tag,
+        "tag_url": ckpt.tag_url,
+        "stage": ckpt.stage,
+        "optimizer": ckpt.optimizer_kind,
+        "world_size": ckpt.world_size,
+        "train_dtype": ckpt.train_dtype,
+        "ds_version": ckpt.ds_version,
+        "num_params": sum(math.prod(s) for g in ckpt.param_groups for _, s in g),
+        "checkpoint_bytes": sum(f.identity.size_bytes for f in ckpt.files),
+        "files": [f.identity.as_dict() for f in ckpt.files],
+        "content_sha256": content_fingerprint(ckpt),
+    }
+
+
+def _facts(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    """`inspect`'s DeepSpeed section (its keys predate the format readers: kept as they are)."""
+    total = sum(f.identity.size_bytes for f in ckpt.files)
+    about = [
+        f"Checkpoint  {ckpt.ckpt_url}  (DeepSpeed ZeRO, tag {ckpt.tag})",
+        f"  ZeRO stage {ckpt.stage}"
+        + (" (BF16_Optimizer)" if ckpt.optimizer_kind == "bf16_optimizer" else "")
+        + f", trained in {ckpt.train_dtype}, data-parallel world size {ckpt.world_size}, "
+        f"DeepSpeed {ckpt.ds_version or 'unknown'}",
+        f"  files: {len(ckpt.optim_files)} optimizer + {len(ckpt.model_files)} model states, "
+        f"{format_bytes(total)} in all",
+    ]
+    return {
+        "checkpoint": ckpt.ckpt_url,
+        "tag": ckpt.tag,
+        "zero_stage": ckpt.stage,
+        "optimizer": ckpt.optimizer_kind,
+        "train_dtype": ckpt.train_dtype,
+        "world_size": ckpt.world_size,
+        "deepspeed_version": ckpt.ds_version,
+        "files": {
+            "optimizer": len(ckpt.optim_files),
+            "model_states": len(ckpt.model_files),
+            "total_bytes": total,
+        },
+        "about": about,
+        "read_labels": {
+            "main": "fp32 masters",
+            "other": "frozen params and buffers",
+            "metadata": "pickles and zip directories",
+            "never": "Adam moments are never read",
+        },
+    }
+
+
+def content_fingerprint(ckpt: ZeroCheckpoint) -> str:
+    """SHA-256 over (file name, record name, size, CRC-32) of every record of every file: it
+    comes from the zip directories alone, survives copies and moves, and changes with any
+    stored tensor (`verify --against` compares it)."""
+    h = hashlib.sha256()
+    for f in ckpt.files:
+        h.update(f.url.rsplit("/", 1)[-1].encode() + b"\0")
+        for name, record in sorted(f.zip.records.items()):
+            short = name.split("/", 1)[-1]  # the archive folder is the save's file stem
+            h.update(f"{short}\0{record.size_bytes}\0{record.crc32}\n".encode())
+    return h.hexdigest()
+
+
+@dataclass
+class _SlotBuilder:
+    """Slots as they are found; `resolve` reads their records' zip local headers at once."""
+
+    ckpt: ZeroCheckpoint
+    files: list[SourceFile] = field(default_factory=list)
+    _file_index: dict[str, int] = field(default_factory=dict)
+    _pending: list[tuple[LoadedFile, str, str, TensorRecord]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for f in self.ckpt.files:
+            self._file_index[f.url] = len(self.files)
+            self.files.append(
+                SourceFile(
+                    index=len(self.files), url=f.url, role=f.role, rank=f.rank,
+                    size_bytes=f.identity.size_bytes, version=f.identity.version,
+                )
+            )  # fmt: skip
+
+    def add(self, loaded: LoadedFile, kind: str, name: str, tensor: TensorRecord) -> int:
+        self._pending.append((loaded, kind, name, tensor))
+        return len(self._pending) - 1
+
+    def resolve(self, max_workers: int = 8) -> list[Slot]:
+        """Read the zip local headers of every slot's record (one small read each)."""
+        with ThreadPoolExecutor(max_workers=max_workers) as pool:
+            return list(pool.map(self._slot, range(len(self._pending)), self._pending))
+
+    def _slot(self, index: int, item: tuple[LoadedFile, str, str, TensorRecord]) -> Slot:
+        loaded, kind, name, t = item
+        record = loaded.zip.storage_record(t.storage.key)
+        end = (t.storage_offset + t.numel) * t.itemsize
+        if end > record.size_bytes:
+            raise CheckpointFormatError(
+                f"{loaded.url}: tensor '{name}' needs {end} bytes of record "
+                f"'{record.name}', which holds {record.size_bytes}; the file is corrupt"
+            )
+        return Slot(
+            index=index, file=self._file_index[loaded.url], rank=loaded.rank, kind=kind,
+            name=name, record=record.name, record_offset=loaded.zip.data_offset(record),
+            record_size_bytes=record.size_bytes, record_crc32=record.crc32,
+            element_offset=t.storage_offset, numel=t.numel, dtype=t.dtype,
+        )  # fmt: skip

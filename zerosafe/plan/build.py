@@ -1,0 +1,224 @@
+"""Plan a conversion from any format's `SourceLayout`: output tensors, shards, extract parts.
+
+Format-agnostic: the reader has already turned the checkpoint into slots and fragments
+(`zerosafe.formats.base`). Planning applies the options (which tensors, which dtype, tied
+aliases written or recorded), checks that each tensor's fragments tile it, assigns tensors
+to output files and, for staged mode, groups the slots into extract parts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from zerosafe.config import ConvertOptions
+from zerosafe.dtypes import dtype_info
+from zerosafe.errors import LayoutMismatchError
+from zerosafe.formats.base import SourceLayout, SourceTensor
+from zerosafe.io.storage import Storage
+from zerosafe.plan.model import (
+    ExtractPart,
+    FragmentTable,
+    Plan,
+    ShardSpec,
+    Slot,
+    TensorSpec,
+    job_key_of,
+    shard_file_name,
+)
+
+__all__ = ["assign_shards", "output_dtype", "plan_checkpoint", "plan_layout", "plan_parts"]
+
+
+def plan_checkpoint(
+    storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
+) -> tuple[SourceLayout, Plan]:
+    """Detect the format of the checkpoint at `url`, read its metadata and plan converting it.
+    Reads pickles and zip headers only."""
+    from zerosafe.formats.registry import read_source
+
+    layout = read_source(storage, url, tag=tag, options=options)
+    return layout, plan_layout(layout, options)
+
+
+def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
+    """The plan of converting `layout` under `options`; no I/O.
+
+    Raises:
+        LayoutMismatchError: If a tensor's fragments do not tile it exactly.
+    """
+    kept = _kept_tensors(layout, options)
+    names, aliases = _output_names(layout, kept, options)
+    owners = [layout.aliases.get(n, n) for n in names]
+    dtypes = [output_dtype(layout.tensors[o], options) for o in owners]
+    sizes = [
+        math.prod(layout.tensors[o].shape) * dtype_info(d).itemsize
+        for o, d in zip(owners, dtypes, strict=True)
+    ]
+    shard_of = assign_shards(sizes, options.max_shard_size)
+    specs = [
+        TensorSpec(
+            index=i, name=name, shape=layout.tensors[owner].shape,
+            role="tied" if owner != name else layout.tensors[name].role,
+            src_dtype=layout.tensors[owner].dtype, out_dtype=dtype, shard=shard,
+            alias_of=owner if owner != name else None,
+        )
+        for i, (name, owner, dtype, shard) in enumerate(zip(names, owners, dtypes, shard_of, strict=True))
+    ]  # fmt: skip
+    fragments = FragmentTable.from_rows(list(_fragment_rows(layout, specs)))
+    used_slots = sorted(set(fragments.slot.tolist()))
+    plan = Plan(
+        job_key=job_key_of(layout.tag, layout.identities, options),
+        source=layout.source,
+        options=options.identity(),
+        files=layout.files,
+        slots=layout.slots,
+        tensors=specs,
+        shards=_shard_specs(specs),
+        parts=plan_parts(layout.slots, used_slots, options.extract_part_size),
+        fragments=fragments,
+        aliases=aliases,
+        notes=[*layout.notes, *_option_notes(layout, specs, options)],
+        warnings=list(layout.warnings),
+    )
+    for check in layout.checks:
+        check(plan)
+    return plan
+
+
+def output_dtype(tensor: SourceTensor, options: ConvertOptions) -> str:
+    """Floating tensors take the output dtype; integer and bool tensors keep theirs."""
+    return options.dtype if dtype_info(tensor.dtype).is_floating else tensor.dtype
+
+
+def assign_shards(sizes: Sequence[int], max_shard_size: int) -> list[int]:
+    """Greedy, in order: each tensor goes to the current file unless it would overflow a
+    non-empty one. A tensor larger than `max_shard_size` gets a file of its own."""
+    shard, filled, out = 0, 0, []
+    for size in sizes:
+        if filled and filled + size > max_shard_size:
+            shard, filled = shard + 1, 0
+        filled += size
+        out.append(shard)
+    return out
+
+
+def plan_parts(slots: list[Slot], used: Iterable[int], part_bytes: int) -> list[ExtractPart]:
+    """Group the used slots by rank into extract parts of at most `part_bytes` each (a slot
+    larger than that is split across parts)."""
+    by_rank: dict[int, list[Slot]] = {}
+    for index in used:
+        by_rank.setdefault(slots[index].rank, []).append(slots[index])
+    parts: list[ExtractPart] = []
+    for rank in sorted(by_rank):
+        groups: list[list[tuple[int, int, int]]] = [[]]
+        room = part_bytes
+        for slot in by_rank[rank]:
+            start = 0
+            while True:
+                count = min(slot.numel - start, room // slot.itemsize)
+                if count == 0 and slot.numel > start:
+                    groups.append([])  # this part is full: start the next one
+                    room = part_bytes
+                    continue
+                groups[-1].append((slot.index, start, count))
+                room -= count * slot.itemsize
+                start += count
+                if start >= slot.numel:
+                    break
+        for number, pieces in enumerate(g for g in groups if g):
+            name = f"rank{rank:05d}-part{number:04d}.safetensors"
+            parts.append(
+                ExtractPart(index=len(parts), rank=rank, file_name=name, pieces=tuple(pieces))
+            )
+    return parts
+
+
+def _kept_tensors(layout: SourceLayout, options: ConvertOptions) -> set[str]:
+    return {
+        name
+        for name, t in layout.tensors.items()
+        if not (options.exclude_frozen and t.role == "frozen")
+    }
+
+
+def _output_names(
+    layout: SourceLayout, kept: set[str], options: ConvertOptions
+) -> tuple[list[str], dict[str, str]]:
+    """Output tensor names in order, and the aliases recorded instead of written."""
+    order = [n for n in layout.order if n in kept or n in layout.aliases]
+    listed = set(order)
+    order += [n for n in layout.tensors if n in kept and n not in listed]
+    names: list[str] = []
+    aliases: dict[str, str] = {}
+    for name in order:
+        target = layout.aliases.get(name)
+        if target is None:
+            names.append(name)
+        elif target not in kept:
+            continue  # an excluded target's alias goes too
+        elif options.tied == "copy":
+            names.append(name)
+        else:
+            aliases[name] = target
+    return names, aliases
+
+
+def _fragment_rows(
+    layout: SourceLayout, specs: list[TensorSpec]
+) -> Iterable[tuple[int, int, int, int, int]]:
+    """`(tensor, slot, src_offset, numel, dst_offset)` rows; each tensor's must tile it."""
+    for spec in specs:
+        owner = spec.alias_of or spec.name
+        covered = 0
+        for slot, src_offset, numel, dst in sorted(
+            layout.tensors[owner].fragments, key=lambda f: f[3]
+        ):
+            if dst != covered or src_offset + numel > layout.slots[slot].numel:
+                raise LayoutMismatchError(
+                    f"{layout.where}: '{owner}' fragments do not tile it (gap or overlap at "
+                    f"element {covered}); the checkpoint's layout is not understood"
+                )
+            covered += numel
+            yield (spec.index, slot, src_offset, numel, dst)
+        if covered != spec.numel:
+            raise LayoutMismatchError(
+                f"{layout.where}: '{owner}' has {spec.numel} elements but its fragments hold "
+                f"{covered}"
+            )
+
+
+def _shard_specs(specs: list[TensorSpec]) -> list[ShardSpec]:
+    count = specs[-1].shard + 1 if specs else 0
+    shards = []
+    for index in range(count):
+        members = [s for s in specs if s.shard == index]
+        shards.append(
+            ShardSpec(
+                index=index, file_name=shard_file_name(index, count),
+                first_tensor=members[0].index, num_tensors=len(members),
+                data_bytes=sum(s.out_nbytes for s in members),
+            )
+        )  # fmt: skip
+    return shards
+
+
+def _option_notes(
+    layout: SourceLayout, specs: list[TensorSpec], options: ConvertOptions
+) -> list[str]:
+    notes = []
+    frozen = [n for n, t in layout.tensors.items() if t.role == "frozen"]
+    if options.exclude_frozen and frozen:
+        notes.append(
+            f"{len(frozen)} frozen param(s) left out of the output (`exclude_frozen`, "
+            f"--exclude-frozen): {', '.join(frozen[:8])}{' ...' if len(frozen) > 8 else ''}"
+        )
+    oversized = [s for s in specs if s.out_nbytes > options.max_shard_size]
+    if oversized:
+        big = max(oversized, key=lambda s: s.out_nbytes)
+        notes.append(
+            f"{len(oversized)} tensor(s) exceed the shard size of {options.max_shard_size} bytes "
+            f"and get a file of their own, the largest '{big.name}' ({big.out_nbytes} bytes); "
+            "safetensors files never split a tensor"
+        )
+    return notes
