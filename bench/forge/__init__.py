@@ -1,0 +1,47 @@
+"""Forge synthetic DeepSpeed ZeRO checkpoints, fast and in bounded memory.
+
+The files follow DeepSpeed 0.19.8's on-disk format (as read off the real checkpoints in
+``shared/fixtures/deepspeed``): the same file names, the same pickle structure and globals
+(``collections.OrderedDict``, ``torch._utils._rebuild_tensor_v2``, ``torch.Size``, the storage
+classes, DeepSpeed's ``LossScaler`` / ``ZeroStageEnum`` / ``fragment_address`` ...), torch's zip
+container with 64-byte aligned records, CRC-32 per record and ZIP64 records past 4 GB.
+Neither torch nor DeepSpeed is needed (or imported) to write them: the pickles are emitted by a
+small pickler that names those globals itself, and the zip is written here, streaming.
+
+Every value is a cheap function of (param name, element index, seed), so any range of any
+output can be checked without a golden copy: see `expected_fp32`, `expected_16bit`,
+`expected_buffer`. Adam moments are written as sparse holes by default (they read as zeros).
+
+    python -m bench.forge DEST --params 500M --stage 3 --world-size 8 --dtype bf16
+
+Modules: `values` (the seeded values and `expected_*`), `shapes` (`transformer_shapes`,
+`parse_count`), `pickles` (nodes naming torch's and DeepSpeed's globals, the pickler), `zipwriter`
+(the zip container), `pipeline` (threads filling chunks in bounded memory), `torch_file` (one
+torch.save-style file), `spec` (settings and file contents), `checkpoint` (`forge_checkpoint`,
+`ForgeInfo`), `cli`.
+"""
+
+from .checkpoint import ForgeInfo, expected_state, forge_checkpoint
+from .cli import main
+from .shapes import DEFAULT_BUFFERS, parse_count, transformer_shapes
+from .spec import DS_VERSION
+from .torch_file import write_torch_file
+from .values import expected_16bit, expected_buffer, expected_fp32, to_bf16_bits
+from .zipwriter import ZIP64_LIMIT
+
+__all__ = [
+    "DEFAULT_BUFFERS",
+    "DS_VERSION",
+    "ZIP64_LIMIT",
+    "ForgeInfo",
+    "expected_16bit",
+    "expected_buffer",
+    "expected_fp32",
+    "expected_state",
+    "forge_checkpoint",
+    "main",
+    "parse_count",
+    "to_bf16_bits",
+    "transformer_shapes",
+    "write_torch_file",
+]
