@@ -14,11 +14,17 @@ output can be checked without a golden copy: see `expected_fp32`, `expected_16bi
 
     python -m bench.forge DEST --params 500M --stage 3 --world-size 8 --dtype bf16
 
-Modules: `values` (the seeded values and `expected_*`), `shapes` (`transformer_shapes`,
-`parse_count`), `pickles` (nodes naming torch's and DeepSpeed's globals, the pickler), `zipwriter`
-(the zip container), `pipeline` (threads filling chunks in bounded memory), `torch_file` (one
-torch.save-style file), `spec` (settings and file contents), `checkpoint` (`forge_checkpoint`,
-`ForgeInfo`), `cli`.
+Modules, in the order data flows:
+
+- `shapes`: `transformer_shapes`, `parse_count`, the default buffers;
+- `spec`: the settings and the layout derived from them (params, ties, optimizer groups, ZeRO-3
+  sub-groups);
+- `states`, `zero2`, `zero3`: what each file holds, as a tree of pickle nodes;
+- `pickles`: those nodes (naming torch's and DeepSpeed's globals) and the pickler;
+- `values`: every element's value, and `expected_fp32` / `expected_16bit` / `expected_buffer`;
+- `pipeline`, `zipwriter`, `torch_file`: storages filled by threads in bounded memory, streamed
+  into torch's zip container, one file at a time;
+- `checkpoint`: `forge_checkpoint` and `ForgeInfo`; `cli`: the command line.
 """
 
 from .checkpoint import ForgeInfo, expected_state, forge_checkpoint

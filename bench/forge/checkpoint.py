@@ -15,6 +15,8 @@ from .pipeline import Pipeline
 from .spec import Spec
 from .torch_file import write_torch_file
 from .values import expected_fp32
+from .zero2 import zero2_files, zero2_layout
+from .zero3 import zero3_files
 from .zipwriter import ZIP64_LIMIT
 
 
@@ -150,57 +152,75 @@ def forge_checkpoint(
     tag_dir = os.path.join(dest, tag)
     os.makedirs(tag_dir, exist_ok=True)
     threads = threads if threads is not None else max(1, min(8, os.cpu_count() or 1))
-    info = ForgeInfo(
-        dest=dest,
-        tag=tag,
-        stage=stage,
-        world_size=world_size,
-        dtype=spec.dtype,
-        seed=seed,
-        params={p.name: p.shape for p in spec.params},
-        frozen=[p.name for p in spec.frozen],
-        buffers={n: (s, dt) for n, s, dt in spec.buffers},
-        aliases=dict(spec.aliases),
-        param_groups=[[p.name for p in g] for g in spec.groups],
-        flat_groups=[[p.name for p in g] for g in (spec.sub_groups if stage == 3 else spec.groups)],
-    )
+    info = _new_info(spec, dest)
     started = time.perf_counter()
     pipe = Pipeline(chunk_bytes, threads, seed)
     try:
-        file_objs = spec.zero3_files(moments) if stage == 3 else spec.zero2_files(moments)
-        for fname, obj in file_objs:
-            rec = write_torch_file(
-                os.path.join(tag_dir, fname),
-                obj,
-                pipeline=pipe,
-                seed=seed,
-                zip64_threshold=zip64_threshold,
-            )
-            rec.pop("storages")
-            info.files.append(rec)
-            info.apparent_bytes += rec["apparent_bytes"]
-            info.written_bytes += rec["written_bytes"]
+        file_objs = zero3_files(spec, moments) if stage == 3 else zero2_files(spec, moments)
+        _write_files(info, tag_dir, file_objs, pipe, zip64_threshold)
     finally:
         pipe.close()
     info.peak_buffers = pipe.allocated
-    # byte accounting from the layout (independent of how the moments were written)
-    fp32 = lowp = 0
-    if stage == 3:
-        per_rank = sum(-(-p.numel // world_size) for sg in spec.sub_groups for p in sg)
-        fp32 = per_rank * world_size * 4
-        lowp = sum(-(-p.numel // world_size) for p in spec.frozen) * world_size * spec.lowp_itemsize
-    else:
-        lay = spec.zero2_layout()
-        fp32 = sum(g["padded"] for g in lay) * 4
-        lowp = (
-            sum(g["padded"] for g in lay) + sum(p.numel for p in spec.frozen)
-        ) * spec.lowp_itemsize
+    fp32, lowp = _layout_bytes(spec)
     info.fp32_bytes, info.lowp_bytes, info.moment_bytes = fp32, lowp, 2 * fp32
     if write_latest:
         with open(os.path.join(dest, "latest"), "w") as fh:
             fh.write(tag)
     info.seconds = time.perf_counter() - started
     return info
+
+
+def _new_info(spec: Spec, dest: str) -> ForgeInfo:
+    """What the files will hold, before any is written."""
+    flat_groups = spec.sub_groups if spec.stage == 3 else spec.groups
+    return ForgeInfo(
+        dest=dest,
+        tag=spec.tag,
+        stage=spec.stage,
+        world_size=spec.ws,
+        dtype=spec.dtype,
+        seed=spec.seed,
+        params={p.name: p.shape for p in spec.params},
+        frozen=[p.name for p in spec.frozen],
+        buffers={n: (s, dt) for n, s, dt in spec.buffers},
+        aliases=dict(spec.aliases),
+        param_groups=[[p.name for p in g] for g in spec.groups],
+        flat_groups=[[p.name for p in g] for g in flat_groups],
+    )
+
+
+def _write_files(
+    info: ForgeInfo,
+    tag_dir: str,
+    file_objs: list[tuple[str, dict[str, Any]]],
+    pipe: Pipeline,
+    zip64_threshold: int,
+) -> None:
+    """Write each (file name, contents) into `tag_dir`, in order, adding it to `info`."""
+    for fname, obj in file_objs:
+        rec = write_torch_file(
+            os.path.join(tag_dir, fname),
+            obj,
+            pipeline=pipe,
+            seed=info.seed,
+            zip64_threshold=zip64_threshold,
+        )
+        rec.pop("storages")
+        info.files.append(rec)
+        info.apparent_bytes += rec["apparent_bytes"]
+        info.written_bytes += rec["written_bytes"]
+
+
+def _layout_bytes(spec: Spec) -> tuple[int, int]:
+    """Bytes of fp32 masters and of 16-bit (training dtype) copies, all ranks, from the layout
+    (independent of how the moments were written)."""
+    ws = spec.ws
+    if spec.stage == 3:
+        per_rank = sum(-(-p.numel // ws) for sg in spec.sub_groups for p in sg)
+        lowp = sum(-(-p.numel // ws) for p in spec.frozen) * ws * spec.lowp_itemsize
+        return per_rank * ws * 4, lowp
+    padded = sum(g.padded for g in zero2_layout(spec))
+    return padded * 4, (padded + sum(p.numel for p in spec.frozen)) * spec.lowp_itemsize
 
 
 def expected_state(info: ForgeInfo, name: str) -> np.ndarray:

@@ -12,7 +12,7 @@ from .checkpoint import forge_checkpoint
 from .shapes import parse_count, transformer_shapes
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Forge a synthetic DeepSpeed 0.19.8 ZeRO checkpoint.")
     ap.add_argument("dest")
     ap.add_argument("--params", default="100M", help="approximate param count: 500M, 7B, ...")
@@ -36,7 +36,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chunk-mb", type=float, default=8)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--fsync", action="store_true", help="fsync every file before timing stops")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     shapes = transformer_shapes(
         args.params, vocab=args.vocab, width=args.width, layers=args.layers, tied=not args.no_tied
     )

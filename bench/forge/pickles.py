@@ -65,6 +65,10 @@ G_LOSS_SCALER = Global("deepspeed.runtime.fp16.loss_scaler", "LossScaler")
 G_DYN_LOSS_SCALER = Global("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")
 G_FRAGMENT = Global("deepspeed.utils.tensor_fragment", "fragment_address")
 
+Piece = tuple[str, str | None, int, int]
+"""("vals", param name, start, count): that range of the param's values, in the storage's dtype;
+or ("zeros", None, 0, count)."""
+
 
 class Storage:
     """A storage record: its class, element count and how to produce its bytes.
@@ -79,7 +83,7 @@ class Storage:
         self,
         cls: str,
         numel: int,
-        pieces: list[tuple[str, str | None, int, int]] | None = None,
+        pieces: list[Piece] | None = None,
         raw: bytes | None = None,
         hole: bool = False,
     ) -> None:

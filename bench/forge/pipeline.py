@@ -15,7 +15,7 @@ import numpy as np
 
 from zerosafe.formats.crc import crc32_zeros
 
-from .pickles import STORAGE_ITEMSIZE, Storage
+from .pickles import STORAGE_ITEMSIZE, Piece, Storage
 from .values import BLOCK, fill_16bit, fill_fp32
 from .zipwriter import ZipWriter
 
@@ -53,7 +53,7 @@ class Pipeline:
         return s
 
     def _fill(
-        self, task: list[tuple[str, str | None, int, int]], buf: np.ndarray, cls: str
+        self, task: list[Piece], buf: np.ndarray, cls: str
     ) -> tuple[np.ndarray, memoryview, int]:
         itemsize = STORAGE_ITEMSIZE[cls]
         if len(task) == 1 and task[0][0] == "zeros":
@@ -75,9 +75,9 @@ class Pipeline:
         mv = memoryview(buf)[: pos * itemsize]
         return buf, mv, zlib.crc32(mv)
 
-    def _tasks(self, st: Storage) -> Iterator[list[tuple[str, str | None, int, int]]]:
+    def _tasks(self, st: Storage) -> Iterator[list[Piece]]:
         per_chunk = self.chunk_bytes // st.itemsize
-        task: list[tuple[str, str | None, int, int]] = []
+        task: list[Piece] = []
         room = per_chunk
         for kind, name, start, count in st.pieces:
             off = 0

@@ -116,47 +116,50 @@ class ZipWriter:
         self.end()
 
     def close(self) -> None:
+        """Write the central directory and the end records, and close the file."""
         cd_start = self.pos
-        parts = []
-        for e in self.entries:
-            fields = []
-            size32 = e.size
-            off32 = e.offset
-            if e.size >= self.thr:
-                fields += [e.size, e.size]
-                size32 = 0xFFFFFFFF
-            if e.offset >= self.thr:
-                fields.append(e.offset)
-                off32 = 0xFFFFFFFF
-            extra = (
-                struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields) if fields else b""
-            )
-            parts.append(
-                struct.pack(
-                    "<IHHHHHHIIIHHHHHII",
-                    0x02014B50,
-                    0,
-                    45 if fields else 0,
-                    0x0808,
-                    0,
-                    0,
-                    0,
-                    e.crc,
-                    size32,
-                    size32,
-                    len(e.name),
-                    len(extra),
-                    0,
-                    0,
-                    0,
-                    0,
-                    off32,
-                )
-            )
-            parts.append(e.name)
-            parts.append(extra)
-        self._write(b"".join(parts))
-        cd_size = self.pos - cd_start
+        self._write(b"".join(self._central_record(e) for e in self.entries))
+        self._write(self._end_records(cd_start, self.pos - cd_start))
+        os.close(self.fd)
+        self.fd = -1
+
+    def _central_record(self, e: _Entry) -> bytes:
+        """An entry's central directory header, its name and its ZIP64 extra field if needed."""
+        fields = []
+        size32 = e.size
+        off32 = e.offset
+        if e.size >= self.thr:
+            fields += [e.size, e.size]
+            size32 = 0xFFFFFFFF
+        if e.offset >= self.thr:
+            fields.append(e.offset)
+            off32 = 0xFFFFFFFF
+        extra = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields) if fields else b""
+        header = struct.pack(
+            "<IHHHHHHIIIHHHHHII",
+            0x02014B50,
+            0,
+            45 if fields else 0,
+            0x0808,
+            0,
+            0,
+            0,
+            e.crc,
+            size32,
+            size32,
+            len(e.name),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            off32,
+        )
+        return header + e.name + extra
+
+    def _end_records(self, cd_start: int, cd_size: int) -> bytes:
+        """The ZIP64 end of central directory record and locator (always, as torch writes them),
+        then the end record with 0xFFFFFFFF where a value does not fit."""
         n = len(self.entries)
         eocd64 = self.pos
         tail = struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 0x031E, 45, 0, 0, n, n, cd_size, cd_start)
@@ -172,9 +175,7 @@ class ZipWriter:
             cd_start if cd_start < self.thr else 0xFFFFFFFF,
             0,
         )
-        self._write(tail)
-        os.close(self.fd)
-        self.fd = -1
+        return tail
 
     def abort(self) -> None:
         if self.fd >= 0:
