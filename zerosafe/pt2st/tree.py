@@ -54,7 +54,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from zerosafe.errors import CheckpointFormatError, UnsupportedCheckpointError
-from zerosafe.formats.torch_zip import DTypeToken, InertObject, TensorRecord, TorchDevice, TorchSize
+from zerosafe.formats.torch_pickle import (
+    DTypeToken,
+    InertObject,
+    TensorRecord,
+    TorchDevice,
+    TorchSize,
+)
 
 __all__ = [
     "ROOT_NAME",
