@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 # zip's CRC-32 of a concatenation and of a run of zeros (holes, padding), in O(log n)
-from zerosafe.crc import crc32_combine, crc32_zeros
-from zerosafe.torch_zip import contiguous_stride
+from zerosafe.formats.crc import crc32_combine, crc32_zeros
+from zerosafe.formats.torch_zip import contiguous_stride
 
 DS_VERSION = "0.19.8"
 ZIP64_LIMIT = 0xFFFFFFFF

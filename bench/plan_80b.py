@@ -19,7 +19,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from zerosafe.config import ConvertOptions  # noqa: E402
-from zerosafe.simulate import (  # noqa: E402
+from zerosafe.formats.deepspeed.simulate import (  # noqa: E402
     DEFAULT_TASK_RATE_BYTES,
     load_spec,
     simulate_plan,
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines += [
         "",
-        f"Predicted wall time (model in `zerosafe/simulate.py`: every running task moves its bytes "
+        f"Predicted wall time (model in `zerosafe/formats/deepspeed/simulate.py`: every running task moves its bytes "
         f"at min({format_bytes(args.task_rate)}/s, aggregate bandwidth / running tasks); 4 tasks "
         "per worker; staged runs every extract before the merges, as ZeRO-3 shards need every "
         f"rank). {format_bytes(args.task_rate)}/s per task is about what one task moved on the "

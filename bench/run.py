@@ -63,8 +63,14 @@ from bench._iolimit import (  # noqa: E402
 from bench._measure import Measured, meminfo_bytes, run_measured  # noqa: E402
 
 PY = sys.executable
-ZEROSAFE = [PY, "-m", "zerosafe.cli"]
-"""The command, as `python -m` so that `--src`/`--before` checkouts run their own entry point."""
+
+
+def _zerosafe_command(src: str) -> list[str]:
+    """The command, as `python -m` so that `--src`/`--before` checkouts run their own entry
+    point (`zerosafe_app.cli`; `zerosafe.cli` in checkouts from before the package layout)."""
+    new = os.path.exists(os.path.join(src, "zerosafe_app", "cli.py"))
+    return [PY, "-m", "zerosafe_app.cli" if new else "zerosafe.cli"]
+
 
 SIZES: dict[str, dict[str, Any]] = {
     # tests: seconds, exercises every kind of run
@@ -238,7 +244,7 @@ def _run_tool(
         argv = [PY, os.path.join(REPO, "bench", "_ds_convert.py"), ckpt, out, *common]
         env = {**_env(), "DS_ACCELERATOR": "cpu"}
     else:
-        argv = [*ZEROSAFE, "convert", ckpt, out, *common, "--json", "--quiet"]
+        argv = [*_zerosafe_command(SRC), "convert", ckpt, out, *common, "--json", "--quiet"]
         # `cli-default` is the command as a user types it: no mode flag. The others name
         # their mode; a checkout from before `--mode` existed takes `--direct` or nothing.
         if "direct" in kind:
@@ -310,8 +316,8 @@ def run_limit(
 
 def run_baseline(cfg: argparse.Namespace) -> dict[str, Any]:
     code = (
-        "import torch, numpy, safetensors, pyarrow.parquet, zerosafe.convert, zerosafe.verify, "
-        "zerosafe.cli, time; time.sleep(0.5)"
+        "import torch, numpy, safetensors, pyarrow.parquet, zerosafe.pipeline, zerosafe.verify.tensors, "
+        "zerosafe_app.cli, time; time.sleep(0.5)"
     )
     m = run_measured([PY, "-c", code], env=_env(), cwd=REPO, limit_bytes=cfg.mem_limit)
     return {"kind": "baseline", "ok": m.returncode == 0, **m.as_dict(tail=500)}
@@ -519,9 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ranges, fp32_bytes = fp32_ranges(ckpt)
     from zerosafe.config import ConvertOptions
-    from zerosafe.plan import build_plan
-    from zerosafe.storage import Storage
-    from zerosafe.zero_checkpoint import open_zero_checkpoint
+    from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
+    from zerosafe.io.storage import Storage
+    from zerosafe.plan.model import build_plan
 
     plan = build_plan(
         open_zero_checkpoint(Storage(), ckpt),

@@ -44,7 +44,7 @@ read -r CHILD SUMMARY < <("$BIN/python" - "$OUT" <<'PY'
 import sys
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-from flows.convert import job_slug
+from zerosafe_app.flows.convert import job_slug
 
 with get_client(sync_client=True) as client:
     (child,) = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["convert-job"])))

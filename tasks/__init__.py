@@ -1,2 +1,3 @@
-"""Prefect tasks, one module per stage: thin wrappers that call the engine (`zerosafe`) and
-return small JSON-able summaries, never tensors."""
+"""zerosafe's Prefect tasks live in the installed package `zerosafe_app.tasks`, one module per
+stage (inspect, extract, merge, verify, publish, pt2st). This folder stays so older deployment
+code that imported `tasks.<stage>` finds where they went; it is not installed."""

@@ -37,8 +37,8 @@ def sample_ckpt(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """Environment for subprocesses that run flows embedded. They share one local Prefect
-    server (the first command starts it; `flows.runtime`), stopped when the session ends."""
-    from flows.runtime import stop_local_server
+    server (the first command starts it; `zerosafe_app.flows.runtime`), stopped when the session ends."""
+    from zerosafe_app.flows.runtime import stop_local_server
 
     home = tmp_path_factory.mktemp("prefect-home")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}

@@ -25,15 +25,15 @@ def main() -> None:
     kind, ckpt, out, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     if kind == "engine":
         from zerosafe.config import ConvertOptions
-        from zerosafe.convert import convert_checkpoint
+        from zerosafe.pipeline import convert_checkpoint
 
         def run(src: str, dst: str) -> dict:
             return convert_checkpoint(src, dst, ConvertOptions(**options))
     else:
-        from flows.runtime import configure_embedded_prefect
+        from zerosafe_app.flows.runtime import configure_embedded_prefect
 
         configure_embedded_prefect()
-        from flows.convert import convert
+        from zerosafe_app.flows.convert import convert
 
         def run(src: str, dst: str) -> dict:
             return convert(source=src, destination=dst, **options)

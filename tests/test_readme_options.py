@@ -7,7 +7,7 @@ import argparse
 import re
 from pathlib import Path
 
-from zerosafe.cli import _parser
+from zerosafe_app.cli import _parser
 
 README = (Path(__file__).parents[1] / "README.md").read_text()
 

@@ -22,12 +22,12 @@ from zerosafe.errors import (
     UnsafePickleError,
     UnsupportedCheckpointError,
 )
+from zerosafe.formats.deepspeed.checkpoint import ZeroCheckpoint, open_zero_checkpoint
+from zerosafe.formats.torch_zip import TensorRecord, TorchZipFile
+from zerosafe.io.storage import Storage
 from zerosafe.lazy import lazify_checkpoint, lazy_torch_load
-from zerosafe.plan import Plan, build_plan, load_plan, save_plan
+from zerosafe.plan.model import Plan, build_plan, load_plan, save_plan
 from zerosafe.pt2st import convert_pt, load_pt, load_pt_like
-from zerosafe.storage import Storage
-from zerosafe.torch_zip import TensorRecord, TorchZipFile
-from zerosafe.zero_checkpoint import ZeroCheckpoint, open_zero_checkpoint
 
 __all__ = [
     "CheckpointFormatError",

@@ -1,7 +1,7 @@
 """Options of one conversion, as the engine sees them (plain dataclasses, no pydantic).
 
 The flows validate user input (CLI flags, YAML job files, Prefect parameters) into
-`flows.config.JobConfig` and hand the engine a `ConvertOptions`.
+`zerosafe_app.flows.config.JobConfig` and hand the engine a `ConvertOptions`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def choose_mode(source_url: str, mode: str = "auto") -> tuple[bool, str]:
     Raises:
         ConfigError: For an unknown mode, or `direct` on an object store.
     """
-    from zerosafe.storage import is_local
+    from zerosafe.io.storage import is_local
 
     if mode not in MODES:
         raise ConfigError(f"`mode` must be one of {', '.join(MODES)} (got '{mode}')")

@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zerosafe import streaming, verify
-from zerosafe.safetensors_writer import HeaderEntry, SafetensorsStreamWriter
-from zerosafe.storage import Storage
-from zerosafe.streaming import CopyJob, copy_stream
+from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter
+from zerosafe.io.storage import Storage
+from zerosafe.stages import streaming
+from zerosafe.stages.streaming import CopyJob, copy_stream
+from zerosafe.verify import tensors as verify
 
 
 def _values(n: int, seed: int = 0) -> torch.Tensor:
@@ -86,7 +87,7 @@ def test_nonfinite_counts_equal_torch(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
 def test_mapped_source_copies_the_same_bytes(tmp_path: Path, out_dtype: str) -> None:
-    from zerosafe.mapped import MappedFile, map_source
+    from zerosafe.io.mapped import MappedFile, map_source
 
     n = 2 * streaming._CAST_STEP + 99
     src = _values(n, seed=2)
@@ -117,7 +118,7 @@ def test_mapped_source_copies_the_same_bytes(tmp_path: Path, out_dtype: str) -> 
 
 def test_mapped_source_refuses_a_short_file(tmp_path: Path) -> None:
     from zerosafe.errors import CheckpointFormatError
-    from zerosafe.mapped import map_source
+    from zerosafe.io.mapped import map_source
 
     (tmp_path / "src.bin").write_bytes(b"\x01" * 10_000)
     storage = Storage()

@@ -21,15 +21,15 @@ sys.path.insert(0, str(REPO))
 from bench import forge as F  # noqa: E402
 from zerosafe.config import ConvertOptions  # noqa: E402
 from zerosafe.errors import ConfigError  # noqa: E402
-from zerosafe.plan import build_plan  # noqa: E402
-from zerosafe.simulate import (  # noqa: E402
+from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint  # noqa: E402
+from zerosafe.formats.deepspeed.simulate import (  # noqa: E402
     load_spec,
     predict_seconds,
     simulate_plan,
     simulation_report,
 )
-from zerosafe.storage import Storage  # noqa: E402
-from zerosafe.zero_checkpoint import open_zero_checkpoint  # noqa: E402
+from zerosafe.io.storage import Storage  # noqa: E402
+from zerosafe.plan.model import build_plan  # noqa: E402
 
 SHAPES = F.transformer_shapes(vocab=1001, width=64, layers=3, tied=True)
 
@@ -110,7 +110,7 @@ def test_spec_errors(tmp_path: Path) -> None:
 
 def test_cli_simulate(tmp_path: Path) -> None:
     spec = _spec(tmp_path / "s.json", world_size=4)
-    run = [sys.executable, "-m", "zerosafe.cli", "inspect"]
+    run = [sys.executable, "-m", "zerosafe_app.cli", "inspect"]
     proc = subprocess.run(
         [*run, "--simulate", str(spec), "--world-size", "6", "--dtype", "bf16", "--json",
          "--workers", "1,3", "--bandwidth", "1GB"],

@@ -23,7 +23,7 @@ from tests.deploy.conftest import BIN, Stack, params_json
 from tests.helpers import load_output, same_bytes
 from tests.s3.support import MotoServer, assert_same_output, download_folder, upload_folder
 from zerosafe.config import ConvertOptions
-from zerosafe.convert import convert_checkpoint
+from zerosafe.pipeline import convert_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -163,7 +163,7 @@ def _artifacts(stack: Stack, *run_ids: Any) -> list[Any]:
 def test_failed_run_says_why_in_state_message_and_watch_output(
     sqlite_stack: Stack, tmp_path: Path
 ) -> None:
-    from flows.convert import job_slug
+    from zerosafe_app.flows.convert import job_slug
 
     stack = sqlite_stack
     out = tmp_path / "out"
@@ -207,7 +207,7 @@ def test_runs_and_artifacts_are_named_and_keyed_per_job(
         TaskRunFilterFlowRunId,
     )
 
-    from flows.convert import job_slug
+    from zerosafe_app.flows.convert import job_slug
 
     stack = sqlite_stack
     outs = [tmp_path / "hf" / "a", tmp_path / "hf" / "b"]
@@ -304,7 +304,7 @@ def _log_records(text: str, start: dt_time, end: dt_time) -> list[str]:
 
 def _dest(url: str) -> str:
     """The tag watch puts on the conversion runs it starts for destination `url`."""
-    from flows.watch import _dest_tag
+    from zerosafe_app.flows.watch import _dest_tag
 
     return _dest_tag(url)
 

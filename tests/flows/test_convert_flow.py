@@ -13,7 +13,7 @@ from tests.conftest import SAMPLE_CKPT
 from tests.flows.conftest import convert_json, journal, run_cli, work_dir
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
-from zerosafe.convert import convert_checkpoint
+from zerosafe.pipeline import convert_checkpoint
 
 SHARD_ARGS = ("--max-shard-size", "20KB", "--mode", "staged")  # every stage runs
 
@@ -40,7 +40,7 @@ def test_flow_matches_engine_and_names_its_tasks(prefect_server: None, tmp_path:
         FlowRunFilterId,
     )
 
-    from flows.convert import convert, job_slug
+    from zerosafe_app.flows.convert import convert, job_slug
 
     out = tmp_path / "flow"
     result = convert(
@@ -162,7 +162,7 @@ def test_rerun_of_a_complete_conversion_reads_no_checkpoint_byte(
 
 
 def test_job_config_from_yaml_with_overrides(tmp_path: Path) -> None:
-    from flows.config import load_job_config
+    from zerosafe_app.flows.config import load_job_config
 
     conf = tmp_path / "job.yaml"
     conf.write_text(
@@ -200,8 +200,8 @@ def test_job_config_from_yaml_with_overrides(tmp_path: Path) -> None:
 def test_job_config_refuses_bad_keys_by_name(
     tmp_path: Path, yaml_text: str, overrides: dict, match: str
 ) -> None:
-    from flows.config import load_job_config
     from zerosafe.errors import ConfigError
+    from zerosafe_app.flows.config import load_job_config
 
     conf = tmp_path / "job.yaml"
     conf.write_text(yaml_text)
@@ -210,8 +210,8 @@ def test_job_config_refuses_bad_keys_by_name(
 
 
 def test_example_conf_is_valid() -> None:
-    from flows.config import JobConfig, load_job_config
     from tests.conftest import REPO
+    from zerosafe_app.flows.config import JobConfig, load_job_config
 
     cfg = load_job_config(str(REPO / "conf" / "example.yaml"))
     documented = (REPO / "conf" / "example.yaml").read_text()

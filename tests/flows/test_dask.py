@@ -19,7 +19,7 @@ from tests.conftest import REPO, SAMPLE_CKPT
 from tests.flows.conftest import journal
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
-from zerosafe.convert import convert_checkpoint
+from zerosafe.pipeline import convert_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -84,8 +84,8 @@ def dask_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_flow_runs_its_tasks_on_two_dask_workers(dask_cluster: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     code = (
-        "import json; from flows.runtime import configure_embedded_prefect; configure_embedded_prefect();"
-        "from flows.convert import convert;"
+        "import json; from zerosafe_app.flows.runtime import configure_embedded_prefect; configure_embedded_prefect();"
+        "from zerosafe_app.flows.convert import convert;"
         f"print(json.dumps(convert(source={str(SAMPLE_CKPT)!r}, destination={str(out)!r}, runner='dask',"
         f" dask_address={dask_cluster!r}, max_shard_size='20KB', keep_work=True, mode='staged')))"
     )

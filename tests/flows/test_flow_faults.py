@@ -18,7 +18,7 @@ from tests.conftest import REPO
 from tests.flows.conftest import convert_json, journal, run_cli
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
-from zerosafe.convert import convert_checkpoint
+from zerosafe.pipeline import convert_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +125,7 @@ def _one_at_a_time(ckpt: Path, out: Path) -> tuple[str, ...]:
 
 def _start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "zerosafe.cli", "convert", "--json", *args],
+        [sys.executable, "-m", "zerosafe_app.cli", "convert", "--json", *args],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,  # its own process group: the embedded server dies with it
     )  # fmt: skip
@@ -281,7 +281,7 @@ def test_full_disk_names_the_path_and_the_same_command_then_completes(
 
 def test_no_space_mid_write_is_a_clear_error(small_tmpfs: Path) -> None:
     from zerosafe.errors import StorageError
-    from zerosafe.storage import Storage
+    from zerosafe.io.storage import Storage
 
     sink = Storage().open_sink(str(small_tmpfs / "big.bin"))
     with pytest.raises(StorageError, match=r"big\.bin: no space left on device .*free space there"):
@@ -296,7 +296,7 @@ def test_ctrl_c_stops_cleanly_and_the_same_command_resumes(
     out = tmp_path / "out"
     args = _one_at_a_time(medium_ckpt, out)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "zerosafe.cli", "convert", *args],
+        [sys.executable, "-m", "zerosafe_app.cli", "convert", *args],
         env=prefect_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
     work_root = out / ".zerosafe-work"

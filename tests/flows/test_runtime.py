@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.runtime import STATE_NAME, stop_local_server
 from tests.conftest import SAMPLE_CKPT
 from tests.flows.conftest import convert_json, run_cli
+from zerosafe_app.flows.runtime import STATE_NAME, stop_local_server
 
 pytestmark = pytest.mark.slow
 

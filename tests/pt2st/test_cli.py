@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from tests.pt2st.helpers import assert_same
-from zerosafe.cli import main
 from zerosafe.pt2st import load_pt_like
+from zerosafe_app.cli import main
 
 
 class Opaque:

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from tests.pt2st.helpers import CraftedStorage, Rebuild, craft_pt, write_torch_zip
-from zerosafe.cli import main
 from zerosafe.errors import CheckpointFormatError
 from zerosafe.pt2st import convert_pt, inspect_pt, load_pt_like
+from zerosafe_app.cli import main
 
 _FLOATS = CraftedStorage("0", torch.FloatStorage, 10, bytes(40))
 _LONGS = CraftedStorage("1", torch.LongStorage, 2, bytes(16))

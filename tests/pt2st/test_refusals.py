@@ -19,9 +19,9 @@ from zerosafe.errors import (
     UnsafePickleError,
     UnsupportedCheckpointError,
 )
+from zerosafe.formats.torch_zip import TorchZipFile
+from zerosafe.io.storage import Storage
 from zerosafe.pt2st import convert_pt, inspect_pt, list_pt_globals, load_pt_like
-from zerosafe.storage import Storage
-from zerosafe.torch_zip import TorchZipFile
 
 RAN: list[str] = []
 

@@ -11,8 +11,8 @@ import torch
 from tests.pt2st.helpers import assert_same
 from tests.s3.support import MotoServer, object_keys, s3_client
 from zerosafe.errors import ConfigError
+from zerosafe.io.storage import Storage
 from zerosafe.pt2st import convert_pt, load_pt, load_pt_like, verify_pt
-from zerosafe.storage import Storage
 
 
 def _checkpoint() -> dict[str, object]:
@@ -50,7 +50,7 @@ def test_s3_to_s3_and_lazy_load_back(moto: MotoServer, bucket: str, tmp_path: Pa
 
 @pytest.mark.slow
 def test_flow_local_then_rerun(prefect_server: None, tmp_path: Path) -> None:
-    from flows.pt2st import pt2st
+    from zerosafe_app.flows.pt2st import pt2st
 
     pt = tmp_path / "optim.pt"
     torch.save(_checkpoint(), pt)
@@ -67,7 +67,7 @@ def test_flow_local_then_rerun(prefect_server: None, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_flow_on_s3(prefect_server: None, moto: MotoServer, bucket: str, tmp_path: Path) -> None:
-    from flows.pt2st import pt2st
+    from zerosafe_app.flows.pt2st import pt2st
 
     pt = tmp_path / "model.pt"
     torch.save(_checkpoint(), pt)
@@ -80,14 +80,14 @@ def test_flow_on_s3(prefect_server: None, moto: MotoServer, bucket: str, tmp_pat
 
 
 def test_flow_refuses_secrets_as_parameters(tmp_path: Path) -> None:
-    from flows.pt2st import pt2st
+    from zerosafe_app.flows.pt2st import pt2st
 
     with pytest.raises(ConfigError, match="storage_options.secret"):
         pt2st.fn(source=str(tmp_path / "x.pt"), storage_options={"secret": "s3cr3t"})
 
 
 def test_cli_on_s3(moto: MotoServer, bucket: str, tmp_path: Path, capsys) -> None:
-    from zerosafe.cli import main
+    from zerosafe_app.cli import main
 
     pt = tmp_path / "model.pt"
     torch.save(_checkpoint(), pt)

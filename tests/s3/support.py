@@ -123,9 +123,9 @@ def run_zerosafe(
     check: bool = True,
     cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`python -m zerosafe.cli ARGS` in its own process group (killed whole when done)."""
+    """`python -m zerosafe_app.cli ARGS` in its own process group (killed whole when done)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "zerosafe.cli", *args],
+        [sys.executable, "-m", "zerosafe_app.cli", *args],
         env=env,
         cwd=cwd or REPO,
         stdout=subprocess.PIPE,

@@ -22,9 +22,9 @@ from tests.s3.support import (
     upload_folder,
 )
 from zerosafe.config import ConvertOptions
-from zerosafe.convert import convert_checkpoint
-from zerosafe.storage import Storage
-from zerosafe.zero_checkpoint import open_zero_checkpoint
+from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
+from zerosafe.io.storage import Storage
+from zerosafe.pipeline import convert_checkpoint
 
 
 @pytest.mark.parametrize("route", ["s3-s3", "s3-local", "local-s3"])
@@ -62,7 +62,7 @@ def test_conversion_is_bit_exact(
 
 def _needed_bytes(ckpt_url: str, storage: Storage) -> tuple[int, int, int]:
     """(fp32 masters + frozen + buffers, pickles, zip directories) of a checkpoint."""
-    from zerosafe.plan import build_plan
+    from zerosafe.plan.model import build_plan
 
     ckpt = open_zero_checkpoint(storage, ckpt_url)
     plan = build_plan(ckpt, ConvertOptions())
@@ -110,7 +110,7 @@ def test_bytes_read_from_s3_are_masters_pickles_and_directories(
 def test_verify_reads_s3_output_and_catches_corruption(
     moto: MotoServer, bucket: str, tmp_path: Path
 ) -> None:
-    from zerosafe.verify_output import verify_output
+    from zerosafe.verify.output import verify_output
 
     storage = Storage({"endpoint_url": moto.url})
     out = f"s3://{bucket}/out"
@@ -122,12 +122,12 @@ def test_verify_reads_s3_output_and_catches_corruption(
     env = {**os.environ, "PYTHONPATH": str(REPO), "AWS_ENDPOINT_URL": moto.url}
     upload_folder(moto.url, SAMPLE_CKPT, bucket, "ckpt")
     inspect = subprocess.run(
-        [sys.executable, "-m", "zerosafe.cli", "inspect", f"s3://{bucket}/ckpt", "--json"],
+        [sys.executable, "-m", "zerosafe_app.cli", "inspect", f"s3://{bucket}/ckpt", "--json"],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert inspect.returncode == 0, inspect.stderr
     assert '"world_size": 3' in inspect.stdout
-    cmd = [sys.executable, "-m", "zerosafe.cli", "verify", out]
+    cmd = [sys.executable, "-m", "zerosafe_app.cli", "verify", out]
     ok = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("OK")

@@ -29,8 +29,8 @@ from tests.s3.support import (
     s3_client,
     with_group,
 )
-from zerosafe.output import inspect_output
-from zerosafe.storage import Storage
+from zerosafe.io.storage import Storage
+from zerosafe.stages.output import inspect_output
 
 
 @pytest.mark.slow
@@ -91,7 +91,7 @@ def test_killed_run_leaves_nothing_done_and_resumes(
     # publish), so the kill lands in the middle of their upload.
     proxy.add(Fault("latency", "PUT", f"/{bucket}/out/.*/pending/model", times=1000))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "zerosafe.cli", "convert", sample_s3, out, *options],
+        [sys.executable, "-m", "zerosafe_app.cli", "convert", sample_s3, out, *options],
         env=env,
         cwd=REPO,
         stdout=subprocess.DEVNULL,
@@ -165,8 +165,8 @@ def test_transient_faults_are_retried_and_no_credential_leaks(
     from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
 
-    from flows.convert import convert
     from tasks import credentials
+    from zerosafe_app.flows.convert import convert
 
     # Credentials only in a Secret block: none in this process's environment.
     Secret(value={"aws_access_key_id": ACCESS_KEY, "aws_secret_access_key": SECRET_KEY}).save(

@@ -28,14 +28,14 @@ from tests.s3.support import (
     upload_folder,
 )
 from zerosafe.errors import CheckpointFormatError, ConfigError, StorageError
-from zerosafe.s3 import (
+from zerosafe.formats.torch_zip import TorchZipFile
+from zerosafe.io.s3 import (
     find_secret_options,
     fsspec_options,
     is_transient_error,
     parse_option_pairs,
 )
-from zerosafe.storage import Storage
-from zerosafe.torch_zip import TorchZipFile
+from zerosafe.io.storage import Storage
 
 KIB = 1024
 
@@ -143,7 +143,7 @@ def test_small_object_is_one_put_and_abort_leaves_nothing(
 
 _KILLED_WRITER = """
 import os, signal, sys
-from zerosafe.storage import Storage
+from zerosafe.io.storage import Storage
 storage = Storage({"endpoint_url": sys.argv[1], "part_size": 16384})
 sink = storage.open_sink(sys.argv[2])
 sink.write(os.urandom(3 * 16384 + 100))
@@ -156,7 +156,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_killed_upload_never_appears_and_clean_aborts_it(
     moto: MotoServer, bucket: str, tmp_path: Path
 ) -> None:
-    from zerosafe.clean import clean
+    from zerosafe.stages.clean import clean
 
     url = f"s3://{bucket}/out/model-00001-of-00002.safetensors"
     proc = subprocess.run(
@@ -200,7 +200,7 @@ def test_killed_upload_never_appears_and_clean_aborts_it(
 def test_clean_removes_abandoned_work_areas_and_keeps_live_ones(
     moto: MotoServer, bucket: str
 ) -> None:
-    from zerosafe.clean import clean
+    from zerosafe.stages.clean import clean
 
     storage = Storage({"endpoint_url": moto.url})
     base = f"s3://{bucket}/runs"
@@ -238,7 +238,7 @@ def test_clean_cli_dry_run_by_default(moto: MotoServer, bucket: str, tmp_path: P
     partial = out / ".model.safetensors.0a1b2c3d.partial"
     partial.write_bytes(b"x" * 10)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = [sys.executable, "-m", "zerosafe.cli", "clean", str(out), "--older-than", "0"]
+    run = [sys.executable, "-m", "zerosafe_app.cli", "clean", str(out), "--older-than", "0"]
     dry = subprocess.run(run, env=env, capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
     assert "would remove" in dry.stdout and "--apply" in dry.stdout
@@ -305,7 +305,7 @@ def test_endpoint_from_aws_endpoint_url(
 
 
 def test_options_refuse_secrets_and_translate() -> None:
-    from flows.config import load_job_config
+    from zerosafe_app.flows.config import load_job_config
 
     assert parse_option_pairs(
         ["endpoint_url=http://h:1", "anon=true", "config_kwargs.read_timeout=5", "part_size=8MiB"]

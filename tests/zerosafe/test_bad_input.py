@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerosafe.cli import main
 from zerosafe.config import ConvertOptions
-from zerosafe.convert import convert_checkpoint
 from zerosafe.errors import (
     CheckpointFormatError,
     IntegrityError,
@@ -22,6 +20,8 @@ from zerosafe.errors import (
     UnsafePickleError,
     UnsupportedCheckpointError,
 )
+from zerosafe.pipeline import convert_checkpoint
+from zerosafe_app.cli import main
 
 TAG = "global_step2"
 
@@ -83,8 +83,8 @@ def test_truncated_file(sample_ckpt: Path, tmp_path: Path, capsys) -> None:
 def test_flipped_bit_in_fp32_data_fails_the_crc(
     sample_ckpt: Path, tmp_path: Path, direct: bool
 ) -> None:
-    from zerosafe.storage import Storage
-    from zerosafe.torch_zip import TorchZipFile
+    from zerosafe.formats.torch_zip import TorchZipFile
+    from zerosafe.io.storage import Storage
 
     path = _optim(sample_ckpt, 1)
     zf = TorchZipFile(Storage().open_source(str(path)))
@@ -259,7 +259,7 @@ def test_layout_mismatch_is_named(sample_ckpt: Path, tmp_path: Path) -> None:
 def test_cli_error_is_one_line_for_subprocess(sample_ckpt: Path, tmp_path: Path) -> None:
     _optim(sample_ckpt, 0).unlink()
     proc = subprocess.run(
-        [sys.executable, "-m", "zerosafe.cli", "convert", "--no-flow", str(sample_ckpt), str(tmp_path / "o")],
+        [sys.executable, "-m", "zerosafe_app.cli", "convert", "--no-flow", str(sample_ckpt), str(tmp_path / "o")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2

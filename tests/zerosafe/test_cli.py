@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.conftest import SAMPLE_CKPT
 from zerosafe import __version__
-from zerosafe.cli import main
+from zerosafe_app.cli import main
 
 
 def test_version(capsys) -> None:
@@ -59,7 +59,7 @@ def test_inspect_json(capsys) -> None:
 def test_convert_then_verify_from_a_subprocess(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "zerosafe.cli", "convert", "--no-flow", str(SAMPLE_CKPT), str(out), "--max-shard-size", "20KB"],
+        [sys.executable, "-m", "zerosafe_app.cli", "convert", "--no-flow", str(SAMPLE_CKPT), str(out), "--max-shard-size", "20KB"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -68,7 +68,7 @@ def test_convert_then_verify_from_a_subprocess(tmp_path: Path) -> None:
         out / "zerosafe-complete.json"
     ).exists()
     proc = subprocess.run(
-        [sys.executable, "-m", "zerosafe.cli", "verify", str(out), "--against", str(SAMPLE_CKPT)],
+        [sys.executable, "-m", "zerosafe_app.cli", "verify", str(out), "--against", str(SAMPLE_CKPT)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SAMPLE_CKPT
-from zerosafe.cli import main
+from zerosafe_app.cli import main
 
 SIM = str(Path(__file__).parents[2] / "conf" / "simulate-80b.yaml")
 CKPT = str(SAMPLE_CKPT)

@@ -9,7 +9,7 @@ import zlib
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zerosafe.crc import CrcLedger, crc32_combine, crc32_zeros
+from zerosafe.formats.crc import CrcLedger, crc32_combine, crc32_zeros
 
 
 @given(st.binary(max_size=300), st.binary(max_size=3000))

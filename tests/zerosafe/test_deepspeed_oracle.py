@@ -27,8 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from zerosafe.config import ConvertOptions
-from zerosafe.convert import convert_checkpoint
-from zerosafe.verify_output import verify_output
+from zerosafe.pipeline import convert_checkpoint
+from zerosafe.verify.output import verify_output
 
 try:
     from tests.deepspeed_gen import SPECS, deepspeed_fp32_state_dict, spec_key, train_checkpoint

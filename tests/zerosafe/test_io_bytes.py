@@ -8,10 +8,10 @@ import pytest
 
 from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
-from zerosafe.convert import convert_checkpoint
-from zerosafe.plan import build_plan
-from zerosafe.storage import Storage
-from zerosafe.zero_checkpoint import open_zero_checkpoint
+from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
+from zerosafe.io.storage import Storage
+from zerosafe.pipeline import convert_checkpoint
+from zerosafe.plan.model import build_plan
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])

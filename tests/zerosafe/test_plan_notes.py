@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tests.conftest import SAMPLE_CKPT
-from zerosafe.cli import main
+from zerosafe_app.cli import main
 
 
 def _inspect(capsys, *argv: str) -> dict:

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from zerosafe.safetensors_writer import HeaderEntry, SafetensorsStreamWriter, build_header
-from zerosafe.storage import Storage
+from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, build_header
+from zerosafe.io.storage import Storage
 
 EDGE_TENSORS = {
     "f32": torch.randn(3, 4),

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tests.conftest import SHARED_FIXTURES, shared_fixture_names
 from tests.helpers import load_output, same_bytes, upcast
 from zerosafe.config import ConvertOptions
-from zerosafe.convert import convert_checkpoint
+from zerosafe.pipeline import convert_checkpoint
 
 NAMES = shared_fixture_names()
 pytestmark = pytest.mark.skipif(not NAMES, reason=f"{SHARED_FIXTURES} not present")
@@ -144,7 +144,7 @@ def test_deepspeeds_own_output_passes_verify_against(name: str) -> None:
     Where DeepSpeed drops frozen params (ZeRO-1), coverage names them: that is the check
     doing its job, and the only failure allowed.
     """
-    from zerosafe.verify_output import verify_output
+    from zerosafe.verify.output import verify_output
 
     report = verify_output(
         str(SHARED_FIXTURES / name / "golden" / "converter_fp32"),

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zerosafe.crc import CrcLedger
-from zerosafe.safetensors_writer import HeaderEntry, SafetensorsStreamWriter
-from zerosafe.storage import Storage
-from zerosafe.streaming import CopyJob, copy_stream
+from zerosafe.formats.crc import CrcLedger
+from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter
+from zerosafe.io.storage import Storage
+from zerosafe.stages.streaming import CopyJob, copy_stream
 
 
 def _special_fp32(n: int) -> torch.Tensor:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from zerosafe.errors import CheckpointFormatError, IntegrityError, UnsafePickleError
-from zerosafe.storage import IOCounter, Storage
-from zerosafe.torch_zip import InertObject, TensorRecord, TorchZipFile
+from zerosafe.formats.torch_zip import InertObject, TensorRecord, TorchZipFile
+from zerosafe.io.storage import IOCounter, Storage
 
 
 def _open(path: Path, counter: IOCounter | None = None) -> TorchZipFile:

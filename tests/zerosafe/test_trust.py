@@ -22,13 +22,13 @@ import pytest
 
 from tests.conftest import REPO, SHARED_FIXTURES
 from tests.helpers import load_output, same_bytes
-from zerosafe.cli import main
 from zerosafe.config import ConvertOptions
-from zerosafe.convert import convert_checkpoint
 from zerosafe.errors import IntegrityError, LayoutMismatchError
-from zerosafe.lease import LeaseHeldError
-from zerosafe.storage import Storage
-from zerosafe.torch_zip import TorchZipFile
+from zerosafe.formats.torch_zip import TorchZipFile
+from zerosafe.io.lease import LeaseHeldError
+from zerosafe.io.storage import Storage
+from zerosafe.pipeline import convert_checkpoint
+from zerosafe_app.cli import main
 
 TAG = "global_step2"
 TWO_TAGS = SHARED_FIXTURES / "z3-bf16-ws3-tied-frozen-2tags-subgroups" / "checkpoint"
@@ -110,7 +110,7 @@ def test_zero2_model_states_from_another_step_are_refused(
 
 def test_the_files_of_one_save_agree(sample_ckpt: Path, tmp_path: Path) -> None:
     """Every shared fixture and the sample are one save each: the cross-check passes."""
-    from zerosafe.zero_checkpoint import open_zero_checkpoint
+    from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
 
     roots = [sample_ckpt] + sorted(p / "checkpoint" for p in SHARED_FIXTURES.glob("*"))
     for root in roots:
@@ -127,8 +127,8 @@ def _holding_output(out: Path) -> Iterator[subprocess.Popen[str]]:
     code = textwrap.dedent(
         f"""
         import sys, time
-        from zerosafe.lease import destination_lease
-        from zerosafe.storage import Storage
+        from zerosafe.io.lease import destination_lease
+        from zerosafe.io.storage import Storage
         with destination_lease(Storage(), {str(out)!r}, job="ckpt -> out (fp32)"):
             print("held", flush=True)
             time.sleep(120)
@@ -385,7 +385,7 @@ def test_bad_input_is_refused_before_prefect_starts(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import sys
-        from zerosafe.cli import main
+        from zerosafe_app.cli import main
         codes = [main(["convert", {str(empty)!r}, {str(tmp_path / "out")!r}]),
                  main(["convert", {str(REPO / "examples" / "zero3-bf16-ws3")!r}, {str(a_file)!r}])]
         print(codes, "prefect" in sys.modules)
@@ -410,7 +410,7 @@ def test_manifest_files_record_their_published_identity(sample_ckpt: Path, tmp_p
 def test_clean_keeps_what_a_live_output_lease_covers_and_finds_pending_shards(
     tmp_path: Path,
 ) -> None:
-    from zerosafe.clean import clean
+    from zerosafe.stages.clean import clean
 
     out = tmp_path / "out"
     pending = out / ".zerosafe-work" / "0123456789abcdef" / "pending"

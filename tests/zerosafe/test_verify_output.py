@@ -25,9 +25,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from zerosafe.config import ConvertOptions
-from zerosafe.convert import convert_checkpoint
 from zerosafe.errors import CheckpointFormatError
-from zerosafe.verify_output import verify_output
+from zerosafe.pipeline import convert_checkpoint
+from zerosafe.verify.output import verify_output
 
 REPO = Path(__file__).resolve().parents[2]
 CKPT = REPO / "examples" / "zero3-bf16-ws3"
@@ -176,7 +176,7 @@ def checks(report: dict[str, Any]) -> set[tuple[str, str, str]]:
 
 def zerosafe_cli(*args: str) -> subprocess.CompletedProcess[str]:
     script = Path(sys.executable).with_name("zerosafe")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "zerosafe.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "zerosafe_app.cli"]
     return subprocess.run(
         [*cmd, *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=60
     )

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerosafe.errors import LayoutMismatchError
-from zerosafe.zero_layout import (
+from zerosafe.formats.deepspeed.layout import (
     split_by_segments,
     zero3_partition_numel,
     zero3_pieces,

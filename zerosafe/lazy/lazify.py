@@ -16,10 +16,10 @@ from typing import Any
 
 from zerosafe.config import DEFAULT_MEMORY_BYTES, ConvertOptions
 from zerosafe.errors import CheckpointFormatError, VerificationError
+from zerosafe.formats.deepspeed.checkpoint import find_tag_dir
+from zerosafe.io.storage import Storage
 from zerosafe.lazy.siblings import list_pt_files, sibling_state
 from zerosafe.pt2st.convert import convert_pt, verify_pt
-from zerosafe.storage import Storage
-from zerosafe.zero_checkpoint import find_tag_dir
 
 __all__ = ["file_memory_bytes", "lazify_checkpoint", "lazify_file"]
 

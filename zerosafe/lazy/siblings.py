@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from zerosafe.errors import CheckpointFormatError
+from zerosafe.formats.safetensors import read_header
+from zerosafe.io.storage import Storage, join_url
 from zerosafe.pt2st.convert import (
     FORMAT_VERSION,
     META_SOURCE_BYTES,
     META_SOURCE_VERSION,
     META_VERSION,
 )
-from zerosafe.safetensors_writer import read_header
-from zerosafe.storage import Storage, join_url
 
 __all__ = ["SIBLING_SUFFIX", "SiblingState", "list_pt_files", "sibling_path_for", "sibling_state"]
 

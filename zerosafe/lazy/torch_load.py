@@ -32,9 +32,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from zerosafe.io.storage import Storage
 from zerosafe.lazy.siblings import sibling_state
 from zerosafe.pt2st.load import load_pt_like
-from zerosafe.storage import Storage
 
 if TYPE_CHECKING:
     import torch

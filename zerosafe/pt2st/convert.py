@@ -2,8 +2,8 @@
 file, streaming, with the structure in the metadata; and check such a file.
 
 The input is read with the same lazy, code-free reader as the ZeRO path
-(`zerosafe.torch_zip`): only the pickle is parsed, and each storage's bytes are copied in
-chunks by the bounded-memory pipeline (`zerosafe.streaming.copy_stream`), so memory stays
+(`zerosafe.formats.torch_zip`): only the pickle is parsed, and each storage's bytes are copied in
+chunks by the bounded-memory pipeline (`zerosafe.stages.streaming.copy_stream`), so memory stays
 within the budget whatever the size of the file or of its largest tensor.
 
 On-disk layout (format version 1; safetensors: https://github.com/huggingface/safetensors):
@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerosafe.config import DEFAULT_MEMORY_BYTES, ConvertOptions
-from zerosafe.crc import CrcLedger
 from zerosafe.dtypes import DTYPES, dtype_info, from_safetensors_code
 from zerosafe.errors import (
     CheckpointFormatError,
@@ -52,6 +51,15 @@ from zerosafe.errors import (
     UnsupportedCheckpointError,
     VerificationError,
 )
+from zerosafe.formats.crc import CrcLedger
+from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, read_header
+from zerosafe.formats.torch_zip import (
+    ALLOWED_GLOBALS,
+    TensorRecord,
+    TorchZipFile,
+    contiguous_stride,
+)
+from zerosafe.io.storage import ByteSource, Storage, is_local, local_path
 from zerosafe.pt2st.tree import (
     TensorSite,
     decode_tree,
@@ -60,10 +68,7 @@ from zerosafe.pt2st.tree import (
     entry_name,
     format_path,
 )
-from zerosafe.safetensors_writer import HeaderEntry, SafetensorsStreamWriter, read_header
-from zerosafe.storage import ByteSource, Storage, is_local, local_path
-from zerosafe.streaming import CopyJob, copy_stream
-from zerosafe.torch_zip import ALLOWED_GLOBALS, TensorRecord, TorchZipFile, contiguous_stride
+from zerosafe.stages.streaming import CopyJob, copy_stream
 
 __all__ = [
     "FORMAT_VERSION",
@@ -243,7 +248,7 @@ def load_pt_records(zf: TorchZipFile) -> Any:
             f"{zf.url}: the pickle names globals outside zerosafe's allowlist: {names}. Nothing "
             "was loaded (loading them could run code). `zerosafe pt2st --list-globals` lists "
             "every global the file names; if these are harmless, report them so they can be "
-            "added to ALLOWED_GLOBALS in zerosafe/torch_zip.py, or save only the state dict."
+            "added to ALLOWED_GLOBALS in zerosafe/formats/torch_zip.py, or save only the state dict."
         ) from e
 
 
@@ -506,7 +511,7 @@ def convert_pt(
         UnsupportedCheckpointError: For a value or dtype the format cannot hold.
         IntegrityError: If a storage's bytes fail the zip CRC32.
     """
-    from zerosafe.convert import peak_rss_bytes
+    from zerosafe.pipeline import peak_rss_bytes
 
     storage = storage or Storage()
     chunk_bytes = _chunk_bytes(memory_bytes)

@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from zerosafe.dtypes import dtype_info, from_safetensors_code, torch_dtype
 from zerosafe.errors import CheckpointFormatError
+from zerosafe.formats.safetensors import read_header
+from zerosafe.formats.torch_zip import contiguous_stride
+from zerosafe.io.storage import ByteSource, Storage, is_local, local_path
 from zerosafe.pt2st.convert import (
     FORMAT_VERSION,
     META_SOURCE_BYTES,
@@ -30,9 +33,6 @@ from zerosafe.pt2st.convert import (
     view_end_bytes,
 )
 from zerosafe.pt2st.tree import decode_tree
-from zerosafe.safetensors_writer import read_header
-from zerosafe.storage import ByteSource, Storage, is_local, local_path
-from zerosafe.torch_zip import contiguous_stride
 
 if TYPE_CHECKING:
     import torch

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from zerosafe.errors import CheckpointFormatError, UnsupportedCheckpointError
-from zerosafe.torch_zip import DTypeToken, InertObject, TensorRecord, TorchDevice, TorchSize
+from zerosafe.formats.torch_zip import DTypeToken, InertObject, TensorRecord, TorchDevice, TorchSize
 
 __all__ = [
     "REBUILT_CLASSES",

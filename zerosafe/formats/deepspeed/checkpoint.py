@@ -1,0 +1,704 @@
+"""Find and read the metadata of one DeepSpeed ZeRO checkpoint tag (pickles only, no weights).
+
+Folder layout (DeepSpeed `runtime/engine.py`, `save_checkpoint`): `CKPT_DIR/latest` holds the
+tag; `CKPT_DIR/<tag>/` holds, per data-parallel rank r, `[bf16_]zero_pp_rank_{r}_mp_rank_00_
+optim_states.pt`, plus `mp_rank_00_model_states.pt` (ZeRO-1/2) or one
+`zero_pp_rank_{r}_mp_rank_00_model_states.pt` per rank (ZeRO-3). The keys each file holds are
+described in DESIGN.md ("DeepSpeed checkpoint format"); this module checks them, refuses what
+it does not support by name, and returns a `ZeroCheckpoint` the planner turns into a plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from zerosafe.errors import (
+    CheckpointFormatError,
+    LayoutMismatchError,
+    UnsupportedCheckpointError,
+)
+from zerosafe.formats.deepspeed.save_identity import check_one_save
+from zerosafe.formats.torch_zip import InertObject, TensorRecord, TorchZipFile
+from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
+
+__all__ = [
+    "TESTED_DEEPSPEED_VERSIONS",
+    "quick_identities",
+    "FrozenParam",
+    "LoadedFile",
+    "ZeroCheckpoint",
+    "find_tag_dir",
+    "open_zero_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+TESTED_DEEPSPEED_VERSIONS = ("0.19.",)
+"""Version prefixes of DeepSpeed whose checkpoints the test-suite converts."""
+
+_OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+_PIPELINE_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
+_MOE_RE = re.compile(r"(^expp_rank_\d+|expert_\d+)")
+
+
+@dataclass(kw_only=True)
+class LoadedFile:
+    """One checkpoint file: its identity, zip directory and unpickled (lazy) contents."""
+
+    url: str
+    role: str
+    """`optim` or `model`."""
+    rank: int
+    identity: FileIdentity
+    zip: TorchZipFile
+    obj: dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FrozenParam:
+    """A parameter without fp32 master weights, saved in the training dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    source: str
+    """`fragments` (ZeRO-2/3 `frozen_param_fragments`) or `module` (the 16-bit module copy)."""
+    pieces: tuple[tuple[int, TensorRecord], ...]
+    """`(rank, tensor)` in rank order; concatenated and cut to `numel` they give the param."""
+
+
+@dataclass(kw_only=True)
+class ZeroCheckpoint:
+    """Everything the planner needs about one tag of a ZeRO checkpoint."""
+
+    ckpt_url: str
+    tag: str
+    tag_url: str
+    stage: int
+    optimizer_kind: str
+    """`zero` (DeepSpeed's ZeRO optimizer) or `bf16_optimizer` (`BF16_Optimizer`, ZeRO-1)."""
+    world_size: int
+    train_dtype: str
+    ds_version: str | None
+    optim_files: list[LoadedFile]
+    model_files: list[LoadedFile]
+    param_groups: list[list[tuple[str, tuple[int, ...]]]]
+    """Per flat group (ZeRO-3: per sub-group), the params in flat order with their shapes."""
+    fp32_partitions: list[list[TensorRecord]]
+    """Per rank, per flat group, the saved fp32 partition."""
+    alignment_paddings: list[list[int]]
+    """ZeRO-1/2: per group, padding after each param."""
+    partition_numels: list[int]
+    """ZeRO-1/2: per group, elements per rank partition."""
+    frozen: list[FrozenParam]
+    buffers: list[tuple[str, TensorRecord]]
+    shared: dict[str, str]
+    """Tied aliases: alias name -> the name of the tensor it shares memory with."""
+    module_order: list[str]
+    notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def files(self) -> list[LoadedFile]:
+        return [*self.optim_files, *self.model_files]
+
+    @property
+    def param_names(self) -> list[str]:
+        return [name for group in self.param_groups for name, _ in group]
+
+
+def _file_not_folder(url: str) -> str:
+    """The error for a file given where a checkpoint folder is expected, with the fix."""
+    folder, _, name = url.rpartition("/")
+    if name.endswith(("_optim_states.pt", "_model_states.pt")):
+        fix = f"give its tag folder '{folder or '.'}' (or the folder above, holding `latest`)"
+    else:
+        fix = f"to convert one torch.save file, use `zerosafe pt2st {url}`"
+    return (
+        f"{url}: is a file; expected a DeepSpeed checkpoint folder (holding `latest`) or a tag "
+        f"folder (holding *_optim_states.pt); {fix}"
+    )
+
+
+def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str, str]:
+    """Resolve `CKPT_DIR [--tag T]` to `(tag, tag folder URL)`.
+
+    `ckpt_url` is the folder holding `latest`, or a tag folder itself.
+
+    Raises:
+        CheckpointFormatError: If no tag can be found, with what the folder does hold.
+    """
+    ckpt_url = normalize_url(ckpt_url)
+    if not storage.isdir(ckpt_url):
+        if storage.exists(ckpt_url):
+            raise CheckpointFormatError(_file_not_folder(ckpt_url))
+        raise CheckpointFormatError(f"{ckpt_url}: no such checkpoint folder")
+    names = storage.listdir(ckpt_url)
+    if tag is not None:
+        _check_tag_name(ckpt_url, tag, "`--tag`")
+        tag_url = join_url(ckpt_url, tag)
+        if not storage.isdir(tag_url):
+            tags = [n for n in names if storage.isdir(join_url(ckpt_url, n))]
+            raise CheckpointFormatError(
+                f"{tag_url}: tag '{tag}' not found in {ckpt_url}; tags there: {tags or 'none'}"
+            )
+        return tag, tag_url
+    if any(n.endswith("_model_states.pt") for n in names):
+        return ckpt_url.rstrip("/").rsplit("/", 1)[-1], ckpt_url
+    if "latest" in names:
+        tag = _tag_from_latest(storage, ckpt_url)
+        tag_url = join_url(ckpt_url, tag)
+        if not storage.isdir(tag_url):
+            raise CheckpointFormatError(
+                f"{ckpt_url}/latest names tag '{tag}' but {tag_url} does not exist; is training "
+                "still saving it? Pass --tag to convert another tag."
+            )
+        return tag, tag_url
+    subdirs = [n for n in names if storage.isdir(join_url(ckpt_url, n))]
+    raise CheckpointFormatError(
+        f"{ckpt_url}: no 'latest' file and no '*_model_states.pt' here, so this is not a "
+        f"DeepSpeed checkpoint folder or tag folder. Folders inside: {subdirs or 'none'}; "
+        "pass the folder that holds 'latest', or --tag TAG."
+    )
+
+
+def _check_tag_name(ckpt_url: str, tag: str, where: str) -> None:
+    """A tag names one folder inside the checkpoint folder, nothing else."""
+    if (
+        not tag
+        or tag in (".", "..")
+        or "/" in tag
+        or "\\" in tag
+        or "\0" in tag
+        or "://" in tag
+        or tag != tag.strip()
+    ):
+        raise CheckpointFormatError(
+            f"{ckpt_url}: {where} names tag {tag!r}, which is not a folder name inside the "
+            "checkpoint folder (a tag is one folder name, e.g. 'global_step1000'). Fix "
+            "'latest', or pass --tag with the tag folder to convert."
+        )
+
+
+def _tag_from_latest(storage: Storage, ckpt_url: str) -> str:
+    url = join_url(ckpt_url, "latest")
+    raw = storage.read_bytes(url)
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        tag = repr(raw[:40])
+    if not tag or len(raw) > 4096:
+        raise CheckpointFormatError(
+            f"{url}: expected the name of the tag to convert (e.g. 'global_step1000'), found "
+            f"{'an empty file' if not tag else f'{len(raw)} bytes'}. Is training still saving? "
+            "Pass --tag TAG to convert a tag folder that is complete."
+        )
+    _check_tag_name(ckpt_url, tag, "'latest'")
+    return tag
+
+
+def _scan_files(storage: Storage, tag_url: str) -> tuple[dict[int, str], dict[int, str], list[str]]:
+    """Classify the tag folder's files: optim files and model files by rank, and refuse
+    layouts that are not plain data parallelism."""
+    names = storage.listdir(tag_url)
+    optim: dict[int, str] = {}
+    model: dict[int, str] = {}
+    z3_model: dict[int, str] = {}
+    if "zero" in names or any(n.startswith("latest_universal") for n in names):
+        raise UnsupportedCheckpointError(
+            f"{tag_url}: this is a DeepSpeed universal checkpoint (a 'zero/' folder); "
+            "universal checkpoints are not supported yet. Convert the original ZeRO checkpoint."
+        )
+    for name in names:
+        if _PIPELINE_RE.match(name):
+            raise UnsupportedCheckpointError(
+                f"{tag_url}/{name}: pipeline-parallel layer files are not supported yet; "
+                "zerosafe converts data-parallel ZeRO checkpoints (mp_rank_00 only)."
+            )
+        if _MOE_RE.search(name) and name.endswith(".pt"):
+            raise UnsupportedCheckpointError(
+                f"{tag_url}/{name}: MoE expert files are not supported yet."
+            )
+        match = _OPTIM_RE.match(name) or _Z3_MODEL_RE.match(name)
+        mp_rank = None
+        if match:
+            mp_rank = int(match.groups()[-1])
+        elif m := _MODEL_RE.match(name):
+            mp_rank = int(m.group(1))
+        if mp_rank is not None and mp_rank != 0:
+            raise UnsupportedCheckpointError(
+                f"{tag_url}/{name}: tensor-parallel checkpoints (mp_rank_{mp_rank:02d}) are not "
+                "supported yet; zerosafe converts checkpoints with model parallel size 1."
+            )
+        if m := _OPTIM_RE.match(name):
+            rank = int(m.group(2))
+            if rank in optim:
+                raise CheckpointFormatError(
+                    f"{tag_url}: two optimizer files for rank {rank}: '{optim[rank].rsplit('/', 1)[-1]}' "
+                    f"and '{name}'; files from two runs (bf16 and not) are mixed. Remove the "
+                    "stale one."
+                )
+            optim[rank] = join_url(tag_url, name)
+        elif m := _Z3_MODEL_RE.match(name):
+            z3_model[int(m.group(1))] = join_url(tag_url, name)
+        elif _MODEL_RE.match(name):
+            model[0] = join_url(tag_url, name)
+    if not optim:
+        raise CheckpointFormatError(
+            f"{tag_url}: no '*_optim_states.pt' files; the fp32 master weights of a ZeRO "
+            "checkpoint live there. Was the checkpoint saved without optimizer states, or is "
+            "the copy incomplete?"
+        )
+    if not model and not z3_model:
+        raise CheckpointFormatError(
+            f"{tag_url}: no '*_model_states.pt' file; it holds the parameter shapes. The copy "
+            "is incomplete: copy the whole tag folder."
+        )
+    return optim, z3_model or model, names
+
+
+def quick_identities(
+    storage: Storage, ckpt_url: str, tag: str | None
+) -> tuple[str, list[dict[str, Any]]]:
+    """`(tag, identities)` of the files a conversion reads, from listings and stats only.
+
+    The same files, in the same order, as `ZeroCheckpoint.files` for a valid checkpoint, so a
+    job key computed from them matches a finished conversion's without opening any file.
+    """
+    tag, tag_url = find_tag_dir(storage, ckpt_url, tag)
+    optim, model, _ = _scan_files(storage, tag_url)
+    urls = [optim[r] for r in sorted(optim)] + [model[r] for r in sorted(model)]
+    return tag, [storage.identity(u).as_dict() for u in urls]
+
+
+def _load(storage: Storage, url: str, role: str, rank: int) -> LoadedFile:
+    identity = storage.identity(url)
+    source = storage.open_source(url)
+    zf = TorchZipFile(source)
+    obj = zf.load()
+    if not isinstance(obj, dict):
+        raise CheckpointFormatError(
+            f"{url}: expected a dict at the top of the pickle, got {type(obj).__name__}"
+        )
+    return LoadedFile(url=url, role=role, rank=rank, identity=identity, zip=zf, obj=obj)
+
+
+def _stage_of(osd: Mapping[str, Any], url: str) -> tuple[int, str]:
+    raw = osd.get("zero_stage")
+    if raw is None:
+        if "single_partition_of_fp32_groups" in osd:
+            return 1, "bf16_optimizer"
+        raise CheckpointFormatError(
+            f"{url}: not a ZeRO checkpoint: 'optimizer_state_dict' has no 'zero_stage' and no "
+            f"fp32 partitions (keys: {sorted(osd)})"
+        )
+    stage = raw.value if isinstance(raw, InertObject) else raw
+    if stage not in (1, 2, 3):
+        raise UnsupportedCheckpointError(
+            f"{url}: ZeRO stage {stage!r} is not supported (stages 1, 2 and 3 are). Stage 0 "
+            "checkpoints hold no partitioned fp32 weights; load them with DeepSpeed instead."
+        )
+    return int(stage), "zero"
+
+
+def _as_int_world_size(partition_count: Any, url: str) -> int:
+    if isinstance(partition_count, int):
+        return partition_count
+    if isinstance(partition_count, (list, tuple)) and partition_count:
+        counts = set(partition_count)
+        if len(counts) != 1:
+            raise UnsupportedCheckpointError(
+                f"{url}: param groups are partitioned over different world sizes "
+                f"({list(partition_count)}); MoE or expert-parallel groups are not supported yet."
+            )
+        return int(partition_count[0])
+    raise CheckpointFormatError(f"{url}: unreadable 'partition_count' {partition_count!r}")
+
+
+def _train_dtype(model: Mapping[str, Any], param_names: list[str]) -> str:
+    module = model.get("module")
+    if isinstance(module, Mapping):
+        for name in param_names:
+            t = module.get(name)
+            if isinstance(t, TensorRecord):
+                return t.dtype
+    cfg = model.get("ds_config") or {}
+    if isinstance(cfg, Mapping):
+        for key, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
+            section = cfg.get(key)
+            if isinstance(section, Mapping) and section.get("enabled"):
+                return dtype
+    return "float32"
+
+
+def _shapes(groups: Any, url: str) -> list[list[tuple[str, tuple[int, ...]]]]:
+    if not isinstance(groups, (list, tuple)) or not groups:
+        raise CheckpointFormatError(f"{url}: 'param_shapes' is missing or empty")
+    out = []
+    for group in groups:
+        if not isinstance(group, Mapping):
+            raise CheckpointFormatError(f"{url}: 'param_shapes' entries must be dicts")
+        out.append([(str(k), tuple(int(s) for s in v)) for k, v in group.items()])
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def open_zero_checkpoint(
+    storage: Storage, ckpt_url: str, *, tag: str | None = None, max_workers: int = 8
+) -> ZeroCheckpoint:
+    """Read and check the metadata of one ZeRO checkpoint tag. Reads pickles only.
+
+    Args:
+        storage: Where the checkpoint lives.
+        ckpt_url: The folder holding `latest`, or a tag folder.
+        tag: The tag to read; by default the one `latest` names.
+        max_workers: Files read at once (the pickles of all ranks).
+
+    Raises:
+        CheckpointFormatError: Missing, truncated or foreign files.
+        UnsupportedCheckpointError: Layouts zerosafe does not convert yet.
+        LayoutMismatchError: Ranks or sizes that disagree.
+    """
+    ckpt_url = normalize_url(ckpt_url)
+    tag, tag_url = find_tag_dir(storage, ckpt_url, tag)
+    optim_urls, model_urls, _ = _scan_files(storage, tag_url)
+
+    with ThreadPoolExecutor(max_workers=max_workers) as pool:
+        model_futures = {
+            r: pool.submit(_load, storage, u, "model", r) for r, u in model_urls.items()
+        }
+        optim_futures = {
+            r: pool.submit(_load, storage, u, "optim", r) for r, u in optim_urls.items()
+        }
+        model_by_rank = {r: f.result() for r, f in sorted(model_futures.items())}
+        optim_by_rank = {r: f.result() for r, f in sorted(optim_futures.items())}
+
+    first_optim = optim_by_rank[min(optim_by_rank)]
+    osd0 = first_optim.obj.get("optimizer_state_dict")
+    if not isinstance(osd0, Mapping):
+        raise CheckpointFormatError(
+            f"{first_optim.url}: no 'optimizer_state_dict'; not a DeepSpeed optimizer file"
+        )
+    stage, optimizer_kind = _stage_of(osd0, first_optim.url)
+    world_size = _as_int_world_size(osd0.get("partition_count"), first_optim.url)
+
+    if (
+        stage == 3
+        and len(model_by_rank) == 1
+        and 0 in model_urls
+        and model_urls[0].endswith("/mp_rank_00_model_states.pt")
+    ):
+        raise CheckpointFormatError(
+            f"{tag_url}: ZeRO-3 optimizer files but a ZeRO-1/2 'mp_rank_00_model_states.pt'; "
+            "files from different runs are mixed"
+        )
+    model0 = model_by_rank.get(0)
+    if model0 is None:
+        raise CheckpointFormatError(
+            f"{tag_url}: rank 0's model states file is missing "
+            f"({'zero_pp_rank_0_mp_rank_00_model_states.pt' if stage == 3 else 'mp_rank_00_model_states.pt'}); "
+            "copy the whole tag folder."
+        )
+    dp_world_size = model0.obj.get("dp_world_size")
+    mp_world_size = model0.obj.get("mp_world_size")
+    if isinstance(mp_world_size, int) and mp_world_size > 1:
+        raise UnsupportedCheckpointError(
+            f"{model0.url}: mp_world_size={mp_world_size}; tensor-parallel checkpoints are not "
+            "supported yet"
+        )
+    if isinstance(dp_world_size, int) and dp_world_size != world_size:
+        raise LayoutMismatchError(
+            f"{model0.url}: dp_world_size={dp_world_size} but {first_optim.url} was partitioned "
+            f"over {world_size} ranks; files from runs with different world sizes are mixed. "
+            "Use one run's complete tag folder."
+        )
+
+    _check_ranks(tag_url, "optimizer", optim_by_rank, world_size, stage)
+    if stage == 3:
+        _check_ranks(tag_url, "model states", model_by_rank, world_size, stage)
+
+    optim_files = [optim_by_rank[r] for r in range(world_size)]
+    model_files = [model_by_rank[r] for r in sorted(model_by_rank)]
+    check_one_save(tag_url, optim_files, model_files)
+
+    for f in optim_files:
+        osd = f.obj.get("optimizer_state_dict")
+        if not isinstance(osd, Mapping):
+            raise CheckpointFormatError(f"{f.url}: no 'optimizer_state_dict'")
+        f_stage, f_kind = _stage_of(osd, f.url)
+        if (f_stage, f_kind) != (stage, optimizer_kind):
+            raise LayoutMismatchError(
+                f"{f.url}: ZeRO stage {f_stage} ({f_kind}) but {first_optim.url} says stage "
+                f"{stage} ({optimizer_kind}); files from different runs are mixed"
+            )
+        f_ws = _as_int_world_size(osd.get("partition_count"), f.url)
+        if f_ws != world_size:
+            raise LayoutMismatchError(
+                f"{f.url}: partitioned over {f_ws} ranks, but {first_optim.url} over "
+                f"{world_size}; files from runs with different world sizes are mixed. Use one "
+                "run's complete tag folder."
+            )
+
+    param_groups = _shapes(model0.obj.get("param_shapes"), model0.url)
+    if stage == 3:
+        for f in model_files[1:]:
+            if _shapes(f.obj.get("param_shapes"), f.url) != param_groups:
+                raise LayoutMismatchError(
+                    f"{f.url}: 'param_shapes' differ from {model0.url}; the rank files come "
+                    "from different runs"
+                )
+    names_seen: set[str] = set()
+    for group in param_groups:
+        for name, _ in group:
+            if name in names_seen:
+                raise CheckpointFormatError(
+                    f"{model0.url}: param '{name}' appears twice in 'param_shapes'"
+                )
+            names_seen.add(name)
+
+    ds_version = model0.obj.get("ds_version") or osd0.get("ds_version")
+    train_dtype = _train_dtype(model0.obj, [n for g in param_groups for n, _ in g])
+    ckpt = ZeroCheckpoint(
+        ckpt_url=ckpt_url,
+        tag=tag,
+        tag_url=tag_url,
+        stage=stage,
+        optimizer_kind=optimizer_kind,
+        world_size=world_size,
+        train_dtype=train_dtype,
+        ds_version=str(ds_version) if ds_version is not None else None,
+        optim_files=optim_files,
+        model_files=model_files,
+        param_groups=param_groups,
+        fp32_partitions=[],
+        alignment_paddings=[],
+        partition_numels=[],
+        frozen=[],
+        buffers=[],
+        shared={},
+        module_order=[],
+    )
+    if ckpt.ds_version is None or not ckpt.ds_version.startswith(TESTED_DEEPSPEED_VERSIONS):
+        ckpt.warnings.append(
+            f"checkpoint written by DeepSpeed {ckpt.ds_version or 'of unknown version'}; zerosafe "
+            f"is tested with DeepSpeed {', '.join(v + 'x' for v in TESTED_DEEPSPEED_VERSIONS)}. "
+            "Run `zerosafe verify --against` on the output."
+        )
+    if optimizer_kind == "bf16_optimizer":
+        ckpt.notes.append(
+            "optimizer is DeepSpeed's BF16_Optimizer (bf16 + ZeRO-1 + fp32 grad accumulation), "
+            "which DeepSpeed's zero_to_fp32 refuses; its fp32 partitions are converted the ZeRO-1 way"
+        )
+    _read_partitions(ckpt)
+    _read_module_side(ckpt)
+    return ckpt
+
+
+def _check_ranks(
+    tag_url: str, what: str, by_rank: Mapping[int, LoadedFile], world_size: int, stage: int
+) -> None:
+    ranks = set(by_rank)
+    missing = sorted(set(range(world_size)) - ranks)
+    extra = sorted(ranks - set(range(world_size)))
+    prefix = (
+        "bf16_"
+        if what == "optimizer"
+        and any(f.url.rsplit("/", 1)[-1].startswith("bf16_") for f in by_rank.values())
+        else ""
+    )
+    pattern = (
+        prefix
+        + "zero_pp_rank_{r}_mp_rank_00_"
+        + ("optim_states.pt" if what == "optimizer" else "model_states.pt")
+    )
+    if missing:
+        raise CheckpointFormatError(
+            f"{tag_url}: {what} file for rank(s) {missing} missing ({pattern.format(r=missing[0])}); "
+            f"the checkpoint was saved by {world_size} ranks, so files for ranks 0..{world_size - 1} "
+            "must all be present. Copy the whole tag folder."
+        )
+    if extra:
+        names = ", ".join(by_rank[r].url.rsplit("/", 1)[-1] for r in extra)
+        raise LayoutMismatchError(
+            f"{tag_url}: stale {what} files for rank(s) {extra} ({names}); this checkpoint was "
+            f"saved by {world_size} ranks, so these come from an older, larger run. Move them "
+            "out of the tag folder and run again."
+        )
+
+
+def _read_partitions(ckpt: ZeroCheckpoint) -> None:
+    key = "fp32_flat_groups" if ckpt.stage == 3 else "single_partition_of_fp32_groups"
+    for f in ckpt.optim_files:
+        osd = f.obj["optimizer_state_dict"]
+        groups = osd.get(key)
+        if not isinstance(groups, (list, tuple)) or not groups:
+            raise CheckpointFormatError(f"{f.url}: '{key}' is missing or empty")
+        for t in groups:
+            if not isinstance(t, TensorRecord) or t.dtype != "float32" or len(t.shape) != 1:
+                raise CheckpointFormatError(
+                    f"{f.url}: '{key}' must hold 1-D float32 tensors, found {t!r}"
+                )
+            if not t.is_contiguous():
+                raise CheckpointFormatError(f"{f.url}: a '{key}' tensor is not contiguous")
+        ckpt.fp32_partitions.append(list(groups))
+    counts = {len(p) for p in ckpt.fp32_partitions}
+    if len(counts) != 1:
+        raise LayoutMismatchError(
+            f"{ckpt.tag_url}: ranks hold different numbers of fp32 groups ({sorted(counts)}); "
+            "files from different runs are mixed"
+        )
+    if ckpt.stage == 3:
+        return
+    num_groups = len(ckpt.fp32_partitions[0])
+    if num_groups != len(ckpt.param_groups):
+        raise LayoutMismatchError(
+            f"{ckpt.model_files[0].url}: 'param_shapes' has {len(ckpt.param_groups)} groups but "
+            f"{ckpt.optim_files[0].url} has {num_groups} fp32 partitions"
+        )
+    osd0 = ckpt.optim_files[0].obj["optimizer_state_dict"]
+    raw_paddings = osd0.get("param_alignment_paddings")
+    for g, group in enumerate(ckpt.param_groups):
+        if raw_paddings is not None:
+            pads = [int(p) for p in raw_paddings[g]]
+        else:
+            pads = [0] * len(group)
+        ckpt.alignment_paddings.append(pads)
+        saved = [ckpt.fp32_partitions[r][g].numel for r in range(ckpt.world_size)]
+        gpads = []
+        for f in ckpt.optim_files:
+            gp = f.obj["optimizer_state_dict"].get("group_paddings")
+            gpads.append(int(gp[g]) if isinstance(gp, (list, tuple)) and len(gp) > g else 0)
+        if ckpt.optimizer_kind == "zero":
+            sizes = {s + p for s, p in zip(saved, gpads, strict=True)}
+        else:  # BF16_Optimizer saves whole partitions, padding included
+            sizes = set(saved)
+        if len(sizes) != 1:
+            raise LayoutMismatchError(
+                f"{ckpt.tag_url}: group {g} partitions disagree (saved {saved}, paddings "
+                f"{gpads}); files from different runs are mixed"
+            )
+        ckpt.partition_numels.append(sizes.pop())
+
+
+def _read_module_side(ckpt: ZeroCheckpoint) -> None:
+    """Buffers, frozen params, tied aliases and the output order, from the model states."""
+    model0 = ckpt.model_files[0]
+    obj = model0.obj
+    module = obj.get("module")
+    module = module if isinstance(module, Mapping) else {}
+    ckpt.module_order = [k for k in module if isinstance(k, str)]
+    param_names = set(ckpt.param_names)
+
+    shared = obj.get("shared_params") or {}
+    for alias, target in shared.items():
+        seen = {alias}
+        while target in shared and target not in seen:  # resolve alias chains to the owner
+            seen.add(target)
+            target = shared[target]
+        ckpt.shared[str(alias)] = str(target)
+
+    buffer_names = obj.get("buffer_names") or []
+    for name in buffer_names:
+        t = module.get(name)
+        if isinstance(t, TensorRecord):
+            ckpt.buffers.append((name, t))
+        else:
+            ckpt.notes.append(
+                f"buffer '{name}' is not in the saved module (non-persistent); not converted"
+            )
+
+    frozen_shapes = obj.get("frozen_param_shapes")
+    if isinstance(frozen_shapes, Mapping):
+        for name, shape in frozen_shapes.items():
+            shape = tuple(int(s) for s in shape)
+            pieces = []
+            for f in ckpt.model_files:
+                fragments = f.obj.get("frozen_param_fragments") or {}
+                t = fragments.get(name)
+                if not isinstance(t, TensorRecord):
+                    raise CheckpointFormatError(
+                        f"{f.url}: 'frozen_param_fragments' lacks '{name}', listed in "
+                        "'frozen_param_shapes'"
+                    )
+                if not t.is_contiguous():
+                    raise CheckpointFormatError(
+                        f"{f.url}: frozen fragment '{name}' is not contiguous"
+                    )
+                pieces.append((f.rank, t))
+            held = sum(t.numel for _, t in pieces)
+            if held < _numel(shape):
+                raise LayoutMismatchError(
+                    f"{ckpt.tag_url}: frozen param '{name}' has shape {list(shape)} "
+                    f"({_numel(shape)} elements) but its fragments hold {held}"
+                )
+            ckpt.frozen.append(
+                FrozenParam(
+                    name=name,
+                    shape=shape,
+                    dtype=pieces[0][1].dtype,
+                    source="fragments",
+                    pieces=tuple(pieces),
+                )
+            )
+    known = (
+        param_names
+        | {n for n, _ in ckpt.buffers}
+        | {fp.name for fp in ckpt.frozen}
+        | set(ckpt.shared)
+    )
+    leftovers = [n for n in ckpt.module_order if n not in known and n not in buffer_names]
+    recovered = []
+    for name in leftovers:
+        t = module[name]
+        if not isinstance(t, TensorRecord):
+            continue
+        if t.numel == 0 and ckpt.stage == 3:
+            raise LayoutMismatchError(
+                f"{model0.url}: module param '{name}' is neither in 'param_shapes' nor in "
+                "'frozen_param_shapes' and ZeRO-3 saved only an empty placeholder for it, so "
+                "its values are not in the checkpoint"
+            )
+        if not t.is_contiguous():
+            raise CheckpointFormatError(f"{model0.url}: module tensor '{name}' is not contiguous")
+        ckpt.frozen.append(
+            FrozenParam(name=name, shape=t.shape, dtype=t.dtype, source="module", pieces=((0, t),))
+        )
+        recovered.append(name)
+    if recovered:
+        why = (
+            "DeepSpeed saves no frozen_param_fragments for ZeRO-1"
+            if frozen_shapes is None
+            else "they are in neither 'param_shapes' nor 'frozen_param_shapes'"
+        )
+        ckpt.notes.append(
+            f"{len(recovered)} frozen param(s) taken from the {ckpt.train_dtype} module weights in "
+            f"{model0.url.rsplit('/', 1)[-1]} ({why}; DeepSpeed's converter drops them): "
+            + ", ".join(recovered)
+        )
+    if ckpt.stage >= 2 and "frozen_param_shapes" in obj and frozen_shapes is None and not recovered:
+        # DeepSpeed writes None here only when saving with `exclude_frozen_parameters=True`
+        # (engine.py: save_frozen_param = partition_gradients and not exclude_frozen_parameters).
+        ckpt.notes.append(
+            "saved with DeepSpeed's `exclude_frozen_parameters`: frozen parameters are not in "
+            "the checkpoint, so the output holds only the trained ones and buffers"
+        )
+    owners = param_names | {fp.name for fp in ckpt.frozen}
+    for alias, target in ckpt.shared.items():
+        if target not in owners:
+            raise LayoutMismatchError(
+                f"{model0.url}: tied param '{alias}' shares memory with '{target}', which is "
+                "neither a trained nor a frozen param of this checkpoint"
+            )

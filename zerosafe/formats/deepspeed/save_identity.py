@@ -1,0 +1,211 @@
+"""Check that every rank file of a ZeRO tag comes from one and the same save.
+
+A tag folder whose files were copied together from two saves (rank 1's files from
+`global_step2` dropped into `global_step4`) has the right names, shapes and partition counts,
+so nothing else catches it, and the output would silently mix two steps. The files carry
+what tells one save from another, all of it in the pickles, so checking costs no extra read:
+
+- every per-rank model states file (ZeRO-3) records `global_steps`, `global_samples`,
+  `skipped_steps`, `ds_version` and `ds_config`;
+- every optimizer file records `ds_version` and `ds_config`, the optimizer's hyperparameters
+  per param group (the learning rate moves with a schedule), and the step count each param
+  group's state has taken (`state[i]["step"]`). The step is a one-element tensor; the CRC-32
+  of its zip record is a fingerprint of its value, read from the zip directory alone (for a
+  4-byte value CRC-32 is one-to-one).
+
+Files of one save agree on all of these. The check compares each field across the files of
+a role and names the file(s) out of step with the majority.
+
+ZeRO-1/2 keep one model states file for all ranks, so a model states file copied from another
+step agrees with itself. But it holds the module's own copy of every trained weight (16-bit,
+or fp32 in fp32 training), which DeepSpeed refreshes from the fp32 masters after each step:
+`check_module_copy_sample` compares a few elements of a few params, cast as DeepSpeed casts,
+with the masters (a few hundred bytes read), and refuses a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from zerosafe.errors import LayoutMismatchError
+from zerosafe.formats.torch_zip import InertObject, TensorRecord
+
+if TYPE_CHECKING:
+    from zerosafe.formats.deepspeed.checkpoint import LoadedFile, ZeroCheckpoint
+    from zerosafe.plan.model import Plan
+
+__all__ = ["check_module_copy_sample", "check_one_save"]
+
+SAMPLE_PARAMS = 8
+"""Params the module-copy sample looks at (the first ones of the flat layout)."""
+SAMPLE_ELEMENTS = 16
+"""Elements of each."""
+
+_MODEL_FIELDS = ("global_steps", "global_samples", "skipped_steps", "ds_version", "ds_config")
+
+
+def _canonical(value: Any) -> str:
+    def default(o: Any) -> Any:
+        if isinstance(o, InertObject):
+            return repr(o)
+        return str(o)
+
+    return json.dumps(value, sort_keys=True, default=default)
+
+
+def _base_state(osd: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The wrapped torch optimizer's `state_dict()`: ZeRO-3 nests it as `optimizer_state_dict`,
+    ZeRO-1/2 and BF16_Optimizer as `base_optimizer_state`."""
+    for key in ("optimizer_state_dict", "base_optimizer_state"):
+        inner = osd.get(key)
+        if isinstance(inner, Mapping):
+            return inner
+    return None
+
+
+def _step_fingerprint(f: LoadedFile, value: Any) -> Any:
+    if isinstance(value, TensorRecord):
+        record = f.zip.storage_record(value.storage.key)
+        return f"a {value.dtype} tensor whose zip record has CRC-32 {record.crc32:08x}"
+    return repr(value)
+
+
+def _optim_fields(f: LoadedFile) -> dict[str, Any]:
+    osd = f.obj.get("optimizer_state_dict")
+    fields: dict[str, Any] = {
+        "ds_version": f.obj.get("ds_version"),
+        "ds_config": f.obj.get("ds_config"),
+    }
+    base = _base_state(osd) if isinstance(osd, Mapping) else None
+    if base is None:
+        return fields
+    state = base.get("state")
+    if isinstance(state, Mapping):
+        steps = []
+        for key in sorted(state, key=str):
+            entry = state[key]
+            if isinstance(entry, Mapping) and "step" in entry:
+                steps.append(_step_fingerprint(f, entry["step"]))
+        # One value per file when all groups stepped together (the usual case).
+        fields["optimizer step count"] = sorted(set(steps)) if len(set(steps)) == 1 else steps
+    groups = base.get("param_groups")
+    if isinstance(groups, Sequence):
+        fields["optimizer hyperparameters (lr schedule)"] = [
+            {k: v for k, v in g.items() if k != "params"} if isinstance(g, Mapping) else g
+            for g in groups
+        ]
+    return fields
+
+
+def _model_fields(f: LoadedFile) -> dict[str, Any]:
+    return {k: f.obj.get(k) for k in _MODEL_FIELDS}
+
+
+def _shown(value: Any) -> str:
+    text = _canonical(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _compare(tag_url: str, files: Sequence[LoadedFile], fields_of: Callable[..., Any]) -> None:
+    if len(files) < 2:
+        return
+    rows = [(f, fields_of(f)) for f in files]
+    for field in rows[0][1]:
+        values = [_canonical(r.get(field)) for _, r in rows]
+        if len(set(values)) == 1:
+            continue
+        common, count = Counter(values).most_common(1)[0]
+        if count * 2 <= len(values):  # no majority: name the first file that differs
+            common = values[0]
+        odd = [f for (f, _), v in zip(rows, values, strict=True) if v != common]
+        ref = next(f for (f, _), v in zip(rows, values, strict=True) if v == common)
+        names = ", ".join(o.url.rsplit("/", 1)[-1] for o in odd)
+        raise LayoutMismatchError(
+            f"{tag_url}: the rank files come from different saves: {names} "
+            f"{'has' if len(odd) == 1 else 'have'} {field} {_shown(fields_of(odd[0])[field])}, "
+            f"but {ref.url.rsplit('/', 1)[-1]} has {_shown(fields_of(ref)[field])}. Files copied "
+            "from another step or run are mixed into this tag folder; copy the whole tag folder "
+            "of one save again."
+        )
+
+
+def check_one_save(
+    tag_url: str, optim_files: Sequence[LoadedFile], model_files: Sequence[LoadedFile]
+) -> None:
+    """Refuse a tag folder whose rank files come from more than one save.
+
+    Raises:
+        LayoutMismatchError: Naming the odd file(s) out and the field they disagree on.
+    """
+    _compare(tag_url, model_files, _model_fields)
+    _compare(tag_url, optim_files, _optim_fields)
+    # One model states file (ZeRO-1/2) against the optimizer files: the save's config.
+    for field in ("ds_version", "ds_config"):
+        if model_files and optim_files and field in model_files[0].obj:
+            model_value = model_files[0].obj.get(field)
+            for f in optim_files:
+                if field in f.obj and _canonical(f.obj[field]) != _canonical(model_value):
+                    raise LayoutMismatchError(
+                        f"{tag_url}: {f.url.rsplit('/', 1)[-1]} has {field} "
+                        f"{_shown(f.obj[field])}, but {model_files[0].url.rsplit('/', 1)[-1]} has "
+                        f"{_shown(model_value)}; files from different saves are mixed. Copy the "
+                        "whole tag folder of one save again."
+                    )
+
+
+def _module_copy(ckpt: ZeroCheckpoint) -> Mapping[str, Any]:
+    if ckpt.stage == 3 or not ckpt.model_files:
+        return {}  # ZeRO-3 keeps no module copy of partitioned params
+    module = ckpt.model_files[0].obj.get("module")
+    return module if isinstance(module, Mapping) else {}
+
+
+def check_module_copy_sample(ckpt: ZeroCheckpoint, plan: Plan) -> None:
+    """ZeRO-1/2: the module's copy of the first params must equal their fp32 masters, cast.
+
+    Raises:
+        LayoutMismatchError: Naming the model states file, the param and the optimizer file.
+    """
+    module = _module_copy(ckpt)
+    if not module:
+        return
+    import torch
+
+    from zerosafe.dtypes import torch_dtype
+
+    model = ckpt.model_files[0]
+    loaded = {f.url: f for f in ckpt.optim_files}
+    checked = 0
+    for tensor in plan.tensors:
+        if checked >= SAMPLE_PARAMS:
+            break
+        copy = module.get(tensor.name)
+        fragments = plan.fragments.for_tensor(tensor.index)
+        if tensor.role != "param" or not isinstance(copy, TensorRecord) or not fragments:
+            continue
+        if copy.numel != tensor.numel or not copy.is_contiguous():
+            continue
+        if copy.dtype not in ("bfloat16", "float16", "float32"):
+            continue
+        slot_index, src_offset, numel, dst_offset = fragments[0]
+        slot = plan.slots[slot_index]
+        optim = loaded.get(plan.files[slot.file].url)
+        if optim is None or slot.dtype != "float32":
+            continue
+        count = min(numel, SAMPLE_ELEMENTS)
+        start = slot.byte_offset + src_offset * slot.itemsize
+        master = optim.zip.source.read_range(start, start + count * slot.itemsize)
+        begin = model.zip.tensor_offset(copy) + dst_offset * copy.itemsize
+        saved = model.zip.source.read_range(begin, begin + count * copy.itemsize)
+        cast = torch.frombuffer(bytearray(master), dtype=torch.float32).to(torch_dtype(copy.dtype))
+        checked += 1
+        if cast.contiguous().view(torch.uint8).numpy().tobytes() != saved:
+            raise LayoutMismatchError(
+                f"{model.url}: its {copy.dtype} copy of '{tensor.name}' differs from the fp32 "
+                f"master weights in {optim.url.rsplit('/', 1)[-1]}, which DeepSpeed keeps equal; "
+                "the model states file and the optimizer files come from different saves "
+                "(steps or runs). Copy the whole tag folder of one save again."
+            )

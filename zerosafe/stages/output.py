@@ -1,0 +1,482 @@
+"""The output folder: what counts as complete, what may be replaced, and how it is published.
+
+An output folder holds `model.safetensors` or `model-0000K-of-0000N.safetensors` plus
+`model.safetensors.index.json` (transformers' sharded layout), `zerosafe-manifest.json`
+(source identity, options, per-tensor checksums) and `zerosafe-complete.json`, the completion
+marker, written last. Without the marker an output is not complete, whatever else is there.
+Work files (plan, intermediates) live in `.zerosafe-work/<job>/` unless placed elsewhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from zerosafe._version import __version__
+from zerosafe.config import ConvertOptions
+from zerosafe.errors import OutputExistsError, VerificationError
+from zerosafe.io.storage import Storage, is_local, join_url
+from zerosafe.plan.model import Plan
+
+__all__ = [
+    "INDEX_NAME",
+    "MANIFEST_NAME",
+    "MARKER_NAME",
+    "WORK_DIR_NAME",
+    "OutputState",
+    "changed_files",
+    "clear_output",
+    "discard_failed_work",
+    "finish_work",
+    "pending_url",
+    "reusable_shard",
+    "reusable_shards",
+    "shard_location",
+    "default_work_url",
+    "inspect_output",
+    "prepare_output",
+    "publish",
+    "read_complete_manifest",
+]
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "model.safetensors.index.json"
+MANIFEST_NAME = "zerosafe-manifest.json"
+MARKER_NAME = "zerosafe-complete.json"
+WORK_DIR_NAME = ".zerosafe-work"
+MANIFEST_FORMAT = 1
+
+
+def default_work_url(out_url: str, job_key: str) -> str:
+    """Where a job keeps its plan and intermediates unless told otherwise."""
+    return join_url(out_url, WORK_DIR_NAME, job_key[:16])
+
+
+PREVIOUS_MANIFEST_NAME = "previous-manifest.json"
+
+
+def pending_url(out_url: str, job_key: str) -> str:
+    """Where a job writes its output shards until publish moves them to their final names.
+
+    Always inside the output folder (whatever `--work-dir` says), so the move is a rename on
+    the same filesystem. Shards at the final names therefore only ever come from a verified
+    publish: a failed or killed run leaves nothing there that looks like output.
+    """
+    return join_url(out_url, WORK_DIR_NAME, job_key[:16], "pending")
+
+
+def shard_location(storage: Storage, out_url: str, job_key: str, file_name: str) -> str:
+    """The shard a job's verify and publish use: the pending copy if there is one, else the
+    published one (an intact shard kept by a repair, or one moved by an interrupted publish)."""
+    pending = join_url(pending_url(out_url, job_key), file_name)
+    return pending if storage.exists(pending) else join_url(out_url, file_name)
+
+
+def _file_changed(storage: Storage, out_url: str, entry: dict[str, Any]) -> str | None:
+    """Why a file the manifest names is not as published (None if it is)."""
+    url = join_url(out_url, str(entry.get("file")))
+    if not storage.exists(url):
+        return "missing"
+    ident = storage.identity(url)
+    if ident.size_bytes != entry.get("size_bytes"):
+        return f"{ident.size_bytes} bytes, published {entry.get('size_bytes')}"
+    if entry.get("version") is not None and ident.version != entry["version"]:
+        return "modified after publishing"
+    return None
+
+
+def changed_files(storage: Storage, out_url: str, manifest: dict[str, Any]) -> dict[str, str]:
+    """Files of a complete output that are missing or changed since publish: name -> why.
+
+    Checked from file stats alone (size, and mtime or ETag where the manifest has it).
+    """
+    out: dict[str, str] = {}
+    index = manifest.get("index")
+    for entry in [*(manifest.get("files") or []), *([index] if isinstance(index, dict) else [])]:
+        why = _file_changed(storage, out_url, entry)
+        if why is not None:
+            out[str(entry.get("file"))] = why
+    return out
+
+
+def _previous_manifest(storage: Storage, out_url: str, job_key: str) -> dict[str, Any] | None:
+    """In a repair: the manifest the output was published with (None outside a repair)."""
+    url = join_url(pending_url(out_url, job_key), PREVIOUS_MANIFEST_NAME)
+    if not storage.exists(url):
+        return None
+    try:
+        manifest = json.loads(storage.read_bytes(url))
+    except ValueError:
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def _reused(
+    storage: Storage, out_url: str, manifest: dict[str, Any], shard: int, file_name: str
+) -> dict[str, Any] | None:
+    """The merge result of published shard `file_name` rebuilt from `manifest`, if the file
+    is still as published; else None."""
+    try:
+        entry = next(f for f in manifest["files"] if f["file"] == file_name)
+        tensors = {
+            name: {k: v for k, v in info.items() if k not in ("file", "role")}
+            for name, info in manifest["tensors"].items()
+            if info["file"] == file_name
+        }
+    except (KeyError, TypeError, StopIteration):
+        return None
+    if _file_changed(storage, out_url, entry) is not None:
+        return None
+    return {
+        "shard": shard,
+        "file": file_name,
+        "file_bytes": entry["size_bytes"],
+        "data_bytes": entry["data_bytes"],
+        "bytes_read": 0,
+        "tensors": tensors,
+        "ledger": {},
+        "seconds": 0.0,
+        "reused": True,
+    }
+
+
+def reusable_shard(
+    storage: Storage, out_url: str, job_key: str, shard: int, file_name: str
+) -> dict[str, Any] | None:
+    """In a repair: the merge result of a published shard that is still intact, rebuilt from
+    the manifest it was published with (nothing is read from the checkpoint). None when the
+    shard must be merged again."""
+    manifest = _previous_manifest(storage, out_url, job_key)
+    return None if manifest is None else _reused(storage, out_url, manifest, shard, file_name)
+
+
+def reusable_shards(storage: Storage, out_url: str, plan: Plan) -> set[int]:
+    """In a repair: the shards that are published and still intact, so neither their merge
+    nor the extracts only they need have to run. Empty outside a repair."""
+    manifest = _previous_manifest(storage, out_url, plan.plan_id)
+    if manifest is None:
+        return set()
+    return {
+        s.index
+        for s in plan.shards
+        if _reused(storage, out_url, manifest, s.index, s.file_name) is not None
+    }
+
+
+def discard_failed_work(storage: Storage, out_url: str, job_key: str, work_url: str) -> None:
+    """After a failed check: drop what the run read and wrote (intermediates, cached task
+    results, pending shards), so the next run reads the source again instead of reusing what
+    was read from a file that was corrupt then and may be fixed now. The plan and, in a
+    repair, the manifest the intact shards were published with stay: the next run is a resume
+    of the same job, not a stranger's leftovers."""
+    storage.remove_tree(join_url(work_url, "results"))
+    storage.remove_tree(join_url(work_url, "intermediate"))
+    pending = pending_url(out_url, job_key)
+    for name in storage.listdir(pending):
+        if name != PREVIOUS_MANIFEST_NAME:
+            storage.remove(join_url(pending, name))
+
+
+def _remove_if_empty(storage: Storage, url: str) -> None:
+    if is_local(url) and storage.isdir(url) and not storage.listdir(url):
+        storage.remove_tree(url)
+
+
+def finish_work(storage: Storage, out_url: str, job_key: str, work_url: str, *, keep: bool) -> None:
+    """After a publish: remove the job's work files (unless `keep`) and empty folders."""
+    storage.remove_tree(pending_url(out_url, job_key))
+    if not keep:
+        storage.remove_tree(work_url)
+    _remove_if_empty(storage, join_url(out_url, WORK_DIR_NAME, job_key[:16]))
+    _remove_if_empty(storage, join_url(out_url, WORK_DIR_NAME))
+
+
+def _is_model_file(name: str) -> bool:
+    return name == INDEX_NAME or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+@dataclass(frozen=True, slots=True)
+class OutputState:
+    kind: str
+    """`empty`, `done` (complete, same job), `repair` (complete, same job, but published files
+    are missing or changed), `other` (complete, another job), `partial` (unfinished run of
+    this job), `foreign` (model files without a marker, not this job's), `unusable` (a
+    completion marker without a usable manifest)."""
+    detail: str = ""
+    manifest: dict[str, Any] | None = None
+
+
+def read_complete_manifest(storage: Storage, out_url: str) -> dict[str, Any] | None:
+    """The manifest of a complete output (marker present and vouching for it), else None."""
+    marker_url = join_url(out_url, MARKER_NAME)
+    if not storage.exists(marker_url):
+        return None
+    try:
+        marker = json.loads(storage.read_bytes(marker_url))
+        if not isinstance(marker, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as e:
+        raise OutputExistsError(
+            f"{marker_url}: expected a zerosafe completion marker (JSON), found unreadable "
+            f"content ({e}). The output cannot be trusted: pass --overwrite to convert into it "
+            "again, or remove the folder."
+        ) from e
+    manifest_url = join_url(out_url, MANIFEST_NAME)
+    if not storage.exists(manifest_url):
+        raise OutputExistsError(
+            f"{manifest_url}: missing, but {MARKER_NAME} says the output is complete; without "
+            "the manifest its checksums cannot be checked. Pass --overwrite to convert into it "
+            "again, or remove the folder."
+        )
+    raw = storage.read_bytes(manifest_url)
+    if hashlib.sha256(raw).hexdigest() != marker.get("manifest_sha256"):
+        log.warning(
+            "%s: the completion marker does not match the manifest; treating as incomplete", out_url
+        )
+        return None
+    try:
+        manifest: dict[str, Any] = json.loads(raw)
+    except ValueError as e:  # vouched for by the marker's hash, yet not JSON: not ours
+        raise OutputExistsError(
+            f"{manifest_url}: not valid JSON ({e}). Pass --overwrite to convert into it again."
+        ) from e
+    return manifest
+
+
+def quick_done(
+    storage: Storage, ckpt_url: str, tag: str | None, out_url: str, options: ConvertOptions
+) -> str | None:
+    """The job key if `out_url` already holds this exact conversion, checked from file stats
+    alone (no checkpoint byte is read); None otherwise or when unsure."""
+    from zerosafe.formats.deepspeed.checkpoint import quick_identities
+    from zerosafe.plan.model import job_key_of
+
+    if options.overwrite or not storage.exists(join_url(out_url, MARKER_NAME)):
+        return None
+    try:
+        manifest = read_complete_manifest(storage, out_url)
+        resolved_tag, identities = quick_identities(storage, ckpt_url, tag)
+    except Exception:  # anything odd: take the full path, which reports it properly
+        return None
+    key = job_key_of(resolved_tag, identities, options)
+    if manifest is None or manifest.get("job_key") != key:
+        return None
+    changed = changed_files(storage, out_url, manifest)
+    if changed:  # not a no-op: the full path repairs these shards
+        log.warning("%s: published files changed: %s", out_url, changed)
+        return None
+    return key
+
+
+def inspect_output(storage: Storage, out_url: str, job_key: str) -> OutputState:
+    """Classify what `out_url` holds relative to the job `job_key`."""
+    names = storage.listdir(out_url)
+    if MARKER_NAME in names:
+        try:
+            manifest = read_complete_manifest(storage, out_url)
+        except OutputExistsError as e:
+            return OutputState("unusable", str(e))
+        if manifest is not None:
+            if manifest.get("job_key") == job_key:
+                changed = changed_files(storage, out_url, manifest)
+                if changed:
+                    detail = ", ".join(f"{f} ({why})" for f, why in sorted(changed.items()))
+                    return OutputState("repair", detail, manifest)
+                return OutputState("done", manifest=manifest)
+            src = manifest.get("source", {})
+            return OutputState(
+                "other",
+                f"a complete conversion of {src.get('checkpoint')} (tag {src.get('tag')}) with options "
+                f"{manifest.get('options')}",
+                manifest,
+            )
+    work = default_work_url(out_url, job_key)
+    if storage.exists(join_url(work, "plan", "plan.json")):
+        return OutputState("partial")
+    model_files = [n for n in names if _is_model_file(n) or n in (MANIFEST_NAME, MARKER_NAME)]
+    for other in storage.listdir(join_url(out_url, WORK_DIR_NAME)):
+        if other == job_key[:16]:
+            continue
+        pending = storage.listdir(join_url(out_url, WORK_DIR_NAME, other, "pending"))
+        model_files += [
+            f"{WORK_DIR_NAME}/{other}/pending/{n}" for n in pending if _is_model_file(n)
+        ]
+    if model_files:
+        return OutputState(
+            "foreign", f"model files not written by this job: {', '.join(model_files[:5])}"
+        )
+    return OutputState("empty")
+
+
+def clear_output(storage: Storage, out_url: str) -> None:
+    """Remove a previous conversion: the marker first, so nothing looks complete meanwhile."""
+    storage.remove(join_url(out_url, MARKER_NAME))
+    for name in storage.listdir(out_url):
+        if _is_model_file(name) or name == MANIFEST_NAME:
+            storage.remove(join_url(out_url, name))
+    storage.remove_tree(join_url(out_url, WORK_DIR_NAME))
+
+
+def prepare_output(storage: Storage, out_url: str, job_key: str, *, overwrite: bool) -> OutputState:
+    """Decide whether to convert into `out_url`; clears it when `overwrite` says to.
+
+    Returns:
+        The state found: `done` means there is nothing to do.
+
+    Raises:
+        OutputExistsError: If the folder holds another conversion and `overwrite` is off.
+    """
+    state = inspect_output(storage, out_url, job_key)
+    if state.kind == "unusable" and not overwrite:
+        raise OutputExistsError(state.detail)
+    if state.kind in ("other", "foreign", "unusable"):
+        if not overwrite:
+            raise OutputExistsError(
+                f"{out_url}: already holds {state.detail}. Pass --overwrite to replace it, or "
+                "choose another output folder."
+            )
+        clear_output(storage, out_url)
+        return OutputState("empty")
+    if state.kind == "done" and overwrite:
+        clear_output(storage, out_url)
+        return OutputState("empty")
+    if state.kind == "repair":
+        _start_repair(storage, out_url, job_key, state)
+        return OutputState("partial", state.detail)
+    return state
+
+
+def _start_repair(storage: Storage, out_url: str, job_key: str, state: OutputState) -> None:
+    """Take a complete output whose files changed back to an unfinished one: keep the
+    manifest it was published with (intact shards are reused from it), remove the marker
+    first, then the index, the manifest and the changed files."""
+    assert state.manifest is not None
+    log.warning("%s: published files changed (%s); merging them again", out_url, state.detail)
+    storage.write_bytes(
+        join_url(pending_url(out_url, job_key), PREVIOUS_MANIFEST_NAME),
+        json.dumps(state.manifest).encode(),
+    )
+    storage.remove(join_url(out_url, MARKER_NAME))
+    storage.remove(join_url(out_url, INDEX_NAME))
+    storage.remove(join_url(out_url, MANIFEST_NAME))
+    for name in changed_files(storage, out_url, state.manifest):
+        storage.remove(join_url(out_url, name))
+
+
+def _checks(verifies: list[dict[str, Any]]) -> dict[str, Any]:
+    """What verification covered, for the manifest."""
+    checks: dict[str, Any] = {"verified_tensors": sum(v.get("num_tensors", 0) for v in verifies)}
+    for v in verifies:
+        if v.get("check") == "lowp":
+            checks["lowp_cross_check"] = {
+                k: v[k] for k in ("lowp_checked", "lowp_mismatched", "lowp_skipped")
+            }
+    return checks
+
+
+def publish(
+    plan: Plan,
+    storage: Storage,
+    out_url: str,
+    *,
+    options: ConvertOptions,
+    merges: list[dict[str, Any]],
+    verifies: list[dict[str, Any]],
+    integrity: dict[str, Any],
+    stats: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write the index and the manifest, then the completion marker, last.
+
+    Raises:
+        VerificationError: If any shard failed verification; then nothing is written.
+    """
+    failures = [f for v in verifies for f in v.get("failures", [])]
+    if failures:
+        lines = [f"{f['file']}: {f['tensor']}: {f['check']}: {f['detail']}" for f in failures[:20]]
+        raise VerificationError(
+            f"{out_url}: {len(failures)} check(s) failed; the output was not marked complete:\n  "
+            + "\n  ".join(lines),
+            failures,
+        )
+    by_shard = sorted(merges, key=lambda m: m["shard"])
+    if [m["shard"] for m in by_shard] != list(range(len(plan.shards))):
+        raise AssertionError("publish needs one merge result per shard")
+    pending = pending_url(out_url, plan.plan_id)
+    for m in by_shard:
+        src = join_url(pending, m["file"])
+        if storage.exists(src):
+            storage.rename(src, join_url(out_url, m["file"]))
+    versions = {m["file"]: storage.identity(join_url(out_url, m["file"])) for m in by_shard}
+    for m in by_shard:
+        if versions[m["file"]].size_bytes != m["file_bytes"]:
+            raise VerificationError(
+                f"{join_url(out_url, m['file'])}: {versions[m['file']].size_bytes} bytes after "
+                f"moving it into place, expected {m['file_bytes']}; the output was not marked "
+                "complete. Run the same command again.",
+                [],
+            )
+    weight_map = {name: m["file"] for m in by_shard for name in m["tensors"]}
+    total_size = sum(m["data_bytes"] for m in by_shard)
+    if len(plan.shards) > 1:
+        index: dict[str, Any] = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        if plan.aliases:
+            index["metadata"]["aliases"] = plan.aliases
+        storage.write_bytes(
+            join_url(out_url, INDEX_NAME), (json.dumps(index, indent=2) + "\n").encode()
+        )
+        written = storage.identity(join_url(out_url, INDEX_NAME))
+        index_entry: dict[str, Any] | None = {
+            "file": INDEX_NAME,
+            "size_bytes": written.size_bytes,
+            "version": written.version,
+        }
+    else:
+        index_entry = None
+    roles = {t.name: t.role for t in plan.tensors}
+    manifest = {
+        "manifest_format": MANIFEST_FORMAT,
+        "zerosafe_version": __version__,
+        "job_key": plan.plan_id,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": plan.source,
+        "options": {**options.identity(), "direct": options.direct},
+        "files": [
+            {
+                "file": m["file"],
+                "size_bytes": m["file_bytes"],
+                "data_bytes": m["data_bytes"],
+                "version": versions[m["file"]].version,
+            }
+            for m in by_shard
+        ],
+        "total_size": total_size,
+        **({"index": index_entry} if index_entry else {}),
+        "tensors": {
+            name: {**info, "file": m["file"], "role": roles.get(name, "param")}
+            for m in by_shard
+            for name, info in m["tensors"].items()
+        },
+        "aliases": plan.aliases,
+        "integrity": integrity,
+        "checks": _checks(verifies),
+        "notes": plan.notes,
+        "warnings": plan.warnings,
+        "stats": stats or {},
+    }
+    raw = (json.dumps(manifest, indent=1) + "\n").encode()
+    storage.write_bytes(join_url(out_url, MANIFEST_NAME), raw)
+    marker = {
+        "job_key": plan.plan_id,
+        "manifest_sha256": hashlib.sha256(raw).hexdigest(),
+        "completed_at": manifest["created_at"],
+        "zerosafe_version": __version__,
+    }
+    storage.write_bytes(
+        join_url(out_url, MARKER_NAME), (json.dumps(marker, indent=1) + "\n").encode()
+    )
+    return manifest

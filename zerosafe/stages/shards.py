@@ -1,0 +1,460 @@
+"""The conversion's stages as plain functions of (plan, index): what the Prefect tasks call.
+
+- `extract_part`: copy one part of one rank's slots (fp32 partitions, frozen fragments,
+  buffers) from the checkpoint into an intermediate safetensors file, plus a sidecar JSON with
+  the content hash and per-tensor CRC32s written once the file is whole.
+- `merge_shard`: write one output shard, streaming each tensor's fragments in order, from the
+  intermediates (`StagedLocator`) or straight from the checkpoint (`DirectLocator`).
+- `check_integrity`: combine the CRC32 pieces every task read and compare them with the zip
+  records' CRCs and the intermediates' recorded CRCs.
+
+Verification and publishing live in `zerosafe.verify.tensors` and `zerosafe.stages.output`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from zerosafe.dtypes import dtype_info
+from zerosafe.errors import IntegrityError
+from zerosafe.formats.crc import CrcLedger, LedgerCheck
+from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, read_header
+from zerosafe.io.mapped import map_source
+from zerosafe.io.storage import ByteSource, Storage, join_url
+from zerosafe.plan.model import ExtractPart, Plan
+from zerosafe.stages.streaming import CopyJob, copy_stream
+from zerosafe.verify.checksum import TENSOR_CHECKSUM
+
+__all__ = [
+    "DirectLocator",
+    "Segment",
+    "SlotLocator",
+    "StagedLocator",
+    "check_integrity",
+    "extract_part",
+    "intermediate_tensor_name",
+    "merge_shard",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Where a run of a slot's elements can be read."""
+
+    source: ByteSource
+    offset: int
+    nbytes: int
+    crc_key: str
+    crc_offset: int
+
+
+class SlotLocator(Protocol):
+    """Maps `(slot, first element, count)` to byte ranges of readable files."""
+
+    def locate(self, slot: int, start: int, numel: int) -> list[Segment]: ...
+
+    def close(self) -> None: ...
+
+
+def _check_identity(plan: Plan, file_index: int, source: ByteSource) -> None:
+    planned = plan.files[file_index]
+    if source.size_bytes != planned.size_bytes:
+        raise IntegrityError(
+            f"{source.url}: {source.size_bytes} bytes now but {planned.size_bytes} when the "
+            "conversion was planned; the checkpoint changed under us. Run the conversion again."
+        )
+
+
+class DirectLocator:
+    """Reads slots straight from the checkpoint's files (direct mode, and extract)."""
+
+    def __init__(self, plan: Plan, storage: Storage) -> None:
+        self.plan = plan
+        self.storage = storage
+        self._sources: dict[int, ByteSource] = {}
+        self._lock = threading.Lock()
+
+    def source(self, file_index: int) -> ByteSource:
+        with self._lock:
+            src = self._sources.get(file_index)
+            if src is None:
+                src = map_source(
+                    self.storage.open_source(self.plan.files[file_index].url), self.storage.counter
+                )
+                _check_identity(self.plan, file_index, src)
+                self._sources[file_index] = src
+        return src
+
+    def locate(self, slot: int, start: int, numel: int) -> list[Segment]:
+        s = self.plan.slots[slot]
+        offset = s.byte_offset + start * s.itemsize
+        key = f"{self.plan.files[s.file].url}#{s.record}"
+        return [
+            Segment(self.source(s.file), offset, numel * s.itemsize, key, offset - s.record_offset)
+        ]
+
+    def close(self) -> None:
+        for src in self._sources.values():
+            src.close()
+        self._sources.clear()
+
+
+def intermediate_tensor_name(slot: int, start: int, numel: int) -> str:
+    return f"{slot}:{start}:{numel}"
+
+
+def _sidecar_url(file_url: str) -> str:
+    return file_url.removesuffix(".safetensors") + ".json"
+
+
+class StagedLocator:
+    """Reads slots from the intermediate files the extract stage wrote."""
+
+    def __init__(self, plan: Plan, storage: Storage, intermediate_url: str) -> None:
+        self.plan = plan
+        self.storage = storage
+        self.folder = intermediate_url
+        self._by_slot: dict[int, list[tuple[int, int, int]]] = {}
+        for part in plan.parts:
+            for slot, start, numel in part.pieces:
+                self._by_slot.setdefault(slot, []).append((start, numel, part.index))
+        for pieces in self._by_slot.values():
+            pieces.sort()
+        self._open: dict[int, tuple[ByteSource, dict[str, Any], int]] = {}
+        self._lock = threading.Lock()
+
+    def part_url(self, part: ExtractPart) -> str:
+        return join_url(self.folder, part.file_name)
+
+    def _part(self, index: int) -> tuple[ByteSource, dict[str, Any], int]:
+        with self._lock:
+            hit = self._open.get(index)
+            if hit is not None:
+                return hit
+            part = self.plan.parts[index]
+            url = self.part_url(part)
+            src = map_source(self.storage.open_source(url), self.storage.counter)
+            header, metadata, data_start = read_header(src)
+            if metadata.get("plan_id") != self.plan.plan_id:
+                raise IntegrityError(
+                    f"{url}: intermediate of plan '{metadata.get('plan_id')}', not of this plan "
+                    f"'{self.plan.plan_id}'; delete the work area and run again"
+                )
+            self._open[index] = (src, header, data_start)
+            return self._open[index]
+
+    def locate(self, slot: int, start: int, numel: int) -> list[Segment]:
+        out = []
+        end = start + numel
+        itemsize = self.plan.slots[slot].itemsize
+        for p_start, p_numel, part in self._by_slot.get(slot, []):
+            p_end = p_start + p_numel
+            lo, hi = max(start, p_start), min(end, p_end)
+            if lo >= hi:
+                continue
+            src, header, data_start = self._part(part)
+            name = intermediate_tensor_name(slot, p_start, p_numel)
+            base = data_start + header[name]["data_offsets"][0]
+            rel = (lo - p_start) * itemsize
+            out.append(Segment(src, base + rel, (hi - lo) * itemsize, f"{src.url}#{name}", rel))
+        if sum(s.nbytes for s in out) != numel * itemsize:
+            raise IntegrityError(
+                f"{self.folder}: no intermediate holds elements [{start}, {end}) of slot {slot}"
+            )
+        return out
+
+    def close(self) -> None:
+        for src, _, _ in self._open.values():
+            src.close()
+        self._open.clear()
+
+
+# -- extract -------------------------------------------------------------------------------------
+
+
+def extract_part(
+    plan: Plan,
+    index: int,
+    storage: Storage,
+    intermediate_url: str,
+    *,
+    chunk_bytes: int,
+    on_bytes: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Copy one extract part's slot ranges from the checkpoint into an intermediate file.
+
+    Returns:
+        A JSON-able summary: file URL, bytes, content hash, per-tensor CRC32s and the CRC
+        ledger of the source records read.
+    """
+    started = time.monotonic()
+    part = plan.parts[index]
+    url = join_url(intermediate_url, part.file_name)
+    locator = DirectLocator(plan, storage)
+    entries = []
+    jobs = []
+    for i, (slot_index, start, numel) in enumerate(part.pieces):
+        slot = plan.slots[slot_index]
+        entries.append(
+            HeaderEntry(intermediate_tensor_name(slot_index, start, numel), slot.dtype, (numel,))
+        )
+        for seg in locator.locate(slot_index, start, numel):
+            jobs.append(
+                CopyJob(
+                    i,
+                    seg.source,
+                    seg.offset,
+                    seg.nbytes,
+                    slot.dtype,
+                    slot.dtype,
+                    seg.crc_key,
+                    seg.crc_offset,
+                )
+            )
+    files = sorted({plan.slots[s].file for s, _, _ in part.pieces})
+    metadata = {
+        "format": "zerosafe-intermediate",
+        "plan_id": plan.plan_id,
+        "part": str(index),
+        "rank": str(part.rank),
+        "source": json.dumps(
+            [
+                {
+                    "url": plan.files[f].url,
+                    "size_bytes": plan.files[f].size_bytes,
+                    "version": plan.files[f].version,
+                }
+                for f in files
+            ]
+        ),
+    }
+    ledger = CrcLedger()
+    storage.makedirs(intermediate_url)
+    writer = SafetensorsStreamWriter(storage.open_sink(url), entries, metadata)
+    try:
+        copy_stream(jobs, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        locator.close()
+    content = _content_hash(writer.digests)
+    sums = {
+        "plan_id": plan.plan_id,
+        "file": part.file_name,
+        "file_bytes": writer.file_bytes,
+        "content_sha256": content,
+        "crc32": {e.name: c for e, c in zip(entries, writer.crc32, strict=True)},
+    }
+    storage.write_bytes(_sidecar_url(url), json.dumps(sums).encode())
+    log.info(
+        "extract rank %d part %d: %d bytes into %s in %.1f s",
+        part.rank, part.number, writer.file_bytes, part.file_name, time.monotonic() - started,
+    )  # fmt: skip
+    return {
+        "part": index,
+        "rank": part.rank,
+        "file": url,
+        "file_bytes": writer.file_bytes,
+        "bytes_read": sum(j.nbytes for j in jobs),
+        "content_sha256": content,
+        "ledger": ledger.to_json(),
+        "seconds": round(time.monotonic() - started, 3),
+    }
+
+
+def _content_hash(tensor_hashes: list[str]) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n".join(tensor_hashes).encode()).hexdigest()
+
+
+def read_intermediate_sums(
+    storage: Storage, intermediate_url: str, part: ExtractPart
+) -> dict[str, Any] | None:
+    """The sidecar of an intermediate, or None if the file or its sidecar is missing."""
+    url = join_url(intermediate_url, part.file_name)
+    if not storage.exists(url) or not storage.exists(_sidecar_url(url)):
+        return None
+    sums = json.loads(storage.read_bytes(_sidecar_url(url)))
+    if storage.identity(url).size_bytes != sums.get("file_bytes"):
+        return None
+    return dict(sums)
+
+
+# -- merge ---------------------------------------------------------------------------------------
+
+
+def _merge_jobs(plan: Plan, shard: int, locator: SlotLocator) -> Iterator[CopyJob]:
+    for ordinal, tensor in enumerate(plan.shard_tensors(shard)):
+        for slot, src_offset, numel, _dst in plan.fragments.for_tensor(tensor.index):
+            src_dtype = plan.slots[slot].dtype
+            for seg in locator.locate(slot, src_offset, numel):
+                yield CopyJob(
+                    ordinal,
+                    seg.source,
+                    seg.offset,
+                    seg.nbytes,
+                    src_dtype,
+                    tensor.out_dtype,
+                    seg.crc_key,
+                    seg.crc_offset,
+                )
+
+
+def shard_metadata(plan: Plan, shard: int) -> dict[str, str]:
+    """`__metadata__` of an output shard: the HF format tag, and tied aliases stored here."""
+    names = {t.name for t in plan.shard_tensors(shard)}
+    metadata = {"format": "pt"}
+    aliases = {a: t for a, t in plan.aliases.items() if t in names}
+    if aliases:
+        metadata["aliases"] = json.dumps(aliases, sort_keys=True)
+    return metadata
+
+
+def merge_shard(
+    plan: Plan,
+    shard: int,
+    storage: Storage,
+    out_url: str,
+    locator: SlotLocator,
+    *,
+    chunk_bytes: int,
+    on_bytes: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Write output shard `shard` into folder `out_url`.
+
+    Returns:
+        A JSON-able summary: file, sizes, each tensor's checksum (`TENSOR_CHECKSUM`) and the
+        CRC ledger of what was read.
+    """
+    started = time.monotonic()
+    spec = plan.shards[shard]
+    tensors = plan.shard_tensors(shard)
+    entries = [HeaderEntry(t.name, t.out_dtype, t.shape) for t in tensors]
+    url = join_url(out_url, spec.file_name)
+    ledger = CrcLedger()
+    bytes_read = 0
+
+    def count(n: int) -> None:
+        nonlocal bytes_read
+        bytes_read += n
+        if on_bytes is not None:
+            on_bytes(n)
+
+    storage.makedirs(out_url)
+    # Output shards are checked by their per-tensor checksum (verify); only intermediates
+    # need CRCs.
+    writer = SafetensorsStreamWriter(
+        storage.open_sink(url), entries, shard_metadata(plan, shard), track_crc=False,
+        checksum=TENSOR_CHECKSUM,
+    )  # fmt: skip
+    try:
+        copy_stream(
+            _merge_jobs(plan, shard, locator),
+            writer,
+            chunk_bytes=chunk_bytes,
+            ledger=ledger,
+            on_bytes=count,
+        )
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    log.info(
+        "merge shard %d/%d: %d tensors, %d bytes into %s in %.1f s",
+        shard + 1, len(plan.shards), len(tensors), writer.file_bytes, spec.file_name,
+        time.monotonic() - started,
+    )  # fmt: skip
+    return {
+        "shard": shard,
+        "file": spec.file_name,
+        "file_bytes": writer.file_bytes,
+        "data_bytes": writer.data_bytes,
+        "bytes_read": bytes_read,
+        "tensors": {
+            t.name: {TENSOR_CHECKSUM: h, "dtype": t.out_dtype, "shape": list(t.shape)}
+            for t, h in zip(tensors, writer.digests, strict=True)
+        },
+        "ledger": ledger.to_json(),
+        "seconds": round(time.monotonic() - started, 3),
+    }
+
+
+# -- integrity -----------------------------------------------------------------------------------
+
+
+def check_integrity(
+    plan: Plan,
+    storage: Storage,
+    ledgers: list[dict[str, list[list[int]]]],
+    *,
+    intermediate_url: str | None = None,
+) -> LedgerCheck:
+    """Check every record read against its CRC: zip records (source) and intermediates.
+
+    Args:
+        ledgers: The `ledger` of every extract and merge summary.
+        intermediate_url: Folder of the intermediates, in staged mode.
+
+    Raises:
+        IntegrityError: If any record's bytes do not match its CRC.
+    """
+    ledger = CrcLedger()
+    for data in ledgers:
+        ledger.update(CrcLedger.from_json(data))
+    expected: dict[str, tuple[int, int]] = {}
+    where: dict[str, tuple[str, int]] = {}  # key -> (url, absolute offset of byte 0)
+    for slot in plan.slots:
+        key = f"{plan.files[slot.file].url}#{slot.record}"
+        where[key] = (plan.files[slot.file].url, slot.record_offset)
+        if slot.record_crc32 != 0 or slot.record_size_bytes == 0:
+            expected[key] = (slot.record_size_bytes, slot.record_crc32)
+    if intermediate_url is not None:
+        for part in plan.parts:
+            url = join_url(intermediate_url, part.file_name)
+            if not any(k.startswith(url + "#") for k in ledger.keys()):
+                continue
+            sums = read_intermediate_sums(storage, intermediate_url, part)
+            if sums is None:
+                raise IntegrityError(f"{url}: intermediate or its checksum sidecar is missing")
+            src = storage.open_source(url)
+            header, _, data_start = read_header(src)
+            src.close()
+            for name, crc in sums["crc32"].items():
+                begin, end = header[name]["data_offsets"]
+                expected[f"{url}#{name}"] = (end - begin, int(crc))
+                where[f"{url}#{name}"] = (url, data_start + begin)
+    sources: dict[str, ByteSource] = {}
+
+    def read_gap(key: str, offset: int, length: int) -> bytes:
+        url, base = where[key]
+        if url not in sources:
+            sources[url] = storage.open_source(url)
+        return sources[url].read_range(base + offset, base + offset + length)
+
+    try:
+        result = ledger.check(expected, read_gap)
+    finally:
+        for src in sources.values():
+            src.close()
+    if result.failed:
+        detail = "; ".join(f"{k}: {w}" for k, w in result.failed[:5])
+        raise IntegrityError(
+            f"{len(result.failed)} record(s) read do not match their recorded CRC32 ({detail}). "
+            "The files are corrupt or changed during the run; copy them again and re-run."
+        )
+    return result
+
+
+def slot_bytes(plan: Plan, slots: list[int]) -> int:
+    return sum(plan.slots[s].numel * dtype_info(plan.slots[s].dtype).itemsize for s in slots)

@@ -1,0 +1,239 @@
+"""The bounded-memory copy pipeline every stage uses: read ranges, cast, hash, write.
+
+Reader threads fill fixed buffers with `readinto` (no per-chunk allocation), the calling
+thread casts chunk by chunk with torch (round-to-nearest-even), and a writer thread hashes and
+appends to the output. All buffers come from one pool of `PIPELINE_BUFFERS` chunks, so a task
+holds at most `PIPELINE_BUFFERS * chunk_bytes` of data whatever the size of a tensor.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from zerosafe.config import PIPELINE_BUFFERS
+from zerosafe.dtypes import dtype_info, torch_dtype
+from zerosafe.formats.crc import CrcLedger
+from zerosafe.formats.safetensors import SafetensorsStreamWriter
+from zerosafe.io.buffers import allocate_buffer, pin_mmap_threshold
+from zerosafe.io.storage import ByteSource
+
+__all__ = ["CopyJob", "copy_stream"]
+
+try:  # the same CRC-32 (zip's), computed with SIMD: 5-6x zlib's speed on the benchmark machine
+    from zlib_ng.zlib_ng import crc32 as _crc32
+except ImportError:  # zlib-ng is optional; zlib gives identical values, slower
+    from zlib import crc32 as _crc32
+
+_READ_AHEAD = 3
+_CAST_STEP = 32768 - 64
+"""Elements per torch call in `_cast`: below torch's parallel grain, a multiple of 64."""
+_WRITE_QUEUE = 2
+assert _READ_AHEAD + _WRITE_QUEUE + 3 <= PIPELINE_BUFFERS
+
+
+@dataclass(frozen=True, slots=True)
+class CopyJob:
+    """Copy `nbytes` of `source` at `offset` into tensor `tensor` of the writer, casting."""
+
+    tensor: int
+    source: ByteSource
+    offset: int
+    nbytes: int
+    src_dtype: str
+    out_dtype: str
+    crc_key: str | None = None
+    """Ledger key of the record these bytes belong to (None: do not track)."""
+    crc_offset: int = 0
+    """Offset of `offset` relative to the record's first byte."""
+
+
+class _BufferPool:
+    """At most `count` buffers of `size` bytes, allocated on first need and then reused."""
+
+    def __init__(self, count: int, size: int) -> None:
+        self._free: queue.Queue[bytearray] = queue.Queue()
+        self._size = size
+        self._unallocated = count
+        self._lock = threading.Lock()
+
+    def acquire(self) -> bytearray:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if self._unallocated > 0:
+                self._unallocated -= 1
+                return allocate_buffer(self._size)  # type: ignore[return-value]
+        return self._free.get()
+
+    def release(self, buf: bytearray) -> None:
+        self._free.put(buf)
+
+
+def _chunks(jobs: Iterable[CopyJob], chunk_bytes: int) -> Iterator[tuple[CopyJob, int, int]]:
+    for job in jobs:
+        src_size = dtype_info(job.src_dtype).itemsize
+        out_size = dtype_info(job.out_dtype).itemsize
+        elems = max(1, chunk_bytes // max(src_size, out_size))
+        step = elems * src_size
+        pos = 0
+        while pos < job.nbytes:
+            n = min(step, job.nbytes - pos)
+            yield job, pos, n
+            pos += n
+
+
+def _chunk_need(job: CopyJob, chunk_bytes: int) -> int:
+    """Largest buffer one chunk of `job` needs (its source or its cast output)."""
+    src_size = dtype_info(job.src_dtype).itemsize
+    out_size = dtype_info(job.out_dtype).itemsize
+    elems = min(job.nbytes // src_size, max(1, chunk_bytes // max(src_size, out_size)))
+    return elems * max(src_size, out_size)
+
+
+def _read(job: CopyJob, pos: int, n: int, buf: bytearray) -> tuple[int | None, memoryview]:
+    """Read a chunk (into `buf`, or as a view of a `zerosafe.io.mapped.MappedSource`) and CRC it."""
+    view_range = getattr(job.source, "view_range", None)
+    if view_range is not None:  # a mapped source lends its pages: no copy into `buf`
+        view = view_range(job.offset + pos, n)
+    else:
+        view = memoryview(buf)[:n]
+        job.source.readinto_at(job.offset + pos, view)
+    return (_crc32(view) if job.crc_key is not None else None), view
+
+
+def _cast(src: memoryview, src_dtype: str, out: bytearray, out_dtype: str) -> memoryview:
+    """Cast with torch (round-to-nearest-even), in the calling thread only.
+
+    One `copy_` over a whole chunk would fan out over torch's OpenMP pool, whose threads spin
+    between calls and fight the reader and writer threads for the cores: measured on 2 cores,
+    that made the cast the slowest stage of a merge (0.3 GB/s). Slices under torch's grain size
+    (`at::internal::GRAIN_SIZE`, 32768 elements) run serially, at several GB/s, without touching
+    the process-wide `torch.set_num_threads`. The values are the same kernel's either way.
+    """
+    import torch
+
+    count = len(src) // dtype_info(src_dtype).itemsize
+    n_out = count * dtype_info(out_dtype).itemsize
+    if count == 0:
+        return memoryview(out)[:0]
+    src_t = torch.frombuffer(src, dtype=torch_dtype(src_dtype), count=count)
+    out_t = torch.frombuffer(out, dtype=torch_dtype(out_dtype), count=count)
+    slices = zip(
+        out_t.split(_CAST_STEP),  # type: ignore[no-untyped-call]
+        src_t.split(_CAST_STEP),  # type: ignore[no-untyped-call]
+        strict=True,
+    )
+    for dst, part in slices:
+        dst.copy_(part)
+    return memoryview(out)[:n_out]
+
+
+class _Writer(threading.Thread):
+    """Hashes and writes queued chunks; after an error it keeps draining so no one blocks."""
+
+    def __init__(self, writer: SafetensorsStreamWriter, pool: _BufferPool) -> None:
+        super().__init__(name="zerosafe-writer", daemon=True)
+        self.writer = writer
+        self.pool = pool
+        self.queue: queue.Queue[tuple[int, memoryview, bytearray] | None] = queue.Queue(
+            _WRITE_QUEUE
+        )
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            index, view, buf = item
+            try:
+                if self.error is None:
+                    self.writer.write(index, view)
+            except BaseException as e:  # re-raised by the producer
+                self.error = e
+            finally:
+                self.pool.release(buf)
+
+
+def copy_stream(
+    jobs: Iterable[CopyJob],
+    writer: SafetensorsStreamWriter,
+    *,
+    chunk_bytes: int,
+    ledger: CrcLedger | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    num_readers: int = 2,
+) -> None:
+    """Run `jobs` in order into `writer` (which must be positioned at their first tensor).
+
+    Args:
+        jobs: Ranges to copy, in output order.
+        writer: The open output file; it is not finished here.
+        chunk_bytes: Size of each pipeline buffer.
+        ledger: Receives the CRC32 of every range read whose job names a `crc_key`.
+        on_bytes: Called with the source bytes of each chunk once it is queued for writing.
+        num_readers: Threads reading at once.
+    """
+    pin_mmap_threshold()
+    jobs = list(jobs)
+    biggest = max((_chunk_need(j, chunk_bytes) for j in jobs), default=0)
+    pool = _BufferPool(PIPELINE_BUFFERS, min(chunk_bytes, biggest))
+    write_thread = _Writer(writer, pool)
+    write_thread.start()
+    chunks = _chunks(jobs, chunk_bytes)
+    pending: deque[tuple[CopyJob, int, int, bytearray, Future[tuple[int | None, memoryview]]]]
+    pending = deque()
+    try:
+        with ThreadPoolExecutor(
+            max_workers=num_readers, thread_name_prefix="zerosafe-read"
+        ) as readers:
+
+            def submit_next() -> None:
+                item = next(chunks, None)
+                if item is None:
+                    return
+                job, pos, n = item
+                buf = pool.acquire()
+                pending.append((job, pos, n, buf, readers.submit(_read, job, pos, n, buf)))
+
+            try:
+                for _ in range(_READ_AHEAD):
+                    submit_next()
+                while pending:
+                    job, pos, n, buf, future = pending.popleft()
+                    try:
+                        crc, data = future.result()
+                    except BaseException:
+                        pool.release(buf)
+                        raise
+                    submit_next()
+                    if crc is not None and ledger is not None and job.crc_key is not None:
+                        ledger.add(job.crc_key, job.crc_offset + pos, n, crc)
+                    if job.src_dtype == job.out_dtype:
+                        out_buf, view = buf, data
+                    else:
+                        out_buf = pool.acquire()
+                        view = _cast(data, job.src_dtype, out_buf, job.out_dtype)
+                        pool.release(buf)
+                    del data  # a mapped chunk is unmapped once its last view goes
+                    if write_thread.error is not None:
+                        pool.release(out_buf)
+                        raise write_thread.error
+                    write_thread.queue.put((job.tensor, view, out_buf))
+                    if on_bytes is not None:
+                        on_bytes(n)
+            finally:
+                for _, _, _, _, future in pending:  # stop reads nobody will consume
+                    future.cancel()
+    finally:
+        write_thread.queue.put(None)
+        write_thread.join()
+    if write_thread.error is not None:
+        raise write_thread.error

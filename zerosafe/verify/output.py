@@ -1,0 +1,617 @@
+"""`zerosafe verify OUT_DIR [--against CKPT_DIR]`: check a whole Hugging Face style output.
+
+Works on any safetensors output (zerosafe's, DeepSpeed's, transformers'): every file's header
+and data region, the index (every file and tensor exactly once, `total_size`), finiteness, the
+manifest's checksums when there is one, tied aliases; and with `--against`, coverage of the
+source checkpoint (params, frozen params, buffers, aliases; shapes) and, for ZeRO-1/2, that
+each fp32 tensor cast to the training dtype equals the 16-bit weight DeepSpeed saved beside
+it, a witness that owes nothing to the fp32 partitions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from zerosafe.dtypes import dtype_info, torch_dtype
+from zerosafe.errors import CheckpointFormatError, ConversionError
+from zerosafe.io.lease import DESTINATION_LEASE_NAME
+from zerosafe.io.storage import Storage, join_url, normalize_url
+from zerosafe.stages.output import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    MARKER_NAME,
+    WORK_DIR_NAME,
+    read_complete_manifest,
+    shard_location,
+)
+from zerosafe.verify.source import content_fingerprint, sample_values
+from zerosafe.verify.tensors import Failure, parse_safetensors_header, verify_shard
+
+__all__ = ["render_verify", "verify_output"]
+
+log = logging.getLogger(__name__)
+
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
+def _load_json(storage: Storage, url: str) -> Any:
+    try:
+        return json.loads(storage.read_bytes(url))
+    except ValueError as e:
+        raise CheckpointFormatError(f"{url}: not valid JSON: {e}") from e
+
+
+def verify_output(
+    out_url: str,
+    *,
+    against: str | None = None,
+    tag: str | None = None,
+    check_finite: bool = True,
+    storage: Storage | None = None,
+    chunk_bytes: int = 16 * 2**20,
+    max_workers: int = 2,
+) -> dict[str, Any]:
+    """Check an output folder; returns a report with `ok` and a list of `failures`.
+
+    Raises:
+        CheckpointFormatError: If there is no safetensors output to check at all.
+    """
+    storage = storage or Storage()
+    out_url = normalize_url(out_url)
+    if not storage.isdir(out_url):
+        what = "a file" if storage.exists(out_url) else "missing"
+        raise CheckpointFormatError(
+            f"{out_url}: expected an output folder (model.safetensors or an index with its "
+            f"shards), found {what}. Pass the folder `zerosafe convert` wrote."
+        )
+    names = storage.listdir(out_url)
+    failures: list[Failure] = []
+    index = None
+    unfinished = _unfinished_work(names)
+    if unfinished and MARKER_NAME not in names:
+        failures.append(
+            Failure(
+                MARKER_NAME,
+                "*",
+                "complete",
+                f"incomplete conversion: zerosafe work files ({', '.join(unfinished)}) but no "
+                "completion marker; run the same `zerosafe convert` again to finish it",
+            )  # fmt: skip
+        )
+        if INDEX_NAME not in names and "model.safetensors" not in names:
+            return _report(out_url, failures, complete=False)
+    if INDEX_NAME in names:
+        index = _load_json(storage, join_url(out_url, INDEX_NAME))
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if (
+            not isinstance(weight_map, dict)
+            or not weight_map
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+            or not isinstance(index.get("metadata", {}), dict)
+        ):
+            raise CheckpointFormatError(
+                f"{out_url}/{INDEX_NAME}: not a safetensors index (expected an object with a "
+                "non-empty 'weight_map' of tensor name -> file name, and an object 'metadata')"
+            )
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if f not in names:
+                failures.append(Failure(f, "*", "present", f"named in {INDEX_NAME} but missing"))
+        for f in names:
+            if _is_weights_file(f) and f not in files:
+                detail = f"not listed in {INDEX_NAME}"
+                if f == "model.safetensors":
+                    detail += "; loaders read it instead of the index"
+                failures.append(Failure(f, "*", "indexed", detail))
+        files = [f for f in files if f in names]
+    elif "model.safetensors" in names:
+        files = ["model.safetensors"]
+        weight_map = None
+        for f in names:
+            if f != "model.safetensors" and _SHARD_RE.match(f):
+                failures.append(
+                    Failure(
+                        f,
+                        "*",
+                        "indexed",
+                        f"shard file beside model.safetensors but no {INDEX_NAME}",
+                    )
+                )
+    else:
+        raise CheckpointFormatError(
+            f"{out_url}: no {INDEX_NAME} and no model.safetensors; nothing to verify"
+        )
+
+    manifest = None
+    complete = None
+    if MANIFEST_NAME in names:
+        complete = MARKER_NAME in names
+        manifest = _load_json(storage, join_url(out_url, MANIFEST_NAME))
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("tensors", {}), dict):
+            raise CheckpointFormatError(f"{out_url}/{MANIFEST_NAME}: not a zerosafe manifest")
+        if not complete:
+            failures.append(
+                Failure(
+                    MARKER_NAME,
+                    "*",
+                    "complete",
+                    "no completion marker: the conversion did not finish",
+                )
+            )
+        else:
+            try:
+                vouched = read_complete_manifest(storage, out_url)
+            except (ValueError, AttributeError, TypeError, ConversionError) as e:
+                failures.append(
+                    Failure(MARKER_NAME, "*", "complete", f"completion marker not usable: {e}")
+                )
+            else:
+                if vouched is None:
+                    failures.append(
+                        Failure(
+                            MARKER_NAME,
+                            "*",
+                            "complete",
+                            "the completion marker does not match the manifest",
+                        )
+                    )
+    elif MARKER_NAME in names:
+        failures.append(
+            Failure(
+                MANIFEST_NAME,
+                "*",
+                "complete",
+                "completion marker present but the manifest is missing; checksums cannot be compared",
+            )
+        )
+
+    expected_by_file: dict[str, dict[str, dict[str, Any]]] = {}
+    if manifest is not None:
+        for name, info in manifest.get("tensors", {}).items():
+            expected_by_file.setdefault(info["file"], {})[name] = info
+    with ThreadPoolExecutor(max_workers=max_workers) as pool:
+        reports = list(
+            pool.map(
+                lambda f: verify_shard(
+                    storage,
+                    join_url(out_url, f),
+                    expected=expected_by_file.get(f, {}) if manifest is not None else None,
+                    check_finite=check_finite,
+                    chunk_bytes=chunk_bytes,
+                ),  # fmt: skip
+                files,
+            )
+        )
+    for r in reports:
+        failures.extend(r.failures)
+    for f, tensors in expected_by_file.items():
+        if f not in files:
+            failures.extend(
+                Failure(f, t, "present", f"in {MANIFEST_NAME} but its file is not in the output")
+                for t in sorted(tensors)
+            )
+
+    where: dict[str, list[str]] = {}
+    for r in reports:
+        for tensor in r.tensors:
+            where.setdefault(tensor, []).append(r.file)
+    for tensor, in_files in where.items():
+        if len(in_files) > 1:
+            failures.append(
+                Failure(", ".join(in_files), tensor, "unique", f"stored in {len(in_files)} files")
+            )
+    if weight_map is not None:
+        for tensor, f in weight_map.items():
+            if f in files and tensor not in where:
+                failures.append(
+                    Failure(
+                        f, tensor, "present", f"{INDEX_NAME} maps it here but the file lacks it"
+                    )
+                )
+            elif tensor in where and f not in where[tensor]:
+                failures.append(
+                    Failure(
+                        f, tensor, "indexed", f"{INDEX_NAME} says {f}, stored in {where[tensor]}"
+                    )
+                )
+        for tensor, in_files in where.items():
+            if tensor not in weight_map:
+                failures.append(
+                    Failure(in_files[0], tensor, "indexed", f"not listed in {INDEX_NAME}")
+                )
+        total = sum(
+            dtype_info(t["dtype"]).itemsize * _numel(t["shape"])
+            for r in reports
+            for t in r.tensors.values()
+        )
+        declared = (index or {}).get("metadata", {}).get("total_size")
+        if declared is not None and int(declared) != total:
+            failures.append(
+                Failure(
+                    INDEX_NAME,
+                    "*",
+                    "total_size",
+                    f"metadata.total_size {declared}, tensors hold {total}",
+                )
+            )
+
+    sources: list[tuple[str, dict[str, str]]] = []
+    if manifest is not None:
+        sources.append((MANIFEST_NAME, manifest.get("aliases") or {}))
+    for r in reports:
+        if "aliases" in r.metadata:
+            try:
+                sources.append((r.file, json.loads(r.metadata["aliases"])))
+            except ValueError:
+                failures.append(
+                    Failure(r.file, "*", "tied", "__metadata__ 'aliases' is not valid JSON")
+                )
+    if index is not None:
+        sources.append((INDEX_NAME, index.get("metadata", {}).get("aliases") or {}))
+    aliases: dict[str, str] = {}
+    for origin, mapping in sources:
+        if not isinstance(mapping, dict):
+            failures.append(Failure(origin, "*", "tied", "aliases must map alias -> target"))
+            continue
+        for alias, target in mapping.items():
+            if alias in aliases and aliases[alias] != target:
+                failures.append(
+                    Failure(
+                        origin,
+                        alias,
+                        "tied",
+                        f"alias of '{target}' here but of '{aliases[alias]}' elsewhere",
+                    )
+                )
+                continue
+            aliases.setdefault(alias, target)
+            if target not in where:
+                failures.append(
+                    Failure(origin, alias, "tied", f"alias of '{target}', which is not stored")
+                )
+    for alias in aliases:
+        if weight_map is not None and alias in weight_map:
+            failures.append(
+                Failure(
+                    INDEX_NAME,
+                    alias,
+                    "tied",
+                    f"alias listed in {INDEX_NAME}; loaders would look for it",
+                )
+            )
+
+    against_report = None
+    if against is not None:
+        exclude_frozen = bool(((manifest or {}).get("options") or {}).get("exclude_frozen"))
+        against_report = _check_against(
+            storage, out_url, against, tag, reports, aliases, failures, chunk_bytes,
+            exclude_frozen=exclude_frozen, source=(manifest or {}).get("source"),
+        )  # fmt: skip
+
+    tensors = {t: info for r in reports for t, info in r.tensors.items()}
+    return {
+        "output": out_url,
+        "ok": not failures,
+        "files": files,
+        "num_tensors": len(tensors),
+        "data_bytes": sum(r.bytes_read for r in reports),
+        "complete": complete,
+        "has_manifest": manifest is not None,
+        "aliases": aliases,
+        "nonfinite": {
+            t: {k: info[k] for k in ("nan", "posinf", "neginf")}
+            for t, info in tensors.items()
+            if info["nan"] or info["posinf"] or info["neginf"]
+        },
+        "against": against_report,
+        "failures": [f.as_dict() for f in failures],
+    }
+
+
+def _unfinished_work(names: list[str]) -> list[str]:
+    """The zerosafe work files among a folder's entries (a run's plan, pending shards,
+    intermediates or lease)."""
+    return [n for n in names if n in (WORK_DIR_NAME, DESTINATION_LEASE_NAME)]
+
+
+def _report(out_url: str, failures: list[Failure], *, complete: bool | None) -> dict[str, Any]:
+    """The report of an output with nothing to check tensor by tensor."""
+    return {
+        "output": out_url,
+        "ok": not failures,
+        "files": [],
+        "num_tensors": 0,
+        "data_bytes": 0,
+        "complete": complete,
+        "has_manifest": False,
+        "aliases": {},
+        "nonfinite": {},
+        "against": None,
+        "failures": [f.as_dict() for f in failures],
+    }
+
+
+def _is_weights_file(name: str) -> bool:
+    return name.startswith("model") and name.endswith(".safetensors")
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _check_against(
+    storage: Storage,
+    out_url: str,
+    ckpt_url: str,
+    tag: str | None,
+    reports: list[Any],
+    aliases: dict[str, str],
+    failures: list[Failure],
+    chunk_bytes: int,
+    *,
+    exclude_frozen: bool = False,
+    source: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Coverage against the checkpoint, its identity (`source`: the manifest's record), a
+    sample of values, and the ZeRO-1/2 16-bit cross-check.
+
+    With `exclude_frozen` (the output's manifest says it was converted so), frozen params
+    must be absent instead of present.
+    """
+    from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
+
+    ckpt = open_zero_checkpoint(storage, ckpt_url, tag=tag)
+    stored = {t: (r.file, info) for r in reports for t, info in r.tensors.items()}
+    expected: dict[str, tuple[int, ...]] = {}
+    for group in ckpt.param_groups:
+        for name, shape in group:
+            expected[name] = shape
+    for fp in ckpt.frozen:
+        if not exclude_frozen:
+            expected[fp.name] = fp.shape
+        elif fp.name in stored:
+            failures.append(
+                Failure(
+                    stored[fp.name][0],
+                    fp.name,
+                    "coverage",
+                    "frozen param stored, but the output excludes frozen params",
+                )
+            )
+    for name, t in ckpt.buffers:
+        expected[name] = t.shape
+    for name, shape in expected.items():
+        if name not in stored:
+            failures.append(
+                Failure("*", name, "coverage", "in the checkpoint but not in the output")
+            )
+        elif tuple(stored[name][1]["shape"]) != tuple(shape):
+            failures.append(
+                Failure(
+                    stored[name][0],
+                    name,
+                    "coverage",
+                    f"shape {stored[name][1]['shape']}, checkpoint {list(shape)}",
+                )
+            )
+    for alias, target in ckpt.shared.items():
+        if alias in stored:
+            continue  # written as a copy
+        if aliases.get(alias) != target:
+            failures.append(
+                Failure(
+                    "*",
+                    alias,
+                    "coverage",
+                    f"tied to '{target}' in the checkpoint; not stored and not recorded as an alias",
+                )
+            )
+    for name in stored:
+        if name not in expected and name not in ckpt.shared:
+            failures.append(Failure(stored[name][0], name, "coverage", "not in the checkpoint"))
+
+    content = content_fingerprint(ckpt)
+    source = source or {}
+    recorded = source.get("content_sha256")
+    if recorded is not None and recorded != content:
+        failures.append(
+            Failure(
+                MANIFEST_NAME,
+                "*",
+                "source",
+                f"converted from {source.get('checkpoint')} (tag {source.get('tag')}) whose "
+                f"contents differ from {ckpt.ckpt_url} (tag {ckpt.tag}): another checkpoint, "
+                "another step, or files changed since",
+            )  # fmt: skip
+        )
+    sampled = sample_values(storage, out_url, ckpt, stored, failures)
+    checked, mismatched, skipped_why = lowp_cross_check(
+        storage, out_url, ckpt, stored, failures, chunk_bytes
+    )
+    return {
+        "checkpoint": ckpt.ckpt_url,
+        "tag": ckpt.tag,
+        "source_identity": _identity_word(recorded, content),
+        "values_sampled": sampled,
+        "expected_tensors": len(expected),
+        "lowp_checked": checked,
+        "lowp_mismatched": mismatched,
+        "lowp_skipped": skipped_why,
+    }
+
+
+def _identity_word(recorded: str | None, content: str) -> str:
+    if recorded is None:
+        return "no record in the output"
+    return "same contents" if recorded == content else "different"
+
+
+def lowp_report(
+    storage: Storage,
+    source: dict[str, Any],
+    out_url: str,
+    merges: list[dict[str, Any]],
+    *,
+    job_key: str | None = None,
+) -> dict[str, Any]:
+    """The 16-bit cross-check of a conversion's output, as a verify-shaped report.
+
+    Args:
+        source: The plan's `source` (checkpoint URL and tag).
+        merges: The merge summaries (which file holds which tensor, its dtype and shape).
+        job_key: The job whose shards are still pending publish (read them there).
+    """
+    from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
+
+    ckpt = open_zero_checkpoint(storage, source["checkpoint"], tag=source["tag"])
+    stored = {name: (m["file"], info) for m in merges for name, info in m["tensors"].items()}
+    failures: list[Failure] = []
+    checked, mismatched, why = lowp_cross_check(
+        storage, out_url, ckpt, stored, failures,
+        locate=(lambda f: shard_location(storage, out_url, job_key, f)) if job_key else None,
+    )  # fmt: skip
+    return {
+        "file": "*",
+        "check": "lowp",
+        "lowp_checked": checked,
+        "lowp_mismatched": mismatched,
+        "lowp_skipped": why,
+        "failures": [f.as_dict() for f in failures],
+    }
+
+
+def lowp_cross_check(
+    storage: Storage,
+    out_url: str,
+    ckpt: Any,
+    stored: dict[str, tuple[str, dict[str, Any]]],
+    failures: list[Failure],
+    chunk_bytes: int = 16 * 2**20,
+    *,
+    locate: Callable[[str], str] | None = None,
+) -> tuple[int, int, str | None]:
+    """ZeRO-1/2: each output tensor cast to the training dtype must equal the 16-bit weight
+    DeepSpeed saved in the model states, a witness independent of the fp32 partitions.
+
+    Args:
+        ckpt: The source `ZeroCheckpoint`.
+        stored: tensor name -> (file, {"dtype", "shape"}) of the output.
+        failures: Receives one `lowp` failure per tensor that differs.
+
+    Returns:
+        `(checked, mismatched, why_skipped)`; reads the 16-bit weights and the output tensors.
+    """
+    checked = mismatched = 0
+    skipped_why = None
+    model0 = ckpt.model_files[0]
+    raw_module = model0.obj.get("module")
+    module: dict[str, Any] = raw_module if isinstance(raw_module, dict) else {}
+    if ckpt.stage == 3:
+        return 0, 0, "ZeRO-3 saves no 16-bit copy of trained params"
+    if ckpt.train_dtype == "float32":
+        return 0, 0, "trained in fp32: the module copy is the same fp32 data"
+    sources: dict[str, Any] = {}
+    try:
+        lowp_names = [n for g in ckpt.param_groups for n, _ in g] + [fp.name for fp in ckpt.frozen]
+        for name in lowp_names:
+            if name not in stored or name not in module:
+                continue
+            m = module[name]
+            if m.dtype not in ("bfloat16", "float16"):
+                continue
+            out_dtype = stored[name][1]["dtype"]
+            if m.numel != _numel(stored[name][1]["shape"]) or m.numel == 0:
+                continue
+            if out_dtype not in ("float32", m.dtype):
+                skipped_why = f"output dtype {out_dtype} cannot be compared with {m.dtype} weights"
+                continue
+            file = stored[name][0]
+            if file not in sources:
+                src = storage.open_source(locate(file) if locate else join_url(out_url, file))
+                sources[file] = (src, *parse_safetensors_header(src))
+            checked += 1
+            if not _compare_lowp(sources[file], name, out_dtype, model0, m, chunk_bytes):
+                mismatched += 1
+                failures.append(
+                    Failure(
+                        file,
+                        name,
+                        "lowp",
+                        f"cast to {m.dtype} differs from the {m.dtype} weight in {model0.url.rsplit('/', 1)[-1]}",
+                    )
+                )
+    finally:
+        for src, *_ in sources.values():
+            src.close()
+    return checked, mismatched, skipped_why
+
+
+def _compare_lowp(
+    src_info: Any, name: str, out_dtype: str, model: Any, module_tensor: Any, chunk_bytes: int
+) -> bool:
+    import torch
+
+    src, header, _, data_start = src_info
+    begin, _ = header[name]["data_offsets"]
+    lowp = module_tensor.dtype
+    out_size = dtype_info(out_dtype).itemsize
+    low_size = dtype_info(lowp).itemsize
+    numel = module_tensor.numel
+    step = max(1, chunk_bytes // out_size)
+    module_base = model.zip.tensor_offset(module_tensor)
+    for start in range(0, numel, step):
+        count = min(step, numel - start)
+        raw = src.read_range(
+            data_start + begin + start * out_size, data_start + begin + (start + count) * out_size
+        )
+        out = torch.frombuffer(bytearray(raw), dtype=torch_dtype(out_dtype)).to(torch_dtype(lowp))
+        ref_raw = model.zip.source.read_range(
+            module_base + start * low_size, module_base + (start + count) * low_size
+        )
+        ref = torch.frombuffer(bytearray(ref_raw), dtype=torch_dtype(lowp))
+        if not torch.equal(out.view(torch.int16), ref.view(torch.int16)):
+            return False
+    return True
+
+
+def render_verify(report: dict[str, Any]) -> str:
+    """The verify report for people: a summary line and a table of failures."""
+    lines = []
+    status = "OK" if report["ok"] else "FAILED"
+    lines.append(
+        f"{status}  {report['output']}: {report['num_tensors']} tensors in {len(report['files'])} file(s)"
+        + (
+            ", manifest checksums compared"
+            if report["has_manifest"]
+            else ", no manifest (structure and values only)"
+        )
+    )
+    if report["aliases"]:
+        lines.append("  tied: " + ", ".join(f"{a} -> {t}" for a, t in report["aliases"].items()))
+    if report["against"]:
+        a = report["against"]
+        lines.append(
+            f"  against {a['checkpoint']} (tag {a['tag']}): {a['expected_tensors']} tensors expected; "
+            f"source {a.get('source_identity')}; {a.get('values_sampled', 0)} value samples compared; "
+            + (
+                f"16-bit cross-check skipped ({a['lowp_skipped']})"
+                if a["lowp_checked"] == 0 and a["lowp_skipped"]
+                else f"16-bit cross-check {a['lowp_checked'] - a['lowp_mismatched']}/{a['lowp_checked']} equal"
+            )
+        )
+    if report["failures"]:
+        rows = [("file", "tensor", "check", "detail")] + [
+            (f["file"], f["tensor"], f["check"], f["detail"]) for f in report["failures"]
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        for r in rows:
+            lines.append("  " + "  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3])
+    return "\n".join(lines)

@@ -1,0 +1,542 @@
+"""The `zerosafe` command: `inspect`, `convert`, `verify`.
+
+`convert` runs the Prefect flow `convert` (embedded Prefect; imported inside the command only,
+so `import zerosafe`, `inspect` and `verify` never import Prefect). A `ConversionError` is
+printed as one line and exits 2; `verify` exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from zerosafe._version import __version__
+from zerosafe.errors import ConfigError, ConversionError, VerificationError
+from zerosafe.units import format_bytes, size_argument
+
+__all__ = ["main", "run"]
+
+log = logging.getLogger("zerosafe")
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+EXTRA_COMMANDS: list[str] = ["zerosafe_app.pt2st_cli", "zerosafe.stages.clean"]
+"""Modules that add a command: each has `add_parser(subparsers, add_verbosity)`, which adds its
+parser and sets `handler=` (a function of the parsed args returning the exit code) as a default."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (exit 2) that points at `--help`, instead of the
+    whole usage block above the one line that matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
+        return value
+
+    return parse
+
+
+def _positive_size(text: str) -> int:
+    value = size_argument(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 bytes (got '{text}')")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
+    if not 0 <= value < math.inf:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got '{text}')")
+    return value
+
+
+def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    def parse_list(text: str) -> list[Any]:
+        return [parse(item) for item in text.split(",")]
+
+    return parse_list
+
+
+_FLAG_OF_FIELD = {
+    "`max_parallel_tasks`": "`--parallel`",
+    "`memory`": "`--memory`",
+    "`memory_bytes`": "`--memory`",
+    "`max_shard_bytes`": "`--max-shard-size`",
+    "`extract_part_bytes`": "`--extract-part-size`",
+    "`dtype`": "`--dtype`",
+    "`tied`": "`--tied`",
+    "`mode: direct`": "`--mode direct`",
+    "`mode: staged`": "`--mode staged`",
+    "`mode`": "`--mode`",
+}
+"""`ConvertOptions` fields as its errors name them -> the flag a user of the command typed."""
+
+
+def _with_flag_names(e: ConfigError) -> ConfigError:
+    message = str(e)
+    for field, flag in _FLAG_OF_FIELD.items():
+        message = message.replace(field, flag)
+    return ConfigError(message)
+
+
+def _add_plan_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tag", help="tag to convert (default: the one 'latest' names)")
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="output dtype of floating tensors (default fp32)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_positive_size,
+        default="5GB",
+        metavar="SIZE",
+        help="largest output file, e.g. 5GB, 500MB, 64MiB (default 5GB)",
+    )
+    p.add_argument(
+        "--memory",
+        type=size_argument,
+        default="1GB",
+        metavar="SIZE",
+        help="memory budget of a worker (default 1GB)",
+    )
+    p.add_argument("--exclude-frozen", action="store_true", help="leave frozen parameters out")
+    p.add_argument(
+        "--tied",
+        choices=["dedupe", "copy"],
+        default="dedupe",
+        help="store tied aliases once and record them (dedupe, default) or write copies",
+    )
+    p.add_argument(
+        "--mode",
+        choices=["auto", "direct", "staged"],
+        default="auto",
+        help="how merges read the fp32 masters: direct (in place, local/NFS), staged (from "
+        "intermediates an extract stage writes first), auto (direct for local/NFS paths, "
+        "staged for object stores; default)",
+    )
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="same as --mode direct (kept for one release)",
+    )
+    _add_storage_option(p)
+
+
+def _add_storage_option(p: argparse.ArgumentParser) -> None:
+    from zerosafe.io.s3 import STORAGE_OPTION_HELP
+
+    p.add_argument(
+        "--storage-option", action="append", metavar="KEY=VALUE", help=STORAGE_OPTION_HELP
+    )
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    from zerosafe.io.s3 import parse_option_pairs
+
+    return parse_option_pairs(getattr(args, "storage_option", None) or [])
+
+
+def _storage(args: argparse.Namespace) -> Any:
+    """Storage for the command's URLs; a `credentials` block reference needs Prefect."""
+    from zerosafe.io.storage import Storage
+
+    options = _storage_options(args)
+    if "credentials" in options:
+        from zerosafe_app.tasks.credentials import storage_for
+
+        return storage_for(options)
+    return Storage(options)
+
+
+def _add_verbosity(p: argparse.ArgumentParser, *, top: bool) -> None:
+    # Accepted before or after the command; under a command they only count when given.
+    default: dict[str, Any] = {} if top else {"default": argparse.SUPPRESS}
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        help="more log output",
+        **({"default": 0} if top else default),
+    )
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="errors only; no progress bar",
+        **({"default": False} if top else default),
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="zerosafe",
+        description="Convert DeepSpeed ZeRO checkpoints into verified safetensors, streaming, without DeepSpeed.",
+    )
+    parser.add_argument("--version", action="version", version=f"zerosafe {__version__}")
+    _add_verbosity(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("inspect", help="show what a checkpoint holds and what converting it costs")
+    _add_verbosity(p, top=False)
+    p.add_argument(
+        "checkpoint", nargs="?", help="checkpoint folder (holding 'latest') or tag folder"
+    )
+    _add_plan_options(p)
+    p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
+    sim = p.add_argument_group(
+        "simulation", "plan a model described by shapes alone (no checkpoint, nothing read)"
+    )
+    sim.add_argument(
+        "--simulate",
+        metavar="SPEC",
+        help="YAML/JSON model description (see conf/simulate-80b.yaml) to plan instead of a checkpoint",
+    )
+    sim.add_argument(
+        "--world-size", type=_int_at_least(1),
+        help="with --simulate: override the spec's world size",
+    )  # fmt: skip
+    sim.add_argument(
+        "--parallel", type=_int_at_least(1), default=2, metavar="N",
+        help="tasks a worker runs at once, within --memory (default 2)",
+    )  # fmt: skip
+    sim.add_argument(
+        "--extract-part-size", type=size_argument, metavar="SIZE",
+        help="with --simulate, staged mode: a rank's bytes are extracted in parts of at most "
+        "this (default 2GB)",
+    )  # fmt: skip
+    sim.add_argument(
+        "--workers", type=_list_of(_int_at_least(1)), metavar="N,...",
+        help="with --simulate: worker counts to predict wall time for (default 1,4,16,64)",
+    )  # fmt: skip
+    sim.add_argument(
+        "--bandwidth", type=_list_of(_positive_size), metavar="SIZE,...",
+        help="with --simulate: aggregate storage bandwidths per second (default 1GB,10GB)",
+    )  # fmt: skip
+    sim.add_argument(
+        "--task-rate", type=_positive_size, metavar="SIZE",
+        help="with --simulate: bytes one task moves per second at most (default: measured 1GB)",
+    )  # fmt: skip
+    sim.add_argument(
+        "--request-latency", type=_seconds, metavar="SECONDS",
+        help="with --simulate: wait per ranged read, e.g. 0.03 for an object store (default 0)",
+    )  # fmt: skip
+
+    p = sub.add_parser("convert", help="convert a checkpoint tag into safetensors")
+    _add_verbosity(p, top=False)
+    p.add_argument("checkpoint", help="checkpoint folder (holding 'latest') or tag folder")
+    p.add_argument("output", help="output folder")
+    _add_plan_options(p)
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an output of another source or other options",
+    )
+    p.add_argument(
+        "--work-dir",
+        help="where to keep the plan and intermediates (default: OUTPUT/.zerosafe-work)",
+    )
+    p.add_argument(
+        "--keep-work", action="store_true", help="keep work files after a verified publish"
+    )
+    p.add_argument("--allow-nonfinite", action="store_true", help="do not fail on NaN/Inf values")
+    p.add_argument(
+        "--check-lowp",
+        action="store_true",
+        help="ZeRO-1/2: also check the output against the 16-bit weights saved beside the fp32 ones",
+    )
+    p.add_argument(
+        "--parallel",
+        type=_int_at_least(1),
+        default=2,
+        metavar="N",
+        help="tasks at once, within the memory budget (default 2)",
+    )
+    p.add_argument("--no-flow", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+
+    p = sub.add_parser(
+        "verify", help="check a safetensors output (exit 0 ok, 1 a check failed, 2 unreadable)"
+    )
+    _add_verbosity(p, top=False)
+    p.add_argument("output", help="output folder (index + shards, or model.safetensors)")
+    p.add_argument(
+        "--against",
+        metavar="CHECKPOINT",
+        help="also check coverage and values against the source checkpoint",
+    )
+    p.add_argument("--tag", help="with --against: the checkpoint tag")
+    _add_storage_option(p)
+    p.add_argument("--allow-nonfinite", action="store_true", help="do not fail on NaN/Inf values")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    for module in EXTRA_COMMANDS:
+        importlib.import_module(module).add_parser(sub, _add_verbosity)
+    return parser
+
+
+def _requested_mode(args: argparse.Namespace) -> str:
+    return "direct" if args.direct else str(args.mode)
+
+
+def _options(args: argparse.Namespace) -> Any:
+    from zerosafe.config import ConvertOptions, choose_mode
+
+    try:
+        source = getattr(args, "checkpoint", None)
+        if source:
+            direct, why = choose_mode(source, _requested_mode(args))
+        else:  # `inspect --simulate`: no source to choose by
+            direct, why = _requested_mode(args) == "direct", f"{_requested_mode(args)}, as asked"
+        return ConvertOptions(
+            dtype=args.dtype,
+            max_shard_bytes=args.max_shard_size,
+            memory_bytes=args.memory,
+            exclude_frozen=args.exclude_frozen,
+            tied=args.tied,
+            direct=direct,
+            mode_reason=why,
+            overwrite=getattr(args, "overwrite", False),
+            keep_work=getattr(args, "keep_work", False),
+            check_finite=not getattr(args, "allow_nonfinite", False),
+            check_lowp=getattr(args, "check_lowp", False),
+            max_parallel_tasks=getattr(args, "parallel", 2),
+            **(
+                {"extract_part_bytes": args.extract_part_size}
+                if getattr(args, "extract_part_size", None) is not None
+                else {}
+            ),
+        )
+    except ConfigError as e:
+        raise _with_flag_names(e) from e
+
+
+_SIMULATION_ONLY = ("world_size", "extract_part_size", "workers", "bandwidth", "task_rate",
+                    "request_latency")  # fmt: skip
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from zerosafe.formats.deepspeed import simulate
+
+    options = _options(args)
+    spec = simulate.load_spec(args.simulate, world_size=args.world_size)
+    _, plan = simulate.simulate_plan(spec, options)
+    report = simulate.simulation_report(
+        spec, plan, options, workers=args.workers or [1, 4, 16, 64],
+        bandwidths=[float(b) for b in args.bandwidth or [10**9, 10**10]],
+        task_rate=args.task_rate or simulate.DEFAULT_TASK_RATE_BYTES,
+        request_latency=args.request_latency or 0.0,
+    )  # fmt: skip
+    print(json.dumps(report, indent=1) if args.json else simulate.render_simulation(report))
+    return EXIT_OK
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
+    from zerosafe.plan.describe import describe_plan, render_inspect
+    from zerosafe.plan.model import build_plan
+
+    if args.simulate:
+        if args.checkpoint:
+            raise ConfigError("give a checkpoint or `--simulate SPEC`, not both")
+        return _cmd_simulate(args)
+    if not args.checkpoint:
+        raise ConfigError("`inspect` needs a checkpoint folder (or `--simulate SPEC`)")
+    given = [f"--{n.replace('_', '-')}" for n in _SIMULATION_ONLY if getattr(args, n) is not None]
+    if given:
+        raise ConfigError(
+            f"`{given[0]}` applies only with `--simulate SPEC`; drop it to inspect a checkpoint"
+        )
+    options = _options(args)
+    storage = _storage(args)
+    ckpt = open_zero_checkpoint(storage, args.checkpoint, tag=args.tag)
+    plan = build_plan(ckpt, options)
+    report = describe_plan(ckpt, plan, options, metadata_bytes_read=storage.counter.bytes_read)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(render_inspect(report))
+    return EXIT_OK
+
+
+def _check_before_starting(args: argparse.Namespace, options: Any) -> str | None:
+    """Refuse what is plainly wrong in well under a second, before the flow (and the embedded
+    Prefect server, seconds to start) begins: a folder that holds no checkpoint, a tag that is
+    not there, an output that cannot be written. The flow checks everything again.
+
+    Returns:
+        The job key when the output already holds this very conversion, intact (the same
+        stat-only check the flow's inspect makes first): then there is nothing to run.
+    """
+    from zerosafe.errors import ConfigError
+    from zerosafe.formats.deepspeed.checkpoint import quick_identities
+    from zerosafe.io.storage import normalize_url
+    from zerosafe.stages.output import quick_done
+
+    source, output = normalize_url(args.checkpoint), normalize_url(args.output)
+    if source == output:
+        raise ConfigError(f"{output}: the output folder must differ from the checkpoint folder")
+    storage = _storage(args)
+    quick_identities(storage, source, args.tag)
+    storage.ensure_folder(output)
+    return quick_done(storage, source, args.tag, output, options)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from zerosafe.stages.progress import NullProgress, TerminalProgress
+
+    options = _options(args)
+    show_progress = not args.quiet and not args.json and sys.stderr.isatty()
+    done = _check_before_starting(args, options)
+    if done is not None:  # complete and intact: no checkpoint byte read, no server started
+        summary: dict[str, Any] = {
+            "status": "already-complete",
+            "output": args.output,
+            "job_key": done,
+        }
+    elif args.no_flow:
+        from zerosafe.pipeline import convert_checkpoint
+
+        summary = convert_checkpoint(
+            args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
+            progress=TerminalProgress() if show_progress else NullProgress(), storage=_storage(args),
+        )  # fmt: skip
+    else:
+        from zerosafe_app.flows.runtime import configure_embedded_prefect, local_server
+
+        configure_embedded_prefect(verbose=args.verbose)
+        with local_server():  # unless PREFECT_API_URL names one
+            from zerosafe_app.flows.convert import run_convert  # Prefect only from here on
+
+            summary = run_convert(
+                args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
+                show_progress=show_progress, quiet=args.quiet, storage_options=_storage_options(args),
+                mode=_requested_mode(args),
+            )  # fmt: skip
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    elif summary["status"] == "already-complete":
+        print(
+            f"{args.output}: already a complete conversion of this checkpoint with these options; nothing to do."
+        )
+    elif not args.quiet:
+        rate = summary.get("source_bytes_read", summary.get("bytes_read", 0)) / max(
+            summary.get("seconds", 0), 1e-9
+        )
+        print(
+            f"converted {summary['num_tensors']} tensors into {len(summary['files'])} file(s) in {args.output} "
+            f"in {summary['seconds']:.1f} s ({format_bytes(rate)}/s read; peak memory {format_bytes(summary['peak_rss_bytes'])})"
+        )
+        if summary.get("source_read_ratio"):
+            print(
+                f"  read {format_bytes(summary['source_bytes_read'])} from the source: "
+                f"{summary['source_read_ratio']:.3f} x the {format_bytes(summary['source_bytes_needed'])} "
+                "it needs (fp32 masters, frozen params and buffers, pickles, zip directories)"
+            )
+        if summary.get("mode_reason"):
+            print(f"  mode: {summary['mode_reason']}")
+        for alias, target in summary.get("aliases", {}).items():
+            print(f"  tied: {alias} -> {target} (stored once; recorded in the metadata)")
+        for note in summary.get("notes", []):
+            print(f"  note: {note}")
+    if summary.get("status") == "converted" and not args.json:
+        for warning in summary.get("warnings", []):
+            print(f"zerosafe: warning: {warning}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from zerosafe.verify.output import render_verify, verify_output
+
+    report = verify_output(
+        args.output, against=args.against, tag=args.tag, check_finite=not args.allow_nonfinite,
+        storage=_storage(args),
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(render_verify(report))
+    return EXIT_OK if report["ok"] else EXIT_CHECK_FAILED
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    # Other libraries stay at WARNING even with -v (httpx, websockets, fsspec are chatty).
+    level = logging.ERROR if args.quiet else (logging.INFO if args.verbose else logging.WARNING)
+    logging.basicConfig(level=level, format="zerosafe: %(levelname)s: %(message)s")
+    logging.getLogger().setLevel(logging.ERROR if args.quiet else logging.WARNING)
+    logging.getLogger("zerosafe").setLevel(
+        logging.ERROR
+        if args.quiet
+        else {0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG)
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = _parser().parse_args(argv)
+    _setup_logging(args)
+    handler = getattr(args, "handler", None) or {
+        "inspect": _cmd_inspect, "convert": _cmd_convert, "verify": _cmd_verify
+    }[args.command]  # fmt: skip
+    args.storage_factory = functools.partial(_storage, args)
+    try:
+        return handler(args)
+    except VerificationError as e:
+        print(f"zerosafe: verification failed: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except ConversionError as e:
+        print(f"zerosafe: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(
+            "\nzerosafe: interrupted; nothing was marked complete. Run the same command again to resume.",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+
+
+def run() -> None:
+    """The `zerosafe` command: `main`, then exit.
+
+    After a flow ran, the interpreter's own teardown of Prefect (its threads, loops and
+    clients) costs a second or more, and the command has nothing left to do: every file is
+    committed and the lease released. So the command sends Prefect's queued logs and events
+    to the server (bounded), flushes its own output and exits at once. `main` stays a plain
+    function for callers in a process that goes on (tests, notebooks).
+    """
+    code = main()
+    prefect_services = sys.modules.get("prefect._internal.concurrency.services")
+    if prefect_services is None:
+        sys.exit(code)
+    with contextlib.suppress(Exception):
+        prefect_services.QueueService.drain_all(timeout=5)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,177 @@
+"""The job config: one validated model for YAML job files, flow parameters and CLI flags.
+
+`conf/example.yaml` documents every field. Explicit flow parameters override the YAML file;
+the result is validated before any work starts, and unknown keys or impossible combinations
+are refused with a message naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from zerosafe.config import ConvertOptions, choose_mode
+from zerosafe.errors import ConfigError
+from zerosafe.io.s3 import find_secret_options
+from zerosafe.io.storage import normalize_url
+from zerosafe.units import parse_size
+
+__all__ = ["JobConfig", "load_job_config"]
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class JobConfig(BaseModel):
+    """One conversion job."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    source: str
+    """The checkpoint: the folder holding `latest`, or a tag folder (path or URL, e.g. s3://...)."""
+    destination: str
+    """The output folder (path or URL)."""
+    tag: str | None = None
+    """The tag to convert; by default the one `latest` names."""
+    work_dir: str | None = None
+    """Where the plan, intermediates and cached task results go (default: DESTINATION/.zerosafe-work)."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Output dtype of every floating tensor; integer buffers keep theirs."""
+    max_shard_size: int = Field(default=5 * 10**9, gt=0)
+    """Largest output file, e.g. `5GB`, `500MB` or `64MiB`."""
+    memory: int = Field(default=10**9, gt=0)
+    """Memory budget of one worker; the tasks it runs at once fit in it, e.g. `1GB`."""
+    max_parallel_tasks: int = Field(default=2, ge=1)
+    """Tasks one worker runs at once, further bounded by `memory`."""
+    mode: Literal["auto", "staged", "direct"] = "auto"
+    """`direct` merges straight from a local or NFS checkpoint; `staged` copies each rank's
+    fp32 partition to intermediates first (right for object stores); `auto` picks direct for
+    local and NFS paths, staged otherwise. Both resume: each merge task is cached."""
+    tied: Literal["dedupe", "copy"] = "dedupe"
+    """`dedupe` stores a tied alias once and records it; `copy` writes it as a real tensor."""
+    exclude_frozen: bool = False
+    """Leave frozen parameters out of the output."""
+    overwrite: bool = False
+    """Replace a complete output of another source or other options."""
+    keep_work: bool = False
+    """Keep the work area after a verified publish."""
+    allow_nonfinite: bool = False
+    """Do not fail verification on NaN/Inf values."""
+    check_lowp: bool = False
+    """ZeRO-1/2: also check each tensor cast to the training dtype equals the 16-bit weight
+    DeepSpeed saved beside it, before publishing (reads those weights too)."""
+    extract_part_size: int = Field(default=2 * 10**9, gt=0)
+    """Staged mode: a rank's fp32 bytes are extracted in parts of at most this size."""
+    runner: Literal["threads", "dask"] = "threads"
+    """`threads` runs tasks on this machine; `dask` sends them to the Dask cluster at `dask_address`."""
+    dask_address: str | None = None
+    """Scheduler address of an existing Dask cluster, e.g. `tcp://10.0.0.5:8786`."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """Options for remote paths: `endpoint_url`, `profile`, `region`, `anon`, other s3fs options,
+    `part_size`/`range_size`/`max_requests` (transfers), and `credentials`, a reference to a
+    Prefect block holding the keys (`secret/NAME` or `aws-credentials/NAME`). Never the keys
+    themselves: parameters are stored and shown by the Prefect server."""
+    timeout_seconds: int | None = Field(default=None, gt=0)
+    """Fail the run if it takes longer than this."""
+
+    @field_validator("max_shard_size", "memory", "extract_part_size", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return parse_size(value)
+            except ValueError as e:
+                raise ValueError(str(e)) from None
+        return value
+
+    @field_validator("source", "destination", "work_dir")
+    @classmethod
+    def _one_spelling(cls, value: str | None) -> str | None:
+        # `ckpt`, `./ckpt` and `/abs/ckpt` are one job: identities use the normalized form.
+        return normalize_url(value) if value else value
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_secrets(cls, value: dict[str, Any]) -> dict[str, Any]:
+        secrets = find_secret_options(value)
+        if secrets:
+            raise ValueError(
+                f"{', '.join(secrets)}: credentials may not be job parameters (the Prefect "
+                "server stores and shows them). Save them in a Prefect Secret block and set "
+                "`storage_options.credentials: secret/NAME`, or give the workers AWS "
+                "environment variables, a profile or an instance role."
+            )
+        ref = value.get("credentials")
+        if ref is not None and (not isinstance(ref, str) or not ref):
+            raise ValueError("`storage_options.credentials` must name a block, e.g. 'secret/NAME'")
+        return value
+
+    @model_validator(mode="after")
+    def _combinations(self) -> JobConfig:
+        if self.runner == "dask" and not self.dask_address:
+            raise ValueError(
+                "`runner: dask` needs `dask_address` (the scheduler's tcp://host:port)"
+            )
+        if self.source.rstrip("/") == self.destination.rstrip("/"):
+            raise ValueError("`destination` must differ from `source`")
+        self.options()  # the engine's own checks (memory floor...)
+        return self
+
+    def options(self) -> ConvertOptions:
+        """The engine's options for this job."""
+        direct, why = choose_mode(self.source, self.mode)
+        return ConvertOptions(
+            dtype=_DTYPES[self.dtype],
+            max_shard_bytes=self.max_shard_size,
+            tied=self.tied,
+            exclude_frozen=self.exclude_frozen,
+            direct=direct,
+            mode_reason=why,
+            memory_bytes=self.memory,
+            max_parallel_tasks=self.max_parallel_tasks,
+            extract_part_bytes=self.extract_part_size,
+            overwrite=self.overwrite,
+            keep_work=self.keep_work,
+            check_finite=not self.allow_nonfinite,
+            check_lowp=self.check_lowp,
+        )
+
+
+def _readable(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        key = ".".join(str(x) for x in err["loc"]) or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (see conf/example.yaml for the keys)"
+        parts.append(f"`{key}`: {msg}")
+    return "; ".join(parts)
+
+
+def load_job_config(conf: str | None = None, **overrides: Any) -> JobConfig:
+    """Validate a job from a YAML file (optional) and explicit values (which win).
+
+    Args:
+        conf: Path of a YAML job file; relative paths resolve from the working directory.
+        overrides: Field values; None means "not given" and leaves the file's value.
+
+    Raises:
+        ConfigError: Naming each bad or unknown key.
+    """
+    data: dict[str, Any] = {}
+    if conf:
+        path = Path(conf)
+        if not path.is_file():
+            raise ConfigError(f"{conf}: job file not found")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{conf}: a job file must be a mapping of keys to values")
+        data.update(loaded)
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return JobConfig(**data)
+    except ValidationError as e:
+        where = f"{conf}: " if conf else ""
+        raise ConfigError(f"{where}invalid job config: {_readable(e)}") from None

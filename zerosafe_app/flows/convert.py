@@ -1,0 +1,624 @@
+"""The flow `convert`: inspect -> extract[part] -> merge[shard] -> verify[shard] -> publish.
+
+Deployments reference `flows/convert.py:convert`. Its parameters are the job config's fields,
+flat (so the Prefect UI shows a form and `--param dtype=bf16` works), plus `conf`, a YAML job
+file they override. `zerosafe convert` runs this same flow, embedded.
+
+Each stage task is cached by (stage, plan id, unit, content fingerprint of its inputs) with
+results persisted in the work area, so a killed run started again skips every task whose
+output is complete and still present. Before submitting a task the flow checks that output
+on disk and refreshes the cache where it vanished or changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Any, cast
+from uuid import UUID
+
+from prefect import flow, get_run_logger, tags
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    update_progress_artifact,
+)
+from prefect.client.schemas.objects import State
+from prefect.futures import PrefectFuture, as_completed
+from prefect.runtime import deployment as deployment_run
+from prefect.runtime import flow_run
+from prefect.states import Completed, Failed
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from zerosafe.config import ConvertOptions
+from zerosafe.errors import ConversionError, VerificationError
+from zerosafe.io.lease import destination_lease, work_lease
+from zerosafe.io.storage import Storage, is_local, join_url
+from zerosafe.stages.output import pending_url
+from zerosafe.units import format_bytes
+from zerosafe_app.flows.config import JobConfig, load_job_config
+from zerosafe_app.tasks._common import Job, read_journal, set_progress, stage_memory
+from zerosafe_app.tasks._common import progress as task_progress
+from zerosafe_app.tasks.credentials import storage_for
+from zerosafe_app.tasks.extract import extract, extract_is_present
+from zerosafe_app.tasks.inspect import inspect
+from zerosafe_app.tasks.merge import expected_shard_bytes, merge, reusable_shards, shard_identity
+from zerosafe_app.tasks.publish import publish
+from zerosafe_app.tasks.verify import verify
+
+__all__ = ["convert", "run_convert"]
+
+
+def _task_runner(cfg: JobConfig) -> Any:
+    if cfg.runner == "dask":
+        from prefect_dask.task_runners import DaskTaskRunner
+
+        return DaskTaskRunner(address=cfg.dask_address)
+    return ThreadPoolTaskRunner(max_workers=cfg.options().parallel_tasks)
+
+
+def _short(url: str | None, tag: str | None = None) -> str:
+    """The last two parts of a URL or path (`llm/checkpoints`), then the tag if one is given."""
+    if not url:
+        return "?"
+    parts = [p for p in re.split(r"[/\\]+", url.split("://", 1)[-1]) if p]
+    text = "/".join(parts[-2:]) or url
+    return f"{parts[-1] if parts else url}/{tag}" if tag else text
+
+
+def job_slug(destination: str) -> str:
+    """A key for one job's artifacts, from its destination: readable, and unique by a hash
+    (Prefect artifact keys allow lowercase letters, digits and dashes)."""
+    readable = re.sub(r"[^a-z0-9]+", "-", _short(destination).lower()).strip("-")[:40]
+    digest = hashlib.sha256(destination.encode()).hexdigest()[:8]
+    return f"{readable}-{digest}" if readable else digest
+
+
+def _run_name_of(params: dict[str, Any]) -> str:
+    source, destination, tag = params.get("source"), params.get("destination"), params.get("tag")
+    if (not source or not destination) and params.get("conf"):
+        try:
+            cfg = load_job_config(
+                params["conf"], **{k: v for k, v in params.items() if k in JobConfig.model_fields}
+            )
+            source, destination, tag = cfg.source, cfg.destination, tag or cfg.tag
+        except Exception:  # a bad job file fails the run itself, with its own message
+            pass
+    return f"convert {_short(source, tag)} -> {_short(destination)}"
+
+
+def _convert_run_name() -> str:
+    """`convert llm/global_step1000 -> hf/step1000`: what the run converts, not random words."""
+    return _run_name_of(dict(flow_run.parameters or {}))
+
+
+def failure_message(e: ConversionError, cfg: JobConfig | None = None) -> str:
+    """The one line a user needs for a permanent error: the error's own message (file,
+    expected, found, fix), and, on a worker, where local paths were read."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    text = f"{type(e).__name__}: {text}"
+    urls = [u for u in ((cfg.source, cfg.destination) if cfg else ()) if u]
+    on_worker = deployment_run.id or flow_run.parent_deployment_id
+    if on_worker and any(is_local(u) for u in urls):
+        text += (
+            f" (local paths are read on the machine that runs the flow, {socket.gethostname()};"
+            " they must exist there)"
+        )
+    return text
+
+
+@flow(name="convert", log_prints=False, flow_run_name=_convert_run_name)
+def convert(
+    source: str | None = None,
+    destination: str | None = None,
+    conf: str | None = None,
+    tag: str | None = None,
+    dtype: str | None = None,
+    max_shard_size: str | None = None,
+    memory: str | None = None,
+    max_parallel_tasks: int | None = None,
+    mode: str | None = None,
+    tied: str | None = None,
+    exclude_frozen: bool | None = None,
+    overwrite: bool | None = None,
+    keep_work: bool | None = None,
+    allow_nonfinite: bool | None = None,
+    check_lowp: bool | None = None,
+    extract_part_size: str | None = None,
+    work_dir: str | None = None,
+    runner: str | None = None,
+    dask_address: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    timeout_seconds: int | None = None,
+) -> Any:
+    """Convert one DeepSpeed ZeRO checkpoint tag into verified safetensors.
+
+    The stages run in a subflow, `convert-job`, so this flow can pick its task runner. The
+    subflow carries this run's tags; this run's state message and its link artifact name the
+    subflow, and a permanent error (bad input or options) fails both with the one-line message,
+    without a traceback.
+
+    Args:
+        source: The checkpoint folder (holding `latest`) or a tag folder.
+        destination: The output folder.
+        conf: A YAML job file (see conf/example.yaml); the other parameters override it.
+    """
+    log = get_run_logger()
+    params = {k: v for k, v in locals().items() if k not in ("conf", "log")}
+    try:
+        cfg = load_job_config(conf, **params)
+    except ConversionError as e:
+        message = failure_message(e)
+        log.error("%s", message)
+        _announce_failure(message, destination or "")
+        return Failed(message=message, data=e)
+    job_flow = run_job.with_options(
+        task_runner=_task_runner(cfg),
+        timeout_seconds=cfg.timeout_seconds,
+        flow_run_name=_run_name_of(cfg.model_dump()).replace("convert ", "convert-job ", 1),
+    )
+    with tags(*(flow_run.tags or [])):  # so filtering runs by tag finds the subflow too
+        # A sync flow called with `return_state=True` returns its State.
+        state = cast("State[Any]", job_flow(cfg.model_dump(), return_state=True))
+    child = state.state_details.flow_run_id
+    where = f"stages, logs and artifacts in subflow run {_run_ref(child)}"
+    if child is not None:
+        create_link_artifact(
+            _flow_run_url(child) or f"flow-run/{child}",
+            link_text=f"convert-job run of {cfg.destination}",
+            key=f"zerosafe-{job_slug(cfg.destination)}-run",
+            description=f"The `convert-job` subflow run that holds this job's task runs and artifacts (`{cfg.destination}`).",
+        )
+    if state.is_failed() or state.is_crashed() or state.is_cancelled():
+        error = state.result(raise_on_failure=False)
+        if not isinstance(error, ConversionError):
+            return state  # an unexpected error: its traceback is in the subflow's logs
+        message = state.message or failure_message(error, cfg)
+        log.error("%s (%s)", message, where)
+        _announce_failure(message, cfg.destination)
+        return Failed(message=f"{message} ({where})", data=error)
+    result = state.result()
+    log.info("%s: %s (%s)", cfg.destination, result["status"], where)
+    return Completed(message=f"{result['status']}: {cfg.destination} ({where})", data=result)
+
+
+def _announce_failure(message: str, destination: str) -> None:
+    """An event naming the error, related to this run, sent before the run turns Failed:
+    `prefect deployment run --watch` prints the run's events (its log lines only when the
+    server streams logs out), so the one line shows there too."""
+    from prefect.events import emit_event
+    from prefect.events.worker import EventsWorker
+
+    emit_event(
+        event="zerosafe.pipeline.failed",
+        resource={
+            "prefect.resource.id": f"zerosafe.job.{job_slug(destination)}",
+            "prefect.resource.name": message,
+        },
+        related=[
+            {
+                "prefect.resource.id": f"prefect.flow-run.{flow_run.id}",
+                "prefect.resource.role": "flow-run",
+            }
+        ],
+    )
+    EventsWorker.instance().wait_until_empty()
+
+
+def _flow_run_url(flow_run_id: Any) -> str | None:
+    from prefect.settings import PREFECT_UI_URL
+
+    ui = PREFECT_UI_URL.value()
+    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run_id}" if ui else None
+
+
+def _run_ref(flow_run_id: Any) -> str:
+    return f"{flow_run_id}" + (f" ({url})" if (url := _flow_run_url(flow_run_id)) else "")
+
+
+def _result_storage(work: str, storage_options: dict[str, Any]) -> Any:
+    """Where task results and cache records live: the job's work area, so every worker (and
+    the next run) finds them. A local area is given as a `Path`; a remote one as a saved
+    block (Prefect reads a plain string as a block name, and refuses unsaved blocks) whose
+    settings are the job's secret-free storage options: credentials stay a reference, resolved
+    where the results are read or written (`zerosafe_app.flows.results`)."""
+    from zerosafe.io.storage import local_path
+
+    url = join_url(work, "results")
+    if is_local(url):
+        return Path(local_path(url)).resolve()
+    from zerosafe_app.flows.results import WorkAreaResults
+
+    block = WorkAreaResults(basepath=url, settings=storage_options)
+    block.save(f"zerosafe-results-{hashlib.sha256(url.encode()).hexdigest()[:16]}", overwrite=True)
+    return block
+
+
+def _fingerprint(*values: Any) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+class _Progress:
+    """The run's progress artifact, advanced by the bytes each finished task handled."""
+
+    def __init__(self, stages: dict[str, int], *, key: str) -> None:
+        total_bytes = sum(stages.values())
+        self.total = max(total_bytes, 1)
+        self.done = 0
+        # The terminal bar, when run embedded: each stage's bytes against its own total.
+        task_progress().start("convert", total_bytes, stages=stages)
+        artifact_id = create_progress_artifact(
+            progress=0.0, key=key, description="zerosafe: bytes processed (extract, merge, verify)"
+        )
+        assert isinstance(artifact_id, UUID)  # the sync API, called from a sync flow
+        self.id = artifact_id
+
+    def add(self, num_bytes: int) -> None:
+        self.done += num_bytes
+        update_progress_artifact(self.id, progress=min(100.0, 100.0 * self.done / self.total))
+
+
+@flow(name="convert-job", log_prints=False)
+def run_job(config: dict[str, Any]) -> Any:
+    """The stages of one validated job (a subflow, so `convert` can pick the task runner).
+
+    A `ConversionError` (bad input, options or output: permanent, so never retried) ends the
+    run in a Failed state whose message is the error's one line, with a failure artifact
+    saying the same; any other error raises, with its traceback.
+    """
+    cfg = JobConfig(**config)
+    try:
+        return _run_job(cfg)
+    except ConversionError as e:
+        message = failure_message(e, cfg)
+        get_run_logger().error("%s", message)
+        if not isinstance(e, VerificationError):  # that one has its own table of failures
+            create_markdown_artifact(
+                f"# zerosafe: conversion failed\n\n{_md(message)}\n\n"
+                f"- source: `{cfg.source}`\n- destination: `{cfg.destination}`\n"
+                "- nothing was published; fix the cause and run again (finished work is kept)\n",
+                key=f"zerosafe-{job_slug(cfg.destination)}-failure",
+                description="Why the conversion failed",
+            )
+        return Failed(message=message, data=e)
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _run_job(cfg: JobConfig) -> dict[str, Any]:
+    started = time.monotonic()
+    started_wall = time.time()
+    storage = storage_for(cfg.storage_options)
+    # One job at a time per output folder, whatever its options: held from before the output
+    # is inspected (and, with --overwrite, cleared) until it is published.
+    with destination_lease(
+        storage, cfg.destination, job=f"{cfg.source} -> {cfg.destination}", clean=[cfg.destination]
+    ):
+        return _run_held(cfg, storage, started=started, started_wall=started_wall)
+
+
+def _run_held(
+    cfg: JobConfig, storage: Storage, *, started: float, started_wall: float
+) -> dict[str, Any]:
+    log = get_run_logger()
+    options = cfg.options()
+    info = inspect(
+        cfg.source, cfg.destination, _options_dict(options), tag=cfg.tag,
+        work_dir=cfg.work_dir, storage_options=cfg.storage_options,
+    )  # fmt: skip
+    if info["state"] == "done":
+        log.info("%s already holds this conversion; nothing to do", cfg.destination)
+        # Unkeyed: the job's keyed summary stays the one of the run that converted it.
+        create_markdown_artifact(
+            f"`{cfg.destination}` already holds this conversion (job `{info['plan_id'][:16]}`); nothing to do.",
+        )
+        return {"status": "already-complete", "output": cfg.destination, "job_key": info["plan_id"]}
+    job = Job(
+        cfg.source,
+        cfg.destination,
+        info["work"],
+        info["plan_id"],
+        _options_dict(options),
+        cfg.storage_options,
+    ).as_dict()
+    with work_lease(
+        storage,
+        info["work"],
+        clean=[
+            pending_url(cfg.destination, info["plan_id"]),
+            join_url(info["work"], "intermediate"),
+        ],
+    ):
+        result = _run_stages(cfg, options, info, job, storage, since=started_wall)
+    seconds = time.monotonic() - started
+    result["seconds"] = round(seconds, 3)
+    result["throughput_bytes_per_second"] = round(result["source_bytes_read"] / max(seconds, 1e-9))
+    _summary_artifact(cfg, info, result)
+    return result
+
+
+def _options_dict(options: ConvertOptions) -> dict[str, Any]:
+    return options.as_dict()
+
+
+def _run_stages(
+    cfg: JobConfig,
+    options: ConvertOptions,
+    info: dict[str, Any],
+    job: dict[str, Any],
+    storage: Storage,
+    *,
+    since: float,
+) -> dict[str, Any]:
+    parts, shards = info["parts"], info["shards"]
+    count = len(shards)
+    results = _result_storage(info["work"], cfg.storage_options)
+
+    def run(task: Any, *, refresh: bool = False) -> Any:
+        return task.with_options(result_storage=results, refresh_cache=refresh or None)
+
+    # A repair keeps the published shards that are still intact: no extract or merge reads
+    # anything for them.
+    reused = reusable_shards(job)
+    needed = {p for s in shards if s["index"] not in reused for p in s["parts"]}
+    parts = [p for p in parts if p["index"] in needed]
+    work_bytes = 0 if options.direct else sum(p["bytes"] for p in parts)
+    slug = job_slug(cfg.destination)
+    progress = _Progress(
+        {
+            "extract": work_bytes,
+            "merge": sum(s["source_bytes"] for s in shards),
+            "verify": sum(s["bytes"] for s in shards),
+        },
+        key=f"zerosafe-{slug}-progress",
+    )
+
+    part_of = {p["index"]: p for p in parts}
+    extract_futures: dict[int, PrefectFuture[Any]] = {}
+    if not options.direct:
+        for p in parts:
+            fresh = not extract_is_present(job, p["index"])
+            extract_futures[p["index"]] = run(extract, refresh=fresh).submit(
+                job, p["index"], p["rank"], p["label"]
+            )
+
+    extracts: dict[int, dict[str, Any]] = {}
+    merge_futures: dict[int, PrefectFuture[Any]] = {}
+
+    def submit_merge(shard: dict[str, Any]) -> None:
+        index = shard["index"]
+        if index in reused:
+            fingerprint = "reused"
+        elif options.direct:
+            fingerprint = ""
+        else:
+            fingerprint = _fingerprint([extracts[p]["content_sha256"] for p in shard["parts"]])
+        on_disk = shard_identity(job, index)
+        fresh = on_disk is None or on_disk[0] != expected_shard_bytes(job, index)
+        merge_futures[index] = run(merge, refresh=fresh).submit(
+            job, index, index + 1, count, fingerprint=fingerprint,
+            wait_for=[extract_futures[p] for p in shard["parts"] if p in extract_futures],
+        )  # fmt: skip
+
+    waiting = {s["index"]: s for s in shards}
+    for shard in shards:
+        if not options.direct and (not shard["parts"] or shard["index"] in reused):
+            submit_merge(shard)
+            del waiting[shard["index"]]
+    if options.direct:
+        for shard in shards:
+            submit_merge(shard)
+        waiting.clear()
+    by_future = {id(f): i for i, f in extract_futures.items()}
+    for future in as_completed(list(extract_futures.values())):
+        index = by_future[id(future)]
+        extracts[index] = future.result()
+        if not extract_is_present(job, index, extracts[index]["content_sha256"]):
+            # A cached result whose file vanished between the check and now: run it again.
+            extracts[index] = (
+                run(extract, refresh=True)
+                .submit(job, index, part_of[index]["rank"], part_of[index]["label"])
+                .result()
+            )
+        progress.add(part_of[index]["bytes"])
+        for shard_index in [
+            i for i, s in waiting.items() if all(p in extracts for p in s["parts"])
+        ]:
+            submit_merge(waiting.pop(shard_index))
+    assert not waiting, f"shards never became ready: {sorted(waiting)}"
+
+    merges: dict[int, dict[str, Any]] = {}
+    verify_futures: dict[int, PrefectFuture[Any]] = {}
+    by_future = {id(f): i for i, f in merge_futures.items()}
+    for future in as_completed(list(merge_futures.values())):
+        index = by_future[id(future)]
+        merges[index] = future.result()
+        progress.add(shards[index]["source_bytes"])
+        identity = shard_identity(job, index)
+        verify_futures[index] = run(verify).submit(
+            job,
+            index,
+            index + 1,
+            count,
+            merges[index]["tensors"],
+            fingerprint=_fingerprint(identity, merges[index]["tensors"]),
+            wait_for=[future],
+        )
+
+    verifies: dict[int, dict[str, Any]] = {}
+    by_future = {id(f): i for i, f in verify_futures.items()}
+    for future in as_completed(list(verify_futures.values())):
+        index = by_future[id(future)]
+        verifies[index] = future.result()
+        progress.add(shards[index]["bytes"])
+
+    ordered_merges = [merges[i] for i in range(count)]
+    source_read = info.get("metadata_bytes_read", 0) + sum(
+        r["bytes_read"] for r in (extracts.values() if not options.direct else ordered_merges)
+    )
+    journal = [e for e in read_journal(storage, info["work"]) if e["time"] >= since]  # this run
+    growth, baseline = stage_memory(journal)
+    stats = {
+        "mode": "direct" if options.direct else "staged",
+        "mode_reason": options.mode_reason,
+        "source_bytes_read": source_read,
+        "source_bytes_needed": info.get("source_bytes_needed", 0),
+        "intermediate_bytes_written": sum(e["file_bytes"] for e in extracts.values()),
+        "output_bytes_written": sum(m["file_bytes"] for m in ordered_merges),
+        # Each stage's own peak: the most one of its tasks raised the RSS (zerosafe_app/tasks/_common.py).
+        "rss_growth_bytes_by_stage": growth,
+        "rss_baseline_bytes": baseline,
+        "tasks_executed": {
+            stage: sum(1 for e in journal if e["stage"] == stage)
+            for stage in ("extract", "merge", "verify")
+        },
+    }
+    try:
+        published = publish(
+            job,
+            [extracts[i] for i in sorted(extracts)],
+            ordered_merges,
+            [verifies[i] for i in range(count)],
+            stats,
+            wait_for=list(verify_futures.values()),
+        )
+    except VerificationError as e:
+        rows = "\n".join(
+            f"| {f['file']} | {f['tensor']} | {f['check']} | {f['detail']} |"
+            for f in e.failures[:200]
+        )
+        create_markdown_artifact(
+            f"# zerosafe: checks failed, nothing published\n\n| file | tensor | check | detail |\n|---|---|---|---|\n{rows}\n",
+            key=f"zerosafe-{slug}-failure",
+        )
+        raise
+    stats.update(published.get("stats", {}))  # with the bytes publish's CRC checks read
+    return {
+        "status": "converted",
+        "output": cfg.destination,
+        "job_key": info["plan_id"],
+        "files": published["files"],
+        "num_tensors": published["num_tensors"],
+        "aliases": info["aliases"],
+        "integrity": published["integrity"],
+        "notes": info["notes"],
+        "warnings": info["warnings"],
+        "checks_passed": sum(r["num_tensors"] for r in verifies.values()),
+        # the process's lifetime peak (ru_maxrss), as the command line has always reported
+        "peak_rss_bytes": max((e["peak_rss_bytes"] for e in journal), default=0),
+        **stats,
+    }
+
+
+def _summary_artifact(cfg: JobConfig, info: dict[str, Any], r: dict[str, Any]) -> None:
+    rows = [
+        (
+            "source",
+            f"`{cfg.source}` (tag {info['source']['tag']}, ZeRO-{info['source']['stage']}, world size {info['source']['world_size']})",
+        ),
+        ("output", f"`{cfg.destination}`: {len(r['files'])} file(s), {r['num_tensors']} tensors"),
+        ("mode", r.get("mode_reason") or r["mode"]),
+        ("read from source", _source_read_text(r)),
+        ("intermediates written", format_bytes(r["intermediate_bytes_written"])),
+        ("output written", format_bytes(r["output_bytes_written"])),
+        ("time", f"{r['seconds']:.1f} s ({format_bytes(r['throughput_bytes_per_second'])}/s read)"),
+        ("peak memory by stage", _memory_text(r)),
+        (
+            "tasks executed (not cached)",
+            ", ".join(f"{k} {v}" for k, v in r["tasks_executed"].items()),
+        ),
+        (
+            "checks passed",
+            f"{r['checks_passed']} tensors verified; {r['integrity']['records_checked']} zip/intermediate records CRC-checked",
+        ),
+    ]
+    if info["aliases"]:
+        rows.append(("tied aliases", ", ".join(f"{a} -> {t}" for a, t in info["aliases"].items())))
+    body = "\n".join(f"| {k} | {v} |" for k, v in rows)
+    notes = "".join(f"\n- {n}" for n in info["notes"])
+    create_markdown_artifact(
+        f"# zerosafe conversion\n\n| | |\n|---|---|\n{body}\n{notes}\n",
+        key=f"zerosafe-{job_slug(cfg.destination)}",
+        description=f"zerosafe summary of `{cfg.destination}`",
+    )
+
+
+def _memory_text(r: dict[str, Any]) -> str:
+    """Each stage's own peak, as growth over the worker process's baseline RSS."""
+    growth = r["rss_growth_bytes_by_stage"]
+    if not growth:
+        return "no task executed (all cached)"
+    stages = ", ".join(f"{k} +{format_bytes(v)}" for k, v in growth.items())
+    return (
+        f"{stages} (the most one task of the stage raised the worker's RSS, over a "
+        f"{format_bytes(r['rss_baseline_bytes'])} process baseline)"
+    )
+
+
+def _source_read_text(r: dict[str, Any]) -> str:
+    text = format_bytes(r["source_bytes_read"])
+    if r.get("source_read_ratio"):
+        text += (
+            f" = {r['source_read_ratio']:.3f} x the {format_bytes(r['source_bytes_needed'])} "
+            "needed (fp32 masters, frozen params and buffers, pickles, zip directories)"
+        )
+    return text
+
+
+def run_convert(
+    ckpt_url: str,
+    out_url: str,
+    options: ConvertOptions,
+    *,
+    tag: str | None = None,
+    work_url: str | None = None,
+    show_progress: bool = False,
+    quiet: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    mode: str | None = None,
+) -> dict[str, Any]:
+    """Run the flow embedded, for `zerosafe convert`. Progress goes to the terminal bar.
+
+    `mode` is the mode as asked (`auto` included); by default the one `options` holds."""
+    from zerosafe.stages.progress import NullProgress, TerminalProgress
+
+    bar = TerminalProgress() if show_progress else NullProgress()
+    set_progress(bar)  # the flow starts it with the total once the plan is known
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[options.dtype]
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    try:
+        # No heartbeats for a run the command itself watches: ending each of its two flow
+        # runs would otherwise wait up to a second for the heartbeat thread.
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+            result = cast(
+                "dict[str, Any]",
+                convert(
+                    source=ckpt_url, destination=out_url, tag=tag, dtype=dtype,
+                    max_shard_size=str(options.max_shard_bytes), memory=str(options.memory_bytes),
+                    max_parallel_tasks=options.max_parallel_tasks,
+                    mode=mode or ("direct" if options.direct else "staged"), tied=options.tied,
+                    exclude_frozen=options.exclude_frozen, overwrite=options.overwrite,
+                    keep_work=options.keep_work, allow_nonfinite=not options.check_finite,
+                    check_lowp=options.check_lowp, extract_part_size=str(options.extract_part_bytes),
+                    work_dir=work_url, storage_options=storage_options,
+                ),
+            )  # fmt: skip
+    finally:
+        set_progress(NullProgress())
+        if show_progress:
+            bar.finish()
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover - `python flows/convert.py conf.yaml`
+    import sys
+
+    print(json.dumps(convert(conf=sys.argv[1]), indent=1, default=str))

@@ -1,0 +1,2 @@
+"""Prefect tasks, one module per stage: thin wrappers that call the engine (`zerosafe`) and
+return small JSON-able summaries, never tensors."""
