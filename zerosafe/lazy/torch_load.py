@@ -55,7 +55,7 @@ class LazyLoads:
     loaded: list[str] = field(default_factory=list)
     """`.pt` paths whose sibling was loaded instead."""
     fell_back: list[tuple[str, str]] = field(default_factory=list)
-    """`(path, why)` for `torch.load` calls on a path that went to the real `torch.load`."""
+    """`(path or file name, why)` for calls that went to the real `torch.load`."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, path: str, why: str | None) -> None:
@@ -144,11 +144,9 @@ def _why_not(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | None,
     """`(why the real torch.load must take this call, path, map_location)`."""
     f = args[0] if args else kwargs.get("f")
     map_location = args[1] if len(args) > 1 else kwargs.get("map_location")
-    if not isinstance(f, (str, os.PathLike)):
-        return "not a path", "", map_location
-    path = os.fspath(f)
+    path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else None
     if not isinstance(path, str):
-        return "not a path", "", map_location
+        return "not a path", str(getattr(f, "name", type(f).__name__)), map_location
     extra = set(kwargs) - {"f", "map_location", "pickle_module"} - _PASSED_THROUGH
     if len(args) > 2 or extra or kwargs.get("pickle_module") is not None:
         return "a custom pickle_module or unpickler arguments", path, map_location
@@ -181,8 +179,7 @@ def _lazy_load(*args: Any, **kwargs: Any) -> Any:
         elif state.state == "missing":
             why = "no sibling"
     if why is not None:
-        if path:
-            block.record(path, why)
+        block.record(path, why)
         return original(*args, **kwargs)
     assert device is not None and state is not None
     log.info("%s: loading %s lazily on %s", path, state.sibling_url, device)
