@@ -81,7 +81,7 @@ class _Patch:
         with self.lock:
             if not self.blocks:
                 self.original = torch.load
-                torch.load = _lazy_load  # type: ignore[assignment]
+                torch.load = _lazy_load
             self.blocks.append(block)
         stack: list[LazyLoads] = getattr(self.local, "stack", [])
         self.local.stack = [*stack, block]
@@ -94,7 +94,7 @@ class _Patch:
             self.blocks = [b for b in self.blocks if b is not block]
             if self.blocks:
                 return
-            if torch.load is _lazy_load:  # type: ignore[comparison-overlap]
+            if torch.load is _lazy_load:
                 torch.load = self.original  # type: ignore[assignment]
             else:
                 log.warning(
