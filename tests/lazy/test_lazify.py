@@ -235,3 +235,19 @@ def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     )
     summary = json.loads(capsys.readouterr().out)
     assert summary["tag"] == TAG and summary["written"] == 3
+
+
+def test_object_nodes_rebuild_only_listed_classes() -> None:
+    from zerosafe.errors import CheckpointFormatError
+    from zerosafe.pt2st.tree import REBUILT_CLASSES, decode_tree
+
+    doc = {"object": ["posix.system", [{"bytes": "dG91Y2ggUFdORUQ="}], None]}
+    with pytest.raises(CheckpointFormatError, match="'posix.system', which zerosafe does not"):
+        decode_tree(doc, lambda node: None)
+    # checking a file (verify_pt) passes its own object maker: nothing is imported
+    seen: list[tuple[str, list[Any], Any]] = []
+    stage = {"object": [REBUILT_CLASSES[2], [2], None]}
+    assert decode_tree(
+        {"dict": [["zero_stage", stage]]}, lambda n: None, lambda *a: seen.append(a)
+    ) == {"zero_stage": None}
+    assert seen == [(REBUILT_CLASSES[2], [2], None)]
