@@ -70,9 +70,7 @@ def lazify_file(
     if before.state == "stale":
         log.info("%s: rewriting %s: %s", pt_url, before.sibling_url, before.why)
     started = time.monotonic()
-    summary = convert_pt(
-        pt_url, before.sibling_url, storage=storage, memory=memory, overwrite=True
-    )
+    summary = convert_pt(pt_url, before.sibling_url, storage=storage, memory=memory, overwrite=True)
     try:
         if verify:
             verify_pt(before.sibling_url, storage=storage, expected_sha256=summary["sha256"])

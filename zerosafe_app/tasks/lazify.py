@@ -43,6 +43,4 @@ def lazify_one(
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Convert one `.pt` into its sibling unless the sibling is current; verify it."""
-    return lazify_file(
-        pt_url, storage=Storage(storage_options), memory=memory, verify=verify
-    )
+    return lazify_file(pt_url, storage=Storage(storage_options), memory=memory, verify=verify)
