@@ -4,7 +4,8 @@ The files follow DeepSpeed 0.19.8's on-disk format (as read off the real checkpo
 ``shared/fixtures/deepspeed``): the same file names, the same pickle structure and globals
 (``collections.OrderedDict``, ``torch._utils._rebuild_tensor_v2``, ``torch.Size``, the storage
 classes, DeepSpeed's ``LossScaler`` / ``ZeroStageEnum`` / ``fragment_address`` ...), torch's zip
-container with 64-byte aligned records, CRC-32 per record and ZIP64 records past 4 GB.
+container with 64-byte aligned records, CRC-32 per record and ZIP64 records past 4 GB (the format
+notes: docs/formats.md).
 Neither torch nor DeepSpeed is needed (or imported) to write them: the pickles are emitted by a
 small pickler that names those globals itself, and the zip is written here, streaming.
 

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from zerosafe.formats.torch_zip import contiguous_stride
+from zerosafe.formats.torch_pickle import contiguous_stride
 
 STORAGE_ITEMSIZE = {"FloatStorage": 4, "BFloat16Storage": 2, "HalfStorage": 2, "LongStorage": 8}
 
