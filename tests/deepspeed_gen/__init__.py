@@ -74,6 +74,11 @@ SPECS: dict[str, dict[str, Any]] = {
         "world_size": 2, "stage": 3, "precision": "fp16", "tied": True, "groups": 2,
         "persistence_threshold": 100, "steps": 3,
     },
+    # `checkpoint: {checkpoint_serialization: false}`: every file in torch's legacy format.
+    "z2-bf16-ws2-legacy-tied-frozen": {
+        "world_size": 2, "stage": 2, "precision": "bf16", "legacy_files": True, "tied": True,
+        "frozen": True, "steps": 2,
+    },
     "z3-bf16-ws4-frozen-groups-subgroups": {
         "world_size": 4, "stage": 3, "precision": "bf16", "frozen": True, "groups": 2,
         "sub_group_size": 1000, "steps": 2, "dims": [71, 36, 59],
