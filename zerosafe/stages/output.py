@@ -387,8 +387,7 @@ def _copied_model_files(storage: Storage, out_url: str) -> list[str]:
 def clear_output(storage: Storage, out_url: str) -> None:
     """Remove a previous conversion: the marker first, so nothing looks complete meanwhile."""
     storage.remove(join_url(out_url, MARKER_NAME))
-    for name in _copied_model_files(storage, out_url):
-        storage.remove(join_url(out_url, name))
+    _remove_files(storage, out_url, _copied_model_files(storage, out_url))
     for name in storage.listdir(out_url):
         if _is_model_file(name) or name == MANIFEST_NAME:
             storage.remove(join_url(out_url, name))
@@ -453,8 +452,15 @@ def _start_repair(
     storage.remove(join_url(out_url, INDEX_NAME))
     storage.remove(join_url(out_url, MANIFEST_NAME))
     changed = changed_files(storage, out_url, state.manifest, model_files_from=model_files_from)
-    for name in changed:
+    _remove_files(storage, out_url, list(changed))
+
+
+def _remove_files(storage: Storage, out_url: str, names: list[str]) -> None:
+    """Remove output files by name, and a folder a name was in (chat templates) left empty."""
+    for name in names:
         storage.remove(join_url(out_url, name))
+    for folder in {n.rsplit("/", 1)[0] for n in names if "/" in n}:
+        _remove_if_empty(storage, join_url(out_url, folder))
 
 
 def _checks(verifies: list[dict[str, Any]]) -> dict[str, Any]:
