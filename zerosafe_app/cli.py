@@ -93,6 +93,9 @@ _FLAG_OF_FIELD = {
     "`mode: direct`": "`--mode direct`",
     "`mode: staged`": "`--mode staged`",
     "`mode`": "`--mode`",
+    "`keep_fp32`": "`--keep-fp32`",
+    "`model_files`": "`--model-files`",
+    "`copy_model_files`": "`--no-model-files`",
 }
 """`ConvertOptions` fields as its errors name them -> the flag a user of the command typed."""
 
@@ -145,6 +148,27 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         "--direct",
         action="store_true",
         help="same as --mode direct (kept for one release)",
+    )
+    p.add_argument(
+        "--keep-fp32",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="keep floating tensors whose name matches this regular expression (re.search) in "
+        "fp32 under --dtype bf16/fp16, e.g. 'router|norm' (repeatable)",
+    )
+    files = p.add_mutually_exclusive_group()
+    files.add_argument(
+        "--model-files",
+        metavar="DIR",
+        help="copy config.json, generation_config.json and tokenizer files from DIR (default: "
+        "the checkpoint folder above the tag)",
+    )
+    files.add_argument(
+        "--no-model-files",
+        dest="copy_model_files",
+        action="store_false",
+        help="do not copy config and tokenizer files next to the weights",
     )
     _add_storage_option(p)
 
@@ -325,6 +349,9 @@ def _options(args: argparse.Namespace) -> Any:
             keep_work=getattr(args, "keep_work", False),
             allow_nonfinite=getattr(args, "allow_nonfinite", False),
             check_lowp=getattr(args, "check_lowp", False),
+            keep_fp32=tuple(args.keep_fp32),
+            model_files=args.model_files,
+            copy_model_files=args.copy_model_files,
             max_parallel_tasks=getattr(args, "parallel", 2),
             **(
                 {"extract_part_size": args.extract_part_size}

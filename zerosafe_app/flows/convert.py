@@ -129,6 +129,9 @@ def convert(
     keep_work: bool | None = None,
     allow_nonfinite: bool | None = None,
     check_lowp: bool | None = None,
+    keep_fp32: list[str] | None = None,
+    model_files: str | None = None,
+    copy_model_files: bool | None = None,
     extract_part_size: str | None = None,
     work_dir: str | None = None,
     runner: str | None = None,
@@ -608,6 +611,8 @@ def run_convert(
                     exclude_frozen=options.exclude_frozen, overwrite=options.overwrite,
                     keep_work=options.keep_work, allow_nonfinite=options.allow_nonfinite,
                     check_lowp=options.check_lowp, extract_part_size=str(options.extract_part_size),
+                    keep_fp32=list(options.keep_fp32), model_files=options.model_files,
+                    copy_model_files=options.copy_model_files,
                     work_dir=work_url, storage_options=storage_options,
                 ),
             )  # fmt: skip

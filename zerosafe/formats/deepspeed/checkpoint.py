@@ -23,6 +23,7 @@ from zerosafe.errors import (
     UnsupportedCheckpointError,
 )
 from zerosafe.formats.deepspeed.save_identity import check_one_save
+from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_zip import InertObject, TensorRecord, TorchZipFile
 from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
 
@@ -284,7 +285,7 @@ def quick_identities(
 def _load(storage: Storage, url: str, role: str, rank: int) -> LoadedFile:
     identity = storage.identity(url)
     source = storage.open_source(url)
-    zf = TorchZipFile(source)
+    zf = open_torch_file(source)
     obj = zf.load()
     if not isinstance(obj, dict):
         raise CheckpointFormatError(
