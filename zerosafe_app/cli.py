@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -432,12 +433,27 @@ def _check_before_starting(args: argparse.Namespace, options: Any) -> str | None
     return quick_done(storage, source, args.tag, output, options)
 
 
+def _preload(module: str) -> None:
+    """Import `module` in a background thread: torch takes a second to import and the merge
+    needs it only after the checkpoint is read and planned (and, with the flow, after Prefect
+    is imported and the run created), so its import overlaps that work. A later `import` of
+    it waits for this one (the import lock), never runs it twice."""
+
+    def load() -> None:
+        with contextlib.suppress(Exception):  # the real import reports any problem
+            importlib.import_module(module)
+
+    threading.Thread(target=load, name=f"zerosafe-preload-{module}", daemon=True).start()
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from zerosafe.stages.progress import NullProgress, TerminalProgress
 
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()
     done = _check_before_starting(args, options)
+    if done is None:
+        _preload("torch")
     if done is not None:  # complete and intact: no checkpoint byte read, no server started
         summary: dict[str, Any] = {
             "status": "already-complete",
