@@ -3,7 +3,7 @@
     .venv/bin/python bench/run.py --size quick      # ~0.5B params, warm and cold, ~10 min
     .venv/bin/python bench/run.py --size 7b         # 7B: fp32 masters (28 GB) > RAM, cold
 
-One run forges a ZeRO-3 checkpoint (bench/forge.py: deterministic values, Adam moments as
+One run forges a ZeRO-3 checkpoint (bench/forge/: deterministic values, Adam moments as
 sparse holes), then, on the same files and in the same run, measures:
 
 - `io-limit`: reading the fp32 master bytes once plus writing the output bytes once (fsynced);
