@@ -10,7 +10,7 @@ import pytest
 from tests.formats.dcp.helpers import assemble, same_bits
 from zerosafe.errors import ConfigError
 from zerosafe.formats.dcp.reader import DcpSelection, is_dcp_checkpoint, read_dcp_layout
-from zerosafe.storage import ByteSource, Storage
+from zerosafe.io.storage import ByteSource, Storage
 
 Checkpoint = Callable[[str], Path]
 Oracle = Callable[[str], dict[str, object]]

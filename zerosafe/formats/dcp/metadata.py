@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerosafe.errors import CheckpointFormatError, UnsafePickleError
-from zerosafe.torch_zip import DTypeToken, InertObject, TorchSize
+from zerosafe.formats.torch_zip import DTypeToken, InertObject, TorchSize
 
 __all__ = [
     "ALLOWED_GLOBALS",

@@ -24,8 +24,8 @@ from zerosafe.errors import CheckpointFormatError, ConfigError, UnsupportedCheck
 from zerosafe.formats.dcp.chunks import ChunkBox, ChunkRuns, check_chunk_cover
 from zerosafe.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorMeta, parse_metadata
 from zerosafe.formats.dcp.stored import StoredChunk, locate_chunk
-from zerosafe.plan import Slot, SourceFile
-from zerosafe.storage import ByteSource, FileIdentity, Storage, join_url
+from zerosafe.io.storage import ByteSource, FileIdentity, Storage, join_url
+from zerosafe.plan.model import Slot, SourceFile
 
 __all__ = [
     "FORMAT_NAME",

@@ -23,8 +23,8 @@ from typing import Any
 
 from zerosafe.dtypes import dtype_info, from_safetensors_code
 from zerosafe.errors import CheckpointFormatError, UnsupportedCheckpointError
-from zerosafe.storage import ByteSource
-from zerosafe.torch_zip import TensorRecord, TorchZipFile
+from zerosafe.formats.torch_zip import TensorRecord, TorchZipFile
+from zerosafe.io.storage import ByteSource
 
 __all__ = ["ByteRangeSource", "StoredChunk", "locate_chunk"]
 
