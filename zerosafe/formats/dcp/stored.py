@@ -171,7 +171,7 @@ def _zip_chunk(
         )
     record = archive.storage_record(tensor.storage.key)
     return StoredChunk(
-        record=record.name,
+        record=f"@{offset}/{record.name}",  # unique in the file: each chunk is an archive
         record_offset=offset + archive.data_offset(record),
         record_size_bytes=record.size_bytes,
         record_crc32=record.crc32,
