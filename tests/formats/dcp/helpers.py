@@ -2,29 +2,31 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from zerosafe.dtypes import torch_dtype
-from zerosafe.formats.dcp.reader import DcpLayout, LayoutTensor
+from zerosafe.formats.base import SourceLayout, SourceTensor
 
 
-def assemble(layout: DcpLayout, tensor: LayoutTensor) -> torch.Tensor:
+def assemble(layout: SourceLayout, tensor: SourceTensor) -> torch.Tensor:
     """The tensor, copied fragment by fragment from the source files."""
     dtype = torch_dtype(tensor.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    buf = bytearray(tensor.numel * itemsize)
+    numel = math.prod(tensor.shape)
+    buf = bytearray(numel * itemsize)
     covered = 0
-    for slot_index, src, numel, dst in tensor.fragments().tolist():
+    for slot_index, src, count, dst in tensor.fragments:
         slot = layout.slots[slot_index]
-        assert slot.dtype == tensor.dtype and src + numel <= slot.numel
+        assert slot.dtype == tensor.dtype and src + count <= slot.numel
         with open(layout.files[slot.file].url, "rb") as f:
             f.seek(slot.byte_offset + src * itemsize)
-            buf[dst * itemsize : (dst + numel) * itemsize] = f.read(numel * itemsize)
-        covered += numel
-    assert covered == tensor.numel
-    if not tensor.numel:
+            buf[dst * itemsize : (dst + count) * itemsize] = f.read(count * itemsize)
+        covered += count
+    assert covered == numel
+    if not numel:
         return torch.empty(tensor.shape, dtype=dtype)
     return torch.frombuffer(buf, dtype=dtype).reshape(tensor.shape).clone()
 

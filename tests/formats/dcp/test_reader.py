@@ -29,32 +29,40 @@ def test_default_selection_matches_dcp_to_torch_save(
         for k, v in oracle.items()
         if hasattr(v, "dtype") and (k.startswith("model.") or not has_model)
     }
-    assert [t.name for t in layout.tensors] == list(want)
-    for t in layout.tensors:
+    assert list(layout.tensors) == list(want) == layout.order
+    for t in layout.tensors.values():
         assert same_bits(assemble(layout, t), want[t.name]), t.name  # type: ignore[arg-type]
 
 
 def test_dtensor_layouts_and_entries(dcp_checkpoint: Checkpoint) -> None:
     layout = read_dcp_layout(str(dcp_checkpoint("dtensor")), Storage())
-    by_name = {t.name: t for t in layout.tensors}
+    by_name = layout.tensors
     # Shard(0) uneven (101 rows on 4 ranks): one run per chunk; Shard(1): one run per row.
-    assert len(by_name["emb.weight"].fragments()) == 4
-    assert len(by_name["proj.weight"].fragments()) == 4 * 10
+    assert len(by_name["emb.weight"].fragments) == 4
+    assert len(by_name["proj.weight"].fragments) == 4 * 10
     assert by_name["proj.weight"].dtype == "bfloat16"
-    assert len(by_name["grid.weight"].fragments()) == 4 + 4 + 3 + 3  # 2x2 mesh: rows per block
+    assert len(by_name["grid.weight"].fragments) == 4 + 4 + 3 + 3  # 2x2 mesh: rows per block
     assert by_name["scale"].shape == () and by_name["empty"].shape == (0, 4)
-    assert layout.non_tensor_entries == (
+    assert layout.source["non_tensor_entries"] == [
         "optim.param_groups.0.lr", "optim.param_groups.0.params", "step", "extra.note",
-    )  # fmt: skip
+    ]  # fmt: skip
     assert any("non-tensor" in n and "step" in n for n in layout.notes)
     assert layout.source["format"] == "dcp" and layout.source["num_distcp_files"] == 4
+    assert layout.format == "dcp" and layout.tag == "dtensor"
+    assert [f.role for f in layout.files] == ["metadata"] + ["distcp"] * 4
+    facts = layout.facts
+    assert facts["sharding"]["4 chunks on dim 0"] >= 1 and facts["sharding"]["4 chunks on dim 1"]
+    assert [2, 2] in facts["meshes"] and [4] in facts["meshes"]
+    assert facts["about"][0].endswith(
+        "(PyTorch DCP, metadata version " + str(facts["dcp_version"]) + ")"
+    )
 
 
 def test_tied_weight_is_converted_under_both_names(
     dcp_checkpoint: Checkpoint, dcp_oracle: Oracle
 ) -> None:
     layout = read_dcp_layout(str(dcp_checkpoint("fsdp2")), Storage())
-    by_name = {t.name: t for t in layout.tensors}
+    by_name = layout.tensors
     embed, head = (
         assemble(layout, by_name["embed.weight"]),
         assemble(layout, by_name["head.weight"]),
@@ -67,11 +75,12 @@ def test_select_optimizer_state(dcp_checkpoint: Checkpoint, dcp_oracle: Oracle) 
     selection = DcpSelection(select=("optim.state",), strip_prefix="optim.state")
     layout = read_dcp_layout(str(path), Storage(), selection)
     oracle = dcp_oracle("fsdp2")
-    assert {t.name for t in layout.tensors} == {
+    assert set(layout.tensors) == {
         k.removeprefix("optim.state.") for k in oracle if k.startswith("optim.state.")
     }
-    for t in layout.tensors:
-        assert same_bits(assemble(layout, t), oracle[t.fqn]), t.name  # type: ignore[arg-type]
+    for t in layout.tensors.values():
+        want = oracle[f"optim.state.{t.name}"]
+        assert same_bits(assemble(layout, t), want), t.name  # type: ignore[arg-type]
 
 
 def test_safetensors_serialization(dcp_checkpoint: Checkpoint, dcp_oracle: Oracle) -> None:
@@ -79,9 +88,9 @@ def test_safetensors_serialization(dcp_checkpoint: Checkpoint, dcp_oracle: Oracl
     # the oracle is the same state saved in the default form.
     layout = read_dcp_layout(str(dcp_checkpoint("safetensors")), Storage())
     oracle = dcp_oracle("flat")
-    assert [t.name for t in layout.tensors] == ["w", "v", "b"]
-    for t in layout.tensors:
-        assert same_bits(assemble(layout, t), oracle[t.fqn]), t.name  # type: ignore[arg-type]
+    assert list(layout.tensors) == ["w", "v", "b"]
+    for t in layout.tensors.values():
+        assert same_bits(assemble(layout, t), oracle[t.name]), t.name  # type: ignore[arg-type]
     assert any("safetensors" in n for n in layout.notes)
 
 
@@ -142,7 +151,7 @@ def test_selection_errors(dcp_checkpoint: Checkpoint) -> None:
     ):
         read_dcp_layout(path, Storage(), DcpSelection(select=("model",)))
     layout = read_dcp_layout(path, Storage(), DcpSelection(select=("w", "b")))
-    assert [t.name for t in layout.tensors] == ["w", "b"]
+    assert list(layout.tensors) == ["w", "b"]
 
 
 def test_detection(dcp_checkpoint: Checkpoint, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""PyTorch Distributed Checkpoint (DCP) folders as a source layout: slots and fragments.
+"""PyTorch Distributed Checkpoint (DCP) folders as a format reader: a `SourceLayout`.
 
 A DCP folder (torch.distributed.checkpoint, as FSDP2, torchtitan, accelerate, Lightning and
 Megatron's `torch_dist` write it) holds `.metadata` and `__{rank}_{n}.distcp` files; see
@@ -7,33 +7,35 @@ where its elements go. This module selects the tensors to convert, finds every c
 bytes (one slot per chunk) and cuts each chunk into fragments: runs of contiguous output
 elements. Only the metadata and the chunks' own headers are read; tensor bytes never are, and
 the chunks of tensors that are not selected (optimizer state, by default) are not touched.
+What `inspect` and the manifest say about a DCP checkpoint is in `facts.py`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, ConfigError, UnsupportedCheckpointError
+from zerosafe.formats.base import Fragment, SourceLayout, SourceTensor
 from zerosafe.formats.dcp.chunks import ChunkBox, ChunkRuns, check_chunk_cover
+from zerosafe.formats.dcp.facts import dcp_facts, dcp_notes, dcp_source_block
 from zerosafe.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorMeta, parse_metadata
 from zerosafe.formats.dcp.stored import StoredChunk, locate_chunk
-from zerosafe.io.storage import ByteSource, FileIdentity, Storage, join_url
+from zerosafe.io.storage import ByteSource, FileIdentity, Storage, join_url, normalize_url
 from zerosafe.plan.model import Slot, SourceFile
 
 __all__ = [
     "FORMAT_NAME",
     "METADATA_FILE",
-    "DcpLayout",
+    "DcpReader",
     "DcpSelection",
-    "LayoutTensor",
-    "TensorPiece",
+    "Selected",
     "is_dcp_checkpoint",
     "read_dcp_layout",
     "select_tensors",
@@ -44,6 +46,57 @@ log = logging.getLogger(__name__)
 FORMAT_NAME = "PyTorch DCP"
 METADATA_FILE = ".metadata"
 _DISTCP_NAME = re.compile(r"__(\d+)_(\d+)\.distcp$")
+
+_Planned = list[tuple[TensorMeta, str, list[tuple[ChunkBox, ChunkRuns, StorageInfo | None]]]]
+
+
+class DcpReader:
+    """PyTorch DCP checkpoints: a folder holding `.metadata` and `*.distcp` files."""
+
+    name = "dcp"
+    title = FORMAT_NAME
+    looks_like = "a folder holding `.metadata` and `__R_S.distcp` files"
+    selects = True
+
+    def detect(self, storage: Storage, url: str) -> bool:
+        url = normalize_url(url)
+        return storage.isdir(url) and METADATA_FILE in storage.listdir(url)
+
+    def quick_identities(
+        self, storage: Storage, url: str, tag: str | None
+    ) -> tuple[str, list[dict[str, Any]]]:
+        url = normalize_url(url)
+        resolved = _tag_of(url, tag)
+        names = [METADATA_FILE, *_distcp_names(storage, url)]
+        return resolved, [storage.identity(join_url(url, n)).as_dict() for n in names]
+
+    def read(
+        self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
+    ) -> SourceLayout:
+        url = normalize_url(url)
+        _tag_of(url, tag)
+        selection = DcpSelection(select=options.select, strip_prefix=options.strip_prefix)
+        return read_dcp_layout(url, storage, selection)
+
+
+def _tag_of(url: str, tag: str | None) -> str:
+    """A DCP folder is one save: its tag is the folder's name (`step-1000`).
+
+    Raises:
+        ConfigError: If another tag is asked for.
+    """
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    if tag is not None and tag != name:
+        raise ConfigError(
+            f"{url}: `--tag {tag}` names a DeepSpeed tag folder, but this is a PyTorch DCP "
+            "checkpoint, which is one save; give the folder holding the save's .metadata "
+            f"(e.g. {url.rstrip('/').rsplit('/', 1)[0]}/{tag}) and no --tag"
+        )
+    return name
+
+
+def _distcp_names(storage: Storage, url: str) -> list[str]:
+    return sorted(n for n in storage.listdir(url) if n.endswith(".distcp"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,71 +116,17 @@ class DcpSelection:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TensorPiece:
-    """The part of an output tensor one chunk holds: runs of `slot`'s elements."""
+class Selected:
+    """What a selection chose: `(fqn, output name)` pairs and the rules that applied."""
 
-    slot: int
-    runs: ChunkRuns
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LayoutTensor:
-    """One output tensor: what it is and where its elements come from."""
-
-    name: str
-    """The output name (after `strip_prefix`)."""
-    fqn: str
-    """Its key in the checkpoint."""
-    shape: tuple[int, ...]
-    dtype: str
-    role: str
-    pieces: tuple[TensorPiece, ...]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    def fragments(self) -> np.ndarray:
-        """`(slot, src_element_offset, numel, dst_element_offset)` rows, int64, by destination."""
-        blocks = []
-        for piece in self.pieces:
-            r = piece.runs
-            block = np.empty((r.count, 4), dtype=np.int64)
-            block[:, 0] = piece.slot
-            block[:, 1] = np.arange(r.count, dtype=np.int64) * r.run_numel
-            block[:, 2] = r.run_numel
-            block[:, 3] = r.dst_offsets
-            blocks.append(block)
-        rows = np.concatenate(blocks) if blocks else np.zeros((0, 4), dtype=np.int64)
-        return rows[np.argsort(rows[:, 3], kind="stable")]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DcpLayout:
-    """Everything a planner needs from a DCP checkpoint."""
-
-    url: str
-    files: tuple[SourceFile, ...]
-    """The `.distcp` files that hold selected chunks."""
-    slots: tuple[Slot, ...]
-    """One per stored, non-empty chunk of a selected tensor."""
-    tensors: tuple[LayoutTensor, ...]
-    """In the checkpoint's order."""
-    aliases: dict[str, str] = field(default_factory=dict)
-    non_tensor_entries: tuple[str, ...] = ()
-    notes: tuple[str, ...] = ()
-    warnings: tuple[str, ...] = ()
-    source: dict[str, Any] = field(default_factory=dict)
-    identity: tuple[dict[str, Any], ...] = ()
-    """URL, size and version of `.metadata` and of every file read: the job's source identity."""
+    pairs: list[tuple[str, str]]
+    select: tuple[str, ...]
+    strip_prefix: str | None
 
 
 def is_dcp_checkpoint(url: str, storage: Storage) -> bool:
     """Whether `url` is a DCP checkpoint folder (it has a `.metadata` file)."""
-    return storage.exists(join_url(url, METADATA_FILE))
+    return DcpReader().detect(storage, url)
 
 
 def _matches(fqn: str, prefix: str) -> bool:
@@ -135,10 +134,8 @@ def _matches(fqn: str, prefix: str) -> bool:
     return prefix == "" or fqn == prefix or fqn.startswith(prefix + ".")
 
 
-def select_tensors(
-    keys: Sequence[str], selection: DcpSelection, *, where: str = ""
-) -> list[tuple[str, str]]:
-    """`(fqn, output name)` of the keys to convert, in the order given.
+def select_tensors(keys: Sequence[str], selection: DcpSelection, *, where: str = "") -> Selected:
+    """The keys to convert, in the order given, with their output names.
 
     Raises:
         ConfigError: If the selection matches nothing, or two keys get the same output name.
@@ -170,7 +167,7 @@ def select_tensors(
             )
         seen[name] = fqn
         out.append((fqn, name))
-    return out
+    return Selected(pairs=out, select=tuple(select), strip_prefix=strip)
 
 
 def _storage_of(meta: DcpMetadata, tensor: TensorMeta, offsets: tuple[int, ...]) -> StorageInfo:
@@ -200,25 +197,28 @@ def _open_files(
 ) -> tuple[dict[str, ByteSource], dict[str, FileIdentity]]:
     sources: dict[str, ByteSource] = {}
     identities: dict[str, FileIdentity] = {}
-    for name in names:
-        file_url = join_url(url, name)
-        try:
-            sources[name] = storage.open_source(file_url)
-        except CheckpointFormatError as e:
-            raise CheckpointFormatError(
-                f"{file_url}: this .distcp file is named in '{METADATA_FILE}' but missing; the "
-                "checkpoint was copied in part or a rank's save did not finish. Copy the whole "
-                "folder again."
-            ) from e
-        identities[name] = storage.identity(file_url)
+    try:
+        for name in names:
+            file_url = join_url(url, name)
+            try:
+                sources[name] = storage.open_source(file_url)
+            except (CheckpointFormatError, FileNotFoundError) as e:
+                raise CheckpointFormatError(
+                    f"{file_url}: this .distcp file is named in '{METADATA_FILE}' but missing; "
+                    "the checkpoint was copied in part or a rank's save did not finish. Copy "
+                    "the whole folder again."
+                ) from e
+            identities[name] = storage.identity(file_url)
+    except BaseException:
+        for source in sources.values():
+            source.close()
+        raise
     return sources, identities
 
 
-def _plan_chunks(
-    meta: DcpMetadata, chosen: Sequence[tuple[str, str]]
-) -> list[tuple[TensorMeta, str, list[tuple[ChunkBox, ChunkRuns, StorageInfo | None]]]]:
+def _plan_chunks(meta: DcpMetadata, chosen: Sequence[tuple[str, str]]) -> _Planned:
     """Per selected tensor, its chunks with their runs and (non-empty ones) storage."""
-    planned = []
+    planned: _Planned = []
     for fqn, name in chosen:
         tensor = meta.tensors[fqn]
         boxes = [ChunkBox(offsets=o, sizes=s) for o, s in tensor.chunks]
@@ -231,7 +231,8 @@ def _plan_chunks(
     return planned
 
 
-def _read_metadata(url: str, storage: Storage) -> DcpMetadata:
+def _read_metadata(url: str, storage: Storage) -> tuple[DcpMetadata, str]:
+    """The parsed `.metadata` and the SHA-256 of its bytes."""
     meta_url = join_url(url, METADATA_FILE)
     try:
         data = storage.read_bytes(meta_url)
@@ -244,14 +245,11 @@ def _read_metadata(url: str, storage: Storage) -> DcpMetadata:
             else "the folder is not a PyTorch DCP checkpoint"
         )
         raise CheckpointFormatError(f"{meta_url}: not found; {hint}.") from e
-    return parse_metadata(data, meta_url)
+    return parse_metadata(data, meta_url), hashlib.sha256(data).hexdigest()
 
 
 def _locate_all(
-    url: str,
-    planned: Sequence[tuple[TensorMeta, str, list[tuple[ChunkBox, ChunkRuns, StorageInfo | None]]]],
-    sources: dict[str, ByteSource],
-    max_workers: int,
+    url: str, planned: _Planned, sources: dict[str, ByteSource], max_workers: int
 ) -> list[list[StoredChunk | None]]:
     headers: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in sources}
 
@@ -276,23 +274,39 @@ def _locate_all(
         return [[f.result() for f in row] for row in futures]
 
 
+def _source_files(
+    url: str, storage: Storage, needed: dict[str, FileIdentity]
+) -> tuple[list[SourceFile], dict[str, int]]:
+    """`.metadata` and every `.distcp` file of the folder (the job's identity, in
+    `quick_identities` order), and the index of each `.distcp` file."""
+    names = [METADATA_FILE, *_distcp_names(storage, url)]
+    files: list[SourceFile] = []
+    for i, name in enumerate(names):
+        ident = needed.get(name) or storage.identity(join_url(url, name))
+        files.append(
+            SourceFile(
+                index=i, url=ident.url, role="metadata" if i == 0 else "distcp",
+                rank=0 if i == 0 else _file_rank(name, i - 1),
+                size_bytes=ident.size_bytes, version=ident.version,
+            )
+        )  # fmt: skip
+    return files, {n: i for i, n in enumerate(names)}
+
+
 def read_dcp_layout(
     url: str,
     storage: Storage,
     selection: DcpSelection | None = None,
     *,
     max_workers: int = 8,
-) -> DcpLayout:
-    """Read a DCP checkpoint's metadata and chunk headers into a layout.
+) -> SourceLayout:
+    """Read a DCP checkpoint's metadata and chunk headers into a `SourceLayout`.
 
     Args:
         url: The checkpoint folder (local, NFS or an fsspec URL such as `s3://...`).
         storage: Opens its files.
         selection: Which tensors to convert; the default of `DcpSelection`.
         max_workers: Chunk headers read at once (each is a few small ranged reads).
-
-    Returns:
-        The files, slots and tensors of the selected part of the checkpoint.
 
     Raises:
         CheckpointFormatError: If `.metadata` or a `.distcp` file is missing, truncated or
@@ -301,10 +315,11 @@ def read_dcp_layout(
         UnsupportedCheckpointError: If a chunk was saved through a stream transform.
         ConfigError: If the selection matches no tensor.
     """
-    selection = selection or DcpSelection()
-    meta = _read_metadata(url, storage)
-    chosen = select_tensors(list(meta.tensors), selection, where=url)
-    planned = _plan_chunks(meta, chosen)
+    url = normalize_url(url)
+    read_before = storage.counter.bytes_read
+    meta, meta_sha = _read_metadata(url, storage)
+    selected = select_tensors(list(meta.tensors), selection or DcpSelection(), where=url)
+    planned = _plan_chunks(meta, selected.pairs)
     names = sorted({info.relative_path for _, _, ch in planned for _, _, info in ch if info})
     sources, identities = _open_files(url, names, storage)
     try:
@@ -312,42 +327,31 @@ def read_dcp_layout(
     finally:
         for source in sources.values():
             source.close()
-    files = tuple(
-        SourceFile(
-            index=i, url=identities[n].url, role="distcp", rank=_file_rank(n, i),
-            size_bytes=identities[n].size_bytes, version=identities[n].version,
-        )
-        for i, n in enumerate(names)
-    )  # fmt: skip
-    file_index = {n: i for i, n in enumerate(names)}
+    files, file_index = _source_files(url, storage, identities)
     slots: list[Slot] = []
-    tensors: list[LayoutTensor] = []
+    tensors: dict[str, SourceTensor] = {}
     for (tensor, name, chunks), stored in zip(planned, located, strict=True):
-        pieces = []
+        fragments: list[Fragment] = []
         for (box, runs, info), chunk in zip(chunks, stored, strict=True):
             if chunk is None or info is None:
                 continue
-            file = file_index[info.relative_path]
-            pieces.append(TensorPiece(slot=len(slots), runs=runs))
-            slots.append(_slot(len(slots), files[file], tensor.fqn, box, chunk))
-        tensors.append(
-            LayoutTensor(
-                name=name, fqn=tensor.fqn, shape=tensor.size, dtype=tensor.dtype,
-                role="param", pieces=tuple(pieces),
-            )
+            slot = len(slots)
+            slots.append(_slot(slot, files[file_index[info.relative_path]], tensor.fqn, box, chunk))
+            fragments += [(slot, src, n, dst) for src, n, dst in runs]
+        fragments.sort(key=lambda f: f[3])
+        tensors[name] = SourceTensor(
+            name=name, shape=tensor.size, dtype=tensor.dtype, role="param",
+            fragments=tuple(fragments),
         )  # fmt: skip
-    meta_identity = storage.identity(join_url(url, METADATA_FILE))
-    identity = (meta_identity.as_dict(), *(identities[n].as_dict() for n in names))
-    return DcpLayout(
-        url=url,
-        files=files,
-        slots=tuple(slots),
-        tensors=tuple(tensors),
-        non_tensor_entries=meta.byte_entries,
-        notes=tuple(_notes(meta, chosen, located)),
-        source=_source(url, meta, chosen, files, identity),
-        identity=identity,
-    )
+    return SourceLayout(
+        format=DcpReader.name, where=url, tag=_tag_of(url, None), files=files, slots=slots,
+        tensors=tensors, order=list(tensors),
+        source=dcp_source_block(url, meta, selected, files, _fingerprint(meta_sha, slots)),
+        facts=dcp_facts(url, meta, selected, files, slots, located),
+        metadata_bytes=storage.counter.bytes_read - read_before,
+        notes=dcp_notes(meta, selected, located), main_slot_kind="chunk",
+        native=meta,
+    )  # fmt: skip
 
 
 def _slot(index: int, file: SourceFile, fqn: str, box: ChunkBox, chunk: StoredChunk) -> Slot:
@@ -360,56 +364,11 @@ def _slot(index: int, file: SourceFile, fqn: str, box: ChunkBox, chunk: StoredCh
     )  # fmt: skip
 
 
-def _notes(
-    meta: DcpMetadata,
-    chosen: Sequence[tuple[str, str]],
-    located: Sequence[Sequence[StoredChunk | None]],
-) -> list[str]:
-    notes = []
-    picked = {fqn for fqn, _ in chosen}
-    left = [k for k in meta.tensors if k not in picked]
-    if left:
-        tops = sorted({k.split(".", 1)[0] for k in left})
-        notes.append(
-            f"{len(left)} tensor(s) not selected and not read (top-level keys {tops}); "
-            "--select PREFIX converts them"
-        )
-    if meta.byte_entries:
-        shown = ", ".join(meta.byte_entries[:8]) + (" ..." if len(meta.byte_entries) > 8 else "")
-        notes.append(
-            f"{len(meta.byte_entries)} non-tensor entr(ies) listed in the manifest, not "
-            f"converted: {shown}"
-        )
-    formats = {c.serialization for row in located for c in row if c is not None}
-    if "safetensors" in formats:
-        notes.append("chunks stored as safetensors (SerializationFormat.SAFETENSORS)")
-    return notes
-
-
-def _source(
-    url: str,
-    meta: DcpMetadata,
-    chosen: Sequence[tuple[str, str]],
-    files: Sequence[SourceFile],
-    identity: Sequence[dict[str, Any]],
-) -> dict[str, Any]:
-    return {
-        "format": "dcp",
-        "format_name": FORMAT_NAME,
-        "checkpoint": url,
-        "dcp_version": meta.version,
-        "num_tensors_in_checkpoint": len(meta.tensors),
-        "num_tensors_selected": len(chosen),
-        "num_params": sum(_numel(meta.tensors[fqn].size) for fqn, _ in chosen),
-        "non_tensor_entries": list(meta.byte_entries),
-        "num_distcp_files": len({info.relative_path for info in meta.storage.values()}),
-        "checkpoint_bytes": sum(int(i["size_bytes"]) for i in identity),
-        "files": list(identity),
-    }
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _fingerprint(meta_sha: str, slots: Sequence[Slot]) -> str:
+    """SHA-256 over the `.metadata` bytes (each save has its own `save_id`) and every
+    selected chunk's name, size and CRC-32 (torch.save form): from headers only, the same
+    after copies and moves, and different for another save or a changed chunk."""
+    h = hashlib.sha256(meta_sha.encode() + b"\n")
+    for s in sorted(slots, key=lambda s: s.name):
+        h.update(f"{s.name}\0{s.record_size_bytes}\0{s.record_crc32}\n".encode())
+    return h.hexdigest()

@@ -171,7 +171,7 @@ def _zip_chunk(
         )
     record = archive.storage_record(tensor.storage.key)
     return StoredChunk(
-        record=f"@{offset}/{record.name}",  # unique in the file: each chunk is an archive
+        record=record.name,
         record_offset=offset + archive.data_offset(record),
         record_size_bytes=record.size_bytes,
         record_crc32=record.crc32,
@@ -252,7 +252,7 @@ def _safetensors_chunk(
             f"({source.size_bytes} bytes); the file is truncated"
         )
     return StoredChunk(
-        record=f"safetensors@{offset}/{fqn}",
+        record=fqn,
         record_offset=start,
         record_size_bytes=length,
         record_crc32=0,
