@@ -96,6 +96,7 @@ _FLAG_OF_FIELD = {
     "`keep_fp32`": "`--keep-fp32`",
     "`model_files`": "`--model-files`",
     "`copy_model_files`": "`--no-model-files`",
+    "`check_lowp`": "`--check-lowp`",
     "`select`": "`--select`",
     "`strip_prefix`": "`--strip-prefix`",
 }

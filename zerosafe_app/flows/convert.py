@@ -524,12 +524,20 @@ def _run_stages(
     }
 
 
+def _source_text(cfg: JobConfig, source: dict[str, Any]) -> str:
+    """The summary's `source` row: what the format's manifest block says about it."""
+    if source.get("format") == "dcp":
+        return (
+            f"`{cfg.source}` (PyTorch DCP, {source['num_tensors_selected']} of "
+            f"{source['num_tensors_in_checkpoint']} tensors selected, "
+            f"{source['num_distcp_files']} .distcp files)"
+        )
+    return f"`{cfg.source}` (tag {source['tag']}, ZeRO-{source['stage']}, world size {source['world_size']})"
+
+
 def _summary_artifact(cfg: JobConfig, info: dict[str, Any], r: dict[str, Any]) -> None:
     rows = [
-        (
-            "source",
-            f"`{cfg.source}` (tag {info['source']['tag']}, ZeRO-{info['source']['stage']}, world size {info['source']['world_size']})",
-        ),
+        ("source", _source_text(cfg, info["source"])),
         ("output", f"`{cfg.destination}`: {len(r['files'])} file(s), {r['num_tensors']} tensors"),
         ("mode", r.get("mode_reason") or r["mode"]),
         ("read from source", _source_read_text(r)),

@@ -75,6 +75,12 @@ class DcpReader:
     ) -> SourceLayout:
         url = normalize_url(url)
         _tag_of(url, tag)
+        if options.check_lowp:
+            raise ConfigError(
+                f"{url}: `check_lowp` (--check-lowp) compares with the 16-bit weights DeepSpeed "
+                "ZeRO-1/2 saves beside its fp32 masters; a PyTorch DCP checkpoint keeps no such "
+                "copy. Drop --check-lowp (verify and `verify --against` still check the output)."
+            )
         selection = DcpSelection(select=options.select, strip_prefix=options.strip_prefix)
         return read_dcp_layout(url, storage, selection)
 
