@@ -77,7 +77,7 @@ class DcpReader:
         _tag_of(url, tag)
         if options.check_lowp:
             raise ConfigError(
-                f"{url}: `check_lowp` (--check-lowp) compares with the 16-bit weights DeepSpeed "
+                f"{url}: `check_lowp` compares with the 16-bit weights DeepSpeed "
                 "ZeRO-1/2 saves beside its fp32 masters; a PyTorch DCP checkpoint keeps no such "
                 "copy. Drop --check-lowp (verify and `verify --against` still check the output)."
             )
