@@ -123,8 +123,19 @@ class ConvertOptions:
     copy_model_files: bool = True
     """Copy those files next to the weights, so `from_pretrained(OUT)` needs no extra step."""
 
+    select: tuple[str, ...] = ()
+    """PyTorch DCP: key prefixes to convert (`model`, `optim.state`); a prefix matches whole
+    dotted components. Empty: the tensors under `model` (`model.` stripped), or every tensor
+    without a `model` key. Formats that hold one state dict (DeepSpeed) refuse it."""
+    strip_prefix: str | None = None
+    """PyTorch DCP: a prefix removed from the output names (`model`); `""` strips nothing;
+    None: `model` with the default selection, nothing with `select`."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if isinstance(self.select, str) or not all(isinstance(p, str) for p in self.select):
+            raise ConfigError(f"`select` must be a list of key prefixes (got {self.select!r})")
+        object.__setattr__(self, "select", tuple(self.select))
         # JSON (Prefect parameters, the job dict tasks get) turns the tuple into a list.
         object.__setattr__(self, "keep_fp32", tuple(self.keep_fp32))
         for pattern in self.keep_fp32:
@@ -191,7 +202,8 @@ class ConvertOptions:
     def identity(self) -> dict[str, Any]:
         """The options that change output bytes (part of the job key). The keys are frozen:
         renaming one would change every job key, and outputs converted before would no
-        longer count as done. So a newer option joins only when it is not at its default."""
+        longer count as done. So a newer option joins only when it is not at its default
+        (`keep_fp32`, and DCP's `select` and `strip_prefix`: every DeepSpeed job keeps its key)."""
         ident: dict[str, Any] = {
             "dtype": self.dtype,
             "max_shard_bytes": self.max_shard_size,
@@ -200,6 +212,10 @@ class ConvertOptions:
         }
         if self.keep_fp32:
             ident["keep_fp32"] = list(self.keep_fp32)
+        if self.select:
+            ident["select"] = list(self.select)
+        if self.strip_prefix is not None:
+            ident["strip_prefix"] = self.strip_prefix
         # Not the model files: which are copied is checked apart, file by file, so changing
         # them (or `--model-files`) only copies again instead of converting again.
         return ident

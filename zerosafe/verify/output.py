@@ -100,10 +100,10 @@ def verify_output(
     aliases = _collect_aliases(manifest, reports, index, where, failures)
     against_report = None
     if against is not None:
-        exclude_frozen = bool(((manifest or {}).get("options") or {}).get("exclude_frozen"))
         against_report = _check_against(
             storage, out_url, against, tag, reports, aliases, failures, chunk_bytes,
-            exclude_frozen=exclude_frozen, source=(manifest or {}).get("source"),
+            recorded_options=(manifest or {}).get("options") or {},
+            source=(manifest or {}).get("source"),
         )  # fmt: skip
     tensors = {t: info for r in reports for t, info in r.tensors.items()}
     return {
@@ -434,21 +434,26 @@ def _check_against(
     failures: list[Failure],
     chunk_bytes: int,
     *,
-    exclude_frozen: bool = False,
+    recorded_options: dict[str, Any],
     source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Coverage against the checkpoint (any format), its identity (`source`: the manifest's
     record), a sample of values, and DeepSpeed ZeRO-1/2's 16-bit cross-check.
 
-    With `exclude_frozen` (the output's manifest says it was converted so), frozen params
-    must be absent instead of present.
+    The output's manifest says how it was converted (`recorded_options`, the job key's
+    options): with `exclude_frozen`, frozen params must be absent instead of present; a DCP
+    output is checked against the tensors its `select` and `strip_prefix` chose.
     """
     from zerosafe.config import ConvertOptions
     from zerosafe.formats.registry import read_source
 
-    layout = read_source(
-        storage, ckpt_url, tag=tag, options=ConvertOptions(exclude_frozen=exclude_frozen)
+    exclude_frozen = bool(recorded_options.get("exclude_frozen"))
+    options = ConvertOptions(
+        exclude_frozen=exclude_frozen,
+        select=tuple(recorded_options.get("select") or ()),
+        strip_prefix=recorded_options.get("strip_prefix"),
     )
+    layout = read_source(storage, ckpt_url, tag=tag, options=options)
     stored = {t: (r.file, info) for r in reports for t, info in r.tensors.items()}
     expected = _check_coverage(layout, stored, aliases, failures, exclude_frozen=exclude_frozen)
     content = layout.source.get("content_sha256")

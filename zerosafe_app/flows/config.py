@@ -30,11 +30,18 @@ class JobConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     source: str
-    """The checkpoint: the folder holding `latest`, or a tag folder (path or URL, e.g. s3://...)."""
+    """The checkpoint (path or URL, e.g. s3://...): DeepSpeed's folder holding `latest` or a
+    tag folder, or a PyTorch DCP folder holding `.metadata`."""
     destination: str
     """The output folder (path or URL)."""
     tag: str | None = None
-    """The tag to convert; by default the one `latest` names."""
+    """DeepSpeed: the tag to convert; by default the one `latest` names."""
+    select: list[str] = Field(default_factory=list)
+    """PyTorch DCP: key prefixes to convert (e.g. `[model]`, `[optim.state]`); empty: the
+    tensors under `model`, or every tensor without a `model` key. Refused for DeepSpeed."""
+    strip_prefix: str | None = None
+    """PyTorch DCP: a prefix removed from the output names; null: `model` with the default
+    selection, nothing with `select`; `""` strips nothing. Refused for DeepSpeed."""
     work_dir: str | None = None
     """Where the plan, intermediates and cached task results go (default: DESTINATION/.zerosafe-work)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -147,6 +154,8 @@ class JobConfig(BaseModel):
             keep_fp32=tuple(self.keep_fp32),
             model_files=self.model_files,
             copy_model_files=self.copy_model_files,
+            select=tuple(self.select),
+            strip_prefix=self.strip_prefix,
         )
 
 
