@@ -236,7 +236,10 @@ def plan_job_and_load(
         state=state.kind, job_key=plan.job_key, destination=destination, work_url=work.root,
         source={k: v for k, v in plan.source.items() if k != "files"},
         parts=tuple(
-            PartWork(index=p.index, rank=p.rank, label=str(p.number), size_bytes=plan.part_bytes(p.index))
+            PartWork(
+                index=p.index, rank=p.rank, label=str(p.number),
+                size_bytes=plan.part_bytes(p.index),
+            )
             for p in plan.parts
         ),
         shards=tuple(

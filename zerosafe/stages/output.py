@@ -20,7 +20,7 @@ from typing import Any
 from zerosafe._version import __version__
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import OutputExistsError, VerificationError
-from zerosafe.io.storage import Storage, is_local, join_url
+from zerosafe.io.storage import FileIdentity, Storage, is_local, join_url
 from zerosafe.plan.model import Plan
 from zerosafe.stages.results import MergeResult, RunStats, VerifyResult
 
@@ -380,6 +380,31 @@ def _checks(verifies: Sequence[VerifyResult], lowp: dict[str, Any] | None) -> di
     return checks
 
 
+def _move_into_place(
+    storage: Storage, out_url: str, job_key: str, merges: Sequence[MergeResult]
+) -> dict[str, FileIdentity]:
+    """Rename the pending shards to their final names; returns each one's identity.
+
+    Raises:
+        VerificationError: If a shard in place does not have the size its merge wrote.
+    """
+    pending = pending_url(out_url, job_key)
+    for m in merges:
+        src = join_url(pending, m.file)
+        if storage.exists(src):
+            storage.rename(src, join_url(out_url, m.file))
+    versions = {m.file: storage.identity(join_url(out_url, m.file)) for m in merges}
+    for m in merges:
+        if versions[m.file].size_bytes != m.file_bytes:
+            raise VerificationError(
+                f"{join_url(out_url, m.file)}: {versions[m.file].size_bytes} bytes after "
+                f"moving it into place, expected {m.file_bytes}; the output was not marked "
+                "complete. Run the same command again.",
+                [],
+            )
+    return versions
+
+
 def publish(
     plan: Plan,
     storage: Storage,
@@ -415,20 +440,7 @@ def publish(
     by_shard = sorted(merges, key=lambda m: m.shard)
     if [m.shard for m in by_shard] != list(range(len(plan.shards))):
         raise AssertionError("publish needs one merge result per shard")
-    pending = pending_url(out_url, plan.job_key)
-    for m in by_shard:
-        src = join_url(pending, m.file)
-        if storage.exists(src):
-            storage.rename(src, join_url(out_url, m.file))
-    versions = {m.file: storage.identity(join_url(out_url, m.file)) for m in by_shard}
-    for m in by_shard:
-        if versions[m.file].size_bytes != m.file_bytes:
-            raise VerificationError(
-                f"{join_url(out_url, m.file)}: {versions[m.file].size_bytes} bytes after "
-                f"moving it into place, expected {m.file_bytes}; the output was not marked "
-                "complete. Run the same command again.",
-                [],
-            )
+    versions = _move_into_place(storage, out_url, plan.job_key, by_shard)
     weight_map = {name: m.file for m in by_shard for name in m.tensors}
     total_size = sum(m.data_bytes for m in by_shard)
     if len(plan.shards) > 1:
