@@ -165,7 +165,7 @@ def test_transient_faults_are_retried_and_no_credential_leaks(
     from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
 
-    from tasks import credentials
+    from zerosafe_app.tasks import credentials
     from zerosafe_app.flows.convert import convert
 
     # Credentials only in a Secret block: none in this process's environment.
