@@ -15,6 +15,7 @@ Ready to use:
   convert/default  prefect deployment run convert/default \\
                        --param source=CKPT_DIR --param destination=OUT_DIR --watch
   pt2st/default    prefect deployment run pt2st/default --param source=F.pt --param destination=F.safetensors
+  lazify/default   prefect deployment run lazify/default --param checkpoint=CKPT_DIR --watch
 Examples, not armed:
   convert/80b      needs S3 (credentials block secret/zerosafe-s3) and the Dask scheduler
                    named in conf/80b.yaml; edit conf/80b.yaml or pass --param to override.

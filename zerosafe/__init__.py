@@ -5,6 +5,8 @@ The engine is a plain library (no Prefect): read a checkpoint's metadata lazily
 (`extract_part`, `merge_shard`, `verify_shard`, `publish`), or all of them in order
 (`convert_checkpoint`). Any `torch.save` file converts to one safetensors file with
 `convert_pt` and loads back, lazily, with `load_pt_like` (or `load_pt` for resuming).
+`lazify_checkpoint` writes such a file next to every `.pt` of a DeepSpeed checkpoint, and
+`with lazy_torch_load(): engine.load_checkpoint(...)` resumes from them memory-mapped.
 """
 
 from zerosafe._version import __version__
@@ -24,6 +26,7 @@ from zerosafe.formats.deepspeed.checkpoint import ZeroCheckpoint, open_zero_chec
 from zerosafe.formats.deepspeed.reader import build_plan
 from zerosafe.formats.torch_zip import TensorRecord, TorchZipFile
 from zerosafe.io.storage import Storage
+from zerosafe.lazy import lazify_checkpoint, lazy_torch_load
 from zerosafe.plan.build import plan_checkpoint, plan_layout
 from zerosafe.plan.model import Plan, load_plan, save_plan
 from zerosafe.pt2st import convert_pt, load_pt, load_pt_like
@@ -47,6 +50,8 @@ __all__ = [
     "__version__",
     "build_plan",
     "convert_pt",
+    "lazify_checkpoint",
+    "lazy_torch_load",
     "load_plan",
     "load_pt",
     "load_pt_like",

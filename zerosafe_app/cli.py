@@ -29,7 +29,11 @@ log = logging.getLogger("zerosafe")
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
-EXTRA_COMMANDS: list[str] = ["zerosafe_app.pt2st_cli", "zerosafe.stages.clean"]
+EXTRA_COMMANDS: list[str] = [
+    "zerosafe_app.pt2st_cli",
+    "zerosafe_app.lazify_cli",
+    "zerosafe.stages.clean",
+]
 """Modules that add a command: each has `add_parser(subparsers, add_verbosity)`, which adds its
 parser and sets `handler=` (a function of the parsed args returning the exit code) as a default."""
 

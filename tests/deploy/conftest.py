@@ -32,7 +32,7 @@ def _stop(proc: subprocess.Popen[Any], *, sigint_twice: bool = False) -> None:
     if proc.poll() is not None:
         return
     try:
-        if sigint_twice:  # SIGTERM does not stop `prefect worker start` (DESIGN.md)
+        if sigint_twice:  # SIGTERM does not stop `prefect worker start`: it needs SIGINT twice
             os.killpg(proc.pid, signal.SIGINT)
             time.sleep(1)
             os.killpg(proc.pid, signal.SIGINT)

@@ -7,30 +7,37 @@ aligned to 64 bytes), `<archive>/byteorder`, `<archive>/version`. In the pickle 
 `torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride, ...)` and a storage is
 the persistent id `('storage', <storage type>, key, location, numel)`.
 
-The restricted unpickler below maps those calls to `TensorRecord`s (no bytes are read), maps
-the bookkeeping classes real DeepSpeed checkpoints contain to inert records, and refuses every
-other global, so nothing in a checkpoint ever runs. Zip format:
+The pickle is read by the restricted unpickler of `zerosafe.formats.torch_pickle` (no code
+runs, no tensor byte is read); this module is the zip container: directory, records, CRCs,
+lazy reads. Zip format:
 https://pkware.cachefly.net/webdocs/casestudies/APPNOTE.TXT
 """
 
 from __future__ import annotations
 
 import bisect
-import collections
 import io
 import logging
-import math
-import pickle
 import struct
 import threading
 import zipfile
 import zlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 from zerosafe.dtypes import dtype_info
-from zerosafe.errors import CheckpointFormatError, IntegrityError, UnsafePickleError
+from zerosafe.errors import CheckpointFormatError, IntegrityError
+from zerosafe.formats.torch_pickle import (  # noqa: F401  (re-exported: the records are read from here)
+    ALLOWED_GLOBALS,
+    DTypeToken,
+    InertObject,
+    RestrictedUnpickler,
+    StorageRef,
+    TensorRecord,
+    TorchDevice,
+    TorchSize,
+    contiguous_stride,
+)
 from zerosafe.io.storage import ByteSource
 
 __all__ = [
@@ -67,379 +74,6 @@ class ZipRecord:
     @property
     def has_crc(self) -> bool:
         return self.crc32 != 0 or self.size_bytes == 0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StorageRef:
-    """A storage named in the pickle: which record holds it and how many elements it has."""
-
-    key: str
-    dtype: str
-    numel: int
-    location: str
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TensorRecord:
-    """A tensor as the pickle describes it; its bytes stay in the file until asked for."""
-
-    storage: StorageRef
-    storage_offset: int
-    """In elements of `dtype`."""
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: str
-    requires_grad: bool = False
-    is_parameter: bool = False
-    """Saved as an `nn.Parameter`; `requires_grad` is then the parameter's flag."""
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def itemsize(self) -> int:
-        return dtype_info(self.dtype).itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
-
-    def is_contiguous(self) -> bool:
-        expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.stride), strict=True):
-            if size != 1 and stride != expected:
-                return False
-            expected *= size
-        return True
-
-
-class InertObject:
-    """Stands in for a bookkeeping object (a loss scaler, an enum): keeps its data, runs nothing.
-
-    `args` are the constructor arguments the pickle passed and `state` what it would have set
-    with `__setstate__`; `get` reads a field from either.
-    """
-
-    qualname: ClassVar[str] = "?"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> InertObject:
-        obj = object.__new__(cls)
-        obj.args = args
-        obj.state = None
-        return obj
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    args: tuple[Any, ...]
-    state: Any
-
-    def get(self, field: str, default: Any = None) -> Any:
-        if isinstance(self.state, dict) and field in self.state:
-            return self.state[field]
-        if (
-            isinstance(self.state, tuple)
-            and len(self.state) == 2
-            and isinstance(self.state[1], dict)
-        ):
-            return self.state[1].get(field, default)  # (dict state, slot state)
-        return default
-
-    @property
-    def value(self) -> Any:
-        """The first constructor argument: an enum's value (`ZeroStageEnum(2)` -> 2)."""
-        return self.args[0] if self.args else None
-
-    def __repr__(self) -> str:
-        return f"<inert {self.qualname} args={self.args!r} state={self.state!r}>"
-
-
-def _inert(qualname: str) -> type[InertObject]:
-    return type(qualname.rsplit(".", 1)[-1], (InertObject,), {"qualname": qualname})
-
-
-class _StorageType:
-    """The global a persistent id names as the storage's type (`torch.FloatStorage`)."""
-
-    def __init__(self, dtype: str) -> None:
-        self.dtype = dtype
-
-
-class _DTypeToken(str):
-    """A torch dtype named in a pickle (`torch.float16`), kept as its name."""
-
-
-DTypeToken = _DTypeToken
-
-
-class TorchSize(tuple):  # type: ignore[type-arg]
-    """A `torch.Size` named in a pickle: a plain tuple of ints that remembers it was one."""
-
-
-class TorchDevice(str):
-    """A `torch.device` named in a pickle, kept as its name (`cuda:0`)."""
-
-
-def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    """The strides torch gives a new contiguous tensor of `shape` (size-0 dims count as 1)."""
-    stride = []
-    step = 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(stride))
-
-
-def _rebuild_tensor_v2(
-    storage: tuple[StorageRef, str],
-    storage_offset: int,
-    size: tuple[int, ...],
-    stride: tuple[int, ...],
-    requires_grad: bool = False,
-    backward_hooks: Any = None,
-    metadata: Any = None,
-) -> TensorRecord:
-    # a typed storage: the tensor's dtype is the storage's
-    ref = _storage_ref(storage)
-    return _rebuild_tensor_v3(
-        storage, storage_offset, size, stride, requires_grad, backward_hooks, ref.dtype
-    )
-
-
-def _rebuild_tensor_v3(
-    storage: tuple[StorageRef, str],
-    storage_offset: int,
-    size: tuple[int, ...],
-    stride: tuple[int, ...],
-    requires_grad: bool,
-    backward_hooks: Any,
-    dtype: str,
-    metadata: Any = None,
-) -> TensorRecord:
-    # v3 is used with untyped (byte) storages: the offset is in elements of `dtype`.
-    return TensorRecord(
-        storage=_storage_ref(storage),
-        storage_offset=_exact_int(storage_offset, "storage offset"),
-        shape=tuple(_exact_int(s, "size") for s in size),
-        stride=tuple(_exact_int(s, "stride") for s in stride),
-        dtype=str(dtype),
-        requires_grad=bool(requires_grad),
-    )
-
-
-def _storage_ref(storage: Any) -> StorageRef:
-    ref = storage[0] if isinstance(storage, tuple) and len(storage) == 2 else storage
-    if not isinstance(ref, StorageRef):
-        raise CheckpointFormatError(
-            f"a tensor is rebuilt from {type(ref).__name__} {ref!r} where torch.save writes a "
-            "storage reference; the file was not written by torch.save"
-        )
-    return ref
-
-
-def _exact_int(value: Any, what: str) -> int:
-    # int() would quietly turn 2.7 into 2 or '3' into 3; torch.save writes Python ints only.
-    if type(value) is not int:
-        raise CheckpointFormatError(
-            f"a tensor's {what} is {type(value).__name__} {value!r}, expected an int; the file "
-            "was not written by torch.save"
-        )
-    return value
-
-
-def _rebuild_tensor_v1(
-    storage: tuple[StorageRef, str], storage_offset: int, size: Any, stride: Any
-) -> TensorRecord:
-    return _rebuild_tensor_v2(storage, storage_offset, size, stride)
-
-
-def _rebuild_parameter(
-    data: TensorRecord, requires_grad: bool, backward_hooks: Any
-) -> TensorRecord:
-    if not isinstance(data, TensorRecord):
-        return data
-    return replace(data, requires_grad=bool(requires_grad), is_parameter=True)
-
-
-def _rebuild_parameter_with_state(
-    data: TensorRecord, requires_grad: bool, backward_hooks: Any, state: Any
-) -> TensorRecord:
-    return _rebuild_parameter(data, requires_grad, backward_hooks)
-
-
-class _TensorClass:
-    """`torch.Tensor` / `torch.nn.Parameter` as named by `_rebuild_from_type_v2`."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-def _rebuild_from_type_v2(
-    func: Callable[..., Any], new_type: Any, args: tuple[Any, ...], state: Any
-) -> Any:
-    # Only our own rebuild functions can arrive here (the allowlist resolved `func`).
-    if not isinstance(new_type, _TensorClass):
-        raise UnsafePickleError(f"tensor subclass {new_type!r} is not supported")
-    return func(*args)
-
-
-def _codecs_encode(text: str, encoding: str = "utf-8") -> bytes:
-    # Protocol-2 pickles spell `bytes` objects as `_codecs.encode(text, 'latin1')`.
-    if encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
-        raise UnsafePickleError(f"_codecs.encode with encoding '{encoding}' is not allowed")
-    return text.encode(encoding)
-
-
-def _bytearray_of_data(*args: Any) -> bytearray:
-    # bytearray(10**12) would allocate whatever a file asks for: only data is accepted.
-    if args and not isinstance(args[0], (bytes, str, list)):
-        raise UnsafePickleError(
-            f"bytearray({type(args[0]).__name__}) is not allowed: only bytearray(data)"
-        )
-    return bytearray(*args)
-
-
-def _empty_bytes(*args: Any) -> bytes:
-    # Protocol-2 pickles spell b"" as `bytes()`; any argument (`bytes(10**12)`) is refused.
-    if args:
-        raise UnsafePickleError(f"bytes{args!r} is not allowed; only bytes() is")
-    return b""
-
-
-def _torch_size(*args: Any) -> tuple[int, ...]:
-    return TorchSize(args[0]) if args else TorchSize()
-
-
-def _torch_device(*args: Any) -> str:
-    return TorchDevice(":".join(str(a) for a in args))
-
-
-_STORAGE_TYPES = {
-    "DoubleStorage": "float64",
-    "FloatStorage": "float32",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128",
-    "UntypedStorage": "uint8",
-}
-
-_TORCH_DTYPES = (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "uint16", "uint32", "uint64", "bool", "complex64", "complex128", "float8_e4m3fn",
-    "float8_e5m2",
-)  # fmt: skip
-
-# Bookkeeping classes: kept as inert records, never constructed for real.
-_INERT_GLOBALS = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-    "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum",
-    "deepspeed.checkpoint.constants.ZeroStageEnum",
-    "argparse.Namespace",
-    "numpy.core.multiarray._reconstruct",
-    "numpy._core.multiarray._reconstruct",
-    "numpy.core.multiarray.scalar",
-    "numpy._core.multiarray.scalar",
-    "numpy.ndarray",
-    "numpy.dtype",
-)
-
-ALLOWED_GLOBALS: dict[str, Any] = {
-    # Containers and plain data constructors.
-    "collections.OrderedDict": collections.OrderedDict,
-    "collections.defaultdict": collections.defaultdict,
-    "builtins.set": set,
-    "builtins.frozenset": frozenset,
-    "builtins.complex": complex,
-    "builtins.slice": slice,
-    "builtins.bytearray": _bytearray_of_data,
-    # Protocol-2 pickles (torch.save's default) spell builtins the Python 2 way.
-    "__builtin__.set": set,
-    "__builtin__.frozenset": frozenset,
-    "__builtin__.complex": complex,
-    "__builtin__.slice": slice,
-    "__builtin__.bytearray": _bytearray_of_data,
-    "__builtin__.bytes": _empty_bytes,
-    "builtins.bytes": _empty_bytes,
-    "_codecs.encode": _codecs_encode,
-    # Tensor rebuild functions: all produce lazy `TensorRecord`s.
-    "torch._utils._rebuild_tensor": _rebuild_tensor_v1,
-    "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
-    "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
-    "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter_with_state,
-    "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-    "torch.Tensor": _TensorClass("torch.Tensor"),
-    "torch.nn.parameter.Parameter": _TensorClass("torch.nn.parameter.Parameter"),
-    "torch.Size": _torch_size,
-    "torch.device": _torch_device,
-    **{f"torch.{name}": _StorageType(dtype) for name, dtype in _STORAGE_TYPES.items()},
-    "torch.storage.UntypedStorage": _StorageType("uint8"),
-    **{f"torch.{name}": _DTypeToken(name) for name in _TORCH_DTYPES},
-    **{name: _inert(name) for name in _INERT_GLOBALS},
-}
-"""Every global a checkpoint pickle may name, and what it becomes. Anything else is refused."""
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, url: str) -> None:
-        super().__init__(io.BytesIO(data))
-        self._url = url
-        self.globals_found: set[str] = set()
-        self.storages: dict[str, StorageRef] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        qualname = f"{module}.{name}"
-        try:
-            target = ALLOWED_GLOBALS[qualname]
-        except KeyError:
-            raise UnsafePickleError(
-                f"{self._url}: the pickle names the global '{qualname}', which is not on "
-                "zerosafe's allowlist, so the file was not loaded (loading it could run code). "
-                "If this is a legitimate checkpoint, report the global so it can be added to "
-                "ALLOWED_GLOBALS in zerosafe/formats/torch_zip.py."
-            ) from None
-        self.globals_found.add(qualname)
-        return target
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise CheckpointFormatError(f"{self._url}: unexpected persistent id {pid!r}")
-        _, storage_type, key, location, numel = pid
-        if not isinstance(storage_type, _StorageType):
-            raise CheckpointFormatError(f"{self._url}: storage of unknown type {storage_type!r}")
-        if type(numel) is not int or numel < 0:
-            raise CheckpointFormatError(
-                f"{self._url}: storage '{key}' has {numel!r} elements, expected a count >= 0; "
-                "the file is corrupt or was not written by torch.save"
-            )
-        ref = StorageRef(
-            key=str(key), dtype=storage_type.dtype, numel=numel, location=str(location)
-        )
-        known = self.storages.get(ref.key)
-        if known is not None and known != ref:
-            # torch.save refuses to save one storage under two types; a file that does would
-            # size its views against whichever reference came first.
-            raise CheckpointFormatError(
-                f"{self._url}: storage '{key}' is named twice with different types or sizes "
-                f"({known.numel} x {known.dtype}, then {ref.numel} x {ref.dtype}); the file "
-                "was not written by torch.save"
-            )
-        self.storages[ref.key] = ref
-        return (ref, storage_type.dtype)
 
 
 class _PrefetchedIO(io.RawIOBase):
@@ -701,7 +335,7 @@ class TorchZipFile:
     def load(self) -> Any:
         """Unpickle `data.pkl` into plain containers, `TensorRecord`s and `InertObject`s."""
         data = self.read_record(self.records[self.prefix + "data.pkl"])
-        unpickler = _RestrictedUnpickler(data, self.url)
+        unpickler = RestrictedUnpickler(data, self.url)
         try:
             obj = unpickler.load()
         except (CheckpointFormatError, IntegrityError) as e:

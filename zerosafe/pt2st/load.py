@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from zerosafe.dtypes import dtype_info, from_safetensors_code, torch_dtype
 from zerosafe.errors import CheckpointFormatError
 from zerosafe.formats.safetensors import read_header
-from zerosafe.formats.torch_zip import contiguous_stride
+from zerosafe.formats.torch_pickle import contiguous_stride
 from zerosafe.io.storage import ByteSource, Storage, is_local, local_path
 from zerosafe.pt2st.convert import (
     FORMAT_VERSION,

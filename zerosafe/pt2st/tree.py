@@ -25,6 +25,11 @@ JSON encoding of a value (`encode_tree` / `decode_tree`):
     argparse.Namespace              {"namespace": [[name, value], ...]}
     numpy scalar / array            {"numpy": {"dtype": "<f4", "shape": [..] | null,
                                     "fortran": bool, "data": "<base64>"}} (numeric dtypes)
+    DeepSpeed bookkeeping object    {"object": ["<module.Class>", [args], state]}, only for the
+                                    classes in `REBUILT_CLASSES` (a loss scaler, a ZeRO stage
+                                    enum, a fragment address): DeepSpeed's resume uses the
+                                    objects themselves, so loading rebuilds them (see
+                                    `rebuild_object`); anything else is refused when writing
     tensor                          {"tensor": "<entry>", ...} (see `zerosafe.pt2st.convert`)
 
 Keys are encoded like values (they cannot be tensors). Every JSON object in the document is
@@ -45,6 +50,8 @@ from __future__ import annotations
 import argparse
 import base64
 import collections
+import enum
+import importlib
 import json
 import math
 import re
@@ -54,9 +61,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from zerosafe.errors import CheckpointFormatError, UnsupportedCheckpointError
-from zerosafe.formats.torch_zip import DTypeToken, InertObject, TensorRecord, TorchDevice, TorchSize
+from zerosafe.formats.torch_pickle import (
+    DTypeToken,
+    InertObject,
+    TensorRecord,
+    TorchDevice,
+    TorchSize,
+)
 
 __all__ = [
+    "REBUILT_CLASSES",
     "ROOT_NAME",
     "TensorSite",
     "decode_tree",
@@ -64,6 +78,7 @@ __all__ = [
     "entry_name",
     "format_path",
     "parse_entry_name",
+    "rebuild_object",
 ]
 
 Key = Any
@@ -77,6 +92,19 @@ _ESCAPED = re.compile(r"%(25|2F)")
 _NUMPY_KINDS = "biufc"  # bool, signed, unsigned, float, complex: plain bytes, no objects
 _NUMPY_SCALAR = ("numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar")
 _NUMPY_ARRAY = ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct")
+
+REBUILT_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+"""Classes whose objects are stored by class name, constructor arguments and attributes, and
+rebuilt as real objects when loading (DeepSpeed's `load_checkpoint` keeps the loss scaler it
+finds). Rebuilding imports the class and sets attributes; it never runs the class's
+`__init__` (an enum is looked up by value). Every name here is also in
+`zerosafe.torch_zip.ALLOWED_GLOBALS`."""
 
 
 @dataclass(slots=True)
@@ -299,6 +327,9 @@ class _Encoder:
         )
 
     def _encode_inert(self, obj: InertObject, path: Path) -> Any:
+        if obj.qualname in REBUILT_CLASSES:
+            args = [self.encode(a, (*path, "__args__", i)) for i, a in enumerate(obj.args)]
+            return {"object": [obj.qualname, args, self.encode(obj.state, (*path, "__dict__"))]}
         if (
             obj.qualname == "argparse.Namespace"
             and isinstance(obj.state, dict)
@@ -378,6 +409,54 @@ def _decode_numpy(spec: dict[str, Any]) -> Any:
     return array.copy(order=order)  # writable, in its own memory, as unpickling gives
 
 
+def _import_class(qualname: str) -> type:
+    if qualname not in REBUILT_CLASSES:
+        raise CheckpointFormatError(
+            f"the structure names class '{qualname}', which zerosafe does not rebuild; the "
+            "file was edited or written by another zerosafe"
+        )
+    module, name = qualname.rsplit(".", 1)
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise CheckpointFormatError(
+            f"the structure holds a '{qualname}' object, and loading it needs that class: "
+            f"{e}. Install the DeepSpeed that wrote the checkpoint (`pip install deepspeed`)."
+        ) from e
+    if not isinstance(cls, type):
+        raise CheckpointFormatError(f"'{qualname}' is not a class in this DeepSpeed")
+    return cls
+
+
+def rebuild_object(qualname: str, args: list[Any], state: Any) -> Any:
+    """The object an `{"object": ...}` node stands for, as unpickling would have built it:
+    an enum member by value; otherwise `cls.__new__(cls, *args)` with its attributes set
+    from `state` (through the class's own `__setstate__` where it has one).
+
+    Raises:
+        CheckpointFormatError: For a class outside `REBUILT_CLASSES`, or one that cannot be
+            imported here (DeepSpeed not installed).
+    """
+    cls = _import_class(qualname)
+    if issubclass(cls, enum.Enum):
+        return cls(*args)
+    obj = cls.__new__(cls, *args)
+    if state is None:
+        return obj
+    setstate = getattr(cls, "__setstate__", None)  # plain classes have none
+    if setstate is not None:
+        setstate(obj, state)
+        return obj
+    slots: dict[str, Any] = {}
+    if isinstance(state, tuple) and len(state) == 2:
+        state, slots = state
+    if state:
+        obj.__dict__.update(state)
+    for name, value in (slots or {}).items():
+        setattr(obj, name, value)
+    return obj
+
+
 def _decode_key(value: Any) -> Key:
     return decode_tree(value, _no_tensor)
 
@@ -386,8 +465,14 @@ def _no_tensor(node: dict[str, Any]) -> Any:
     raise CheckpointFormatError(f"a tensor node {node!r} where a key was expected")
 
 
-def decode_tree(value: Any, make_tensor: Callable[[dict[str, Any]], Any]) -> Any:
-    """Rebuild the object a document encodes; `make_tensor` turns a tensor node into a tensor.
+def decode_tree(
+    value: Any,
+    make_tensor: Callable[[dict[str, Any]], Any],
+    make_object: Callable[[str, list[Any], Any], Any] = rebuild_object,
+) -> Any:
+    """Rebuild the object a document encodes; `make_tensor` turns a tensor node into a tensor,
+    `make_object` an object node (class name, decoded arguments, decoded state) into an
+    object (by default the real one, `rebuild_object`).
 
     Raises:
         CheckpointFormatError: If the document holds a node this version does not know.
@@ -452,6 +537,9 @@ def decode_tree(value: Any, make_tensor: Callable[[dict[str, Any]], Any]) -> Any
             return argparse.Namespace(**dict(items(payload)))
         if tag == "numpy":
             return _decode_numpy(payload)
+        if tag == "object":
+            qualname, args, state = payload
+            return make_object(str(qualname), [decode(a) for a in args], decode(state))
         raise CheckpointFormatError(
             f"unknown node '{tag}' in the structure; written by a newer zerosafe?"
         )

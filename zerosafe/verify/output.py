@@ -62,20 +62,17 @@ def verify_output(
 ) -> dict[str, Any]:
     """Check an output folder; returns a report with `ok` and a list of `failures`.
 
+    The steps: the folder's files (an index with its shards, or one `model.safetensors`), the
+    manifest and completion marker, every file's header and data against its checksums,
+    where each tensor is stored, tied aliases, and with `against` the checkpoint itself.
+
     Raises:
         CheckpointFormatError: If there is no safetensors output to check at all.
     """
     storage = storage or Storage()
     out_url = normalize_url(out_url)
-    if not storage.isdir(out_url):
-        what = "a file" if storage.exists(out_url) else "missing"
-        raise CheckpointFormatError(
-            f"{out_url}: expected an output folder (model.safetensors or an index with its "
-            f"shards), found {what}. Pass the folder `zerosafe convert` wrote."
-        )
-    names = storage.listdir(out_url)
+    names = _output_names(storage, out_url)
     failures: list[Failure] = []
-    index = None
     unfinished = _unfinished_work(names)
     if unfinished and MARKER_NAME not in names:
         failures.append(
@@ -89,91 +86,146 @@ def verify_output(
         )
         if INDEX_NAME not in names and "model.safetensors" not in names:
             return _report(out_url, failures, complete=False)
-    if INDEX_NAME in names:
-        index = _load_json(storage, join_url(out_url, INDEX_NAME))
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if (
-            not isinstance(weight_map, dict)
-            or not weight_map
-            or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
-            or not isinstance(index.get("metadata", {}), dict)
-        ):
-            raise CheckpointFormatError(
-                f"{out_url}/{INDEX_NAME}: not a safetensors index (expected an object with a "
-                "non-empty 'weight_map' of tensor name -> file name, and an object 'metadata')"
-            )
-        files = sorted(set(weight_map.values()))
-        for f in files:
-            if f not in names:
-                failures.append(Failure(f, "*", "present", f"named in {INDEX_NAME} but missing"))
-        for f in names:
-            if _is_weights_file(f) and f not in files:
-                detail = f"not listed in {INDEX_NAME}"
-                if f == "model.safetensors":
-                    detail += "; loaders read it instead of the index"
-                failures.append(Failure(f, "*", "indexed", detail))
-        files = [f for f in files if f in names]
-    elif "model.safetensors" in names:
-        files = ["model.safetensors"]
-        weight_map = None
-        for f in names:
-            if f != "model.safetensors" and _SHARD_RE.match(f):
-                failures.append(
-                    Failure(
-                        f,
-                        "*",
-                        "indexed",
-                        f"shard file beside model.safetensors but no {INDEX_NAME}",
-                    )
-                )
-    else:
-        raise CheckpointFormatError(
-            f"{out_url}: no {INDEX_NAME} and no model.safetensors; nothing to verify"
-        )
+    files, index = _weight_files(storage, out_url, names, failures)
+    weight_map = index.get("weight_map") if index is not None else None
+    manifest, complete = _read_manifest(storage, out_url, names, failures)
+    reports = _verify_files(
+        storage, out_url, files, manifest, failures,
+        allow_nonfinite=allow_nonfinite, chunk_bytes=chunk_bytes, max_workers=max_workers,
+    )  # fmt: skip
+    where = _check_placement(reports, files, weight_map, index, failures)
+    aliases = _collect_aliases(manifest, reports, index, where, failures)
+    against_report = None
+    if against is not None:
+        exclude_frozen = bool(((manifest or {}).get("options") or {}).get("exclude_frozen"))
+        against_report = _check_against(
+            storage, out_url, against, tag, reports, aliases, failures, chunk_bytes,
+            exclude_frozen=exclude_frozen, source=(manifest or {}).get("source"),
+        )  # fmt: skip
+    tensors = {t: info for r in reports for t, info in r.tensors.items()}
+    return {
+        "output": out_url,
+        "ok": not failures,
+        "files": files,
+        "num_tensors": len(tensors),
+        "data_bytes": sum(r.bytes_read for r in reports),
+        "complete": complete,
+        "has_manifest": manifest is not None,
+        "aliases": aliases,
+        "nonfinite": {
+            t: {k: info[k] for k in ("nan", "posinf", "neginf")}
+            for t, info in tensors.items()
+            if info["nan"] or info["posinf"] or info["neginf"]
+        },
+        "against": against_report,
+        "failures": [f.as_dict() for f in failures],
+    }
 
-    manifest = None
-    complete = None
-    if MANIFEST_NAME in names:
-        complete = MARKER_NAME in names
-        manifest = _load_json(storage, join_url(out_url, MANIFEST_NAME))
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("tensors", {}), dict):
-            raise CheckpointFormatError(f"{out_url}/{MANIFEST_NAME}: not a zerosafe manifest")
-        if not complete:
+
+def _output_names(storage: Storage, out_url: str) -> list[str]:
+    if not storage.isdir(out_url):
+        what = "a file" if storage.exists(out_url) else "missing"
+        raise CheckpointFormatError(
+            f"{out_url}: expected an output folder (model.safetensors or an index with its "
+            f"shards), found {what}. Pass the folder `zerosafe convert` wrote."
+        )
+    return storage.listdir(out_url)
+
+
+def _weight_files(
+    storage: Storage, out_url: str, names: list[str], failures: list[Failure]
+) -> tuple[list[str], dict[str, Any] | None]:
+    """The weight files to check (those present), and the index if there is one; files the
+    index names but lacks, and weight files it does not list, are failures."""
+    if INDEX_NAME not in names:
+        if "model.safetensors" not in names:
+            raise CheckpointFormatError(
+                f"{out_url}: no {INDEX_NAME} and no model.safetensors; nothing to verify"
+            )
+        failures.extend(
+            Failure(f, "*", "indexed", f"shard file beside model.safetensors but no {INDEX_NAME}")
+            for f in names
+            if f != "model.safetensors" and _SHARD_RE.match(f)
+        )
+        return ["model.safetensors"], None
+    index = _load_json(storage, join_url(out_url, INDEX_NAME))
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+        or not isinstance(index.get("metadata", {}), dict)
+    ):
+        raise CheckpointFormatError(
+            f"{out_url}/{INDEX_NAME}: not a safetensors index (expected an object with a "
+            "non-empty 'weight_map' of tensor name -> file name, and an object 'metadata')"
+        )
+    files = sorted(set(weight_map.values()))
+    failures.extend(
+        Failure(f, "*", "present", f"named in {INDEX_NAME} but missing")
+        for f in files
+        if f not in names
+    )
+    for f in names:
+        if _is_weights_file(f) and f not in files:
+            detail = f"not listed in {INDEX_NAME}"
+            if f == "model.safetensors":
+                detail += "; loaders read it instead of the index"
+            failures.append(Failure(f, "*", "indexed", detail))
+    return [f for f in files if f in names], index
+
+
+def _read_manifest(
+    storage: Storage, out_url: str, names: list[str], failures: list[Failure]
+) -> tuple[dict[str, Any] | None, bool | None]:
+    """`(manifest, complete)`: zerosafe's manifest if there is one, and whether the completion
+    marker vouches for it (None when there is no manifest)."""
+    if MANIFEST_NAME not in names:
+        if MARKER_NAME in names:
             failures.append(
                 Failure(
-                    MARKER_NAME,
-                    "*",
-                    "complete",
-                    "no completion marker: the conversion did not finish",
+                    MANIFEST_NAME, "*", "complete",
+                    "completion marker present but the manifest is missing; checksums cannot be compared",
                 )
-            )
-        else:
-            try:
-                vouched = read_complete_manifest(storage, out_url)
-            except (ValueError, AttributeError, TypeError, ConversionError) as e:
-                failures.append(
-                    Failure(MARKER_NAME, "*", "complete", f"completion marker not usable: {e}")
-                )
-            else:
-                if vouched is None:
-                    failures.append(
-                        Failure(
-                            MARKER_NAME,
-                            "*",
-                            "complete",
-                            "the completion marker does not match the manifest",
-                        )
-                    )
-    elif MARKER_NAME in names:
+            )  # fmt: skip
+        return None, None
+    manifest = _load_json(storage, join_url(out_url, MANIFEST_NAME))
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("tensors", {}), dict):
+        raise CheckpointFormatError(f"{out_url}/{MANIFEST_NAME}: not a zerosafe manifest")
+    if MARKER_NAME not in names:
         failures.append(
             Failure(
-                MANIFEST_NAME,
-                "*",
-                "complete",
-                "completion marker present but the manifest is missing; checksums cannot be compared",
+                MARKER_NAME, "*", "complete", "no completion marker: the conversion did not finish"
             )
         )
+        return manifest, False
+    try:
+        vouched = read_complete_manifest(storage, out_url)
+    except (ValueError, AttributeError, TypeError, ConversionError) as e:
+        failures.append(Failure(MARKER_NAME, "*", "complete", f"completion marker not usable: {e}"))
+    else:
+        if vouched is None:
+            failures.append(
+                Failure(
+                    MARKER_NAME, "*", "complete",
+                    "the completion marker does not match the manifest",
+                )
+            )  # fmt: skip
+    return manifest, True
 
+
+def _verify_files(
+    storage: Storage,
+    out_url: str,
+    files: list[str],
+    manifest: dict[str, Any] | None,
+    failures: list[Failure],
+    *,
+    allow_nonfinite: bool,
+    chunk_bytes: int,
+    max_workers: int,
+) -> list[Any]:
+    """Every weight file's header and data, against the manifest's checksums if any."""
     expected_by_file: dict[str, dict[str, dict[str, Any]]] = {}
     if manifest is not None:
         for name, info in manifest.get("tensors", {}).items():
@@ -199,52 +251,71 @@ def verify_output(
                 Failure(f, t, "present", f"in {MANIFEST_NAME} but its file is not in the output")
                 for t in sorted(tensors)
             )
+    return reports
 
+
+def _check_placement(
+    reports: list[Any],
+    files: list[str],
+    weight_map: dict[str, str] | None,
+    index: dict[str, Any] | None,
+    failures: list[Failure],
+) -> dict[str, list[str]]:
+    """Each tensor in one file, the one the index names; the index's total size. Returns
+    tensor -> the files holding it."""
     where: dict[str, list[str]] = {}
     for r in reports:
         for tensor in r.tensors:
             where.setdefault(tensor, []).append(r.file)
-    for tensor, in_files in where.items():
-        if len(in_files) > 1:
+    failures.extend(
+        Failure(", ".join(in_files), tensor, "unique", f"stored in {len(in_files)} files")
+        for tensor, in_files in where.items()
+        if len(in_files) > 1
+    )
+    if weight_map is None:
+        return where
+    for tensor, f in weight_map.items():
+        if f in files and tensor not in where:
             failures.append(
-                Failure(", ".join(in_files), tensor, "unique", f"stored in {len(in_files)} files")
+                Failure(f, tensor, "present", f"{INDEX_NAME} maps it here but the file lacks it")
             )
-    if weight_map is not None:
-        for tensor, f in weight_map.items():
-            if f in files and tensor not in where:
-                failures.append(
-                    Failure(
-                        f, tensor, "present", f"{INDEX_NAME} maps it here but the file lacks it"
-                    )
-                )
-            elif tensor in where and f not in where[tensor]:
-                failures.append(
-                    Failure(
-                        f, tensor, "indexed", f"{INDEX_NAME} says {f}, stored in {where[tensor]}"
-                    )
-                )
-        for tensor, in_files in where.items():
-            if tensor not in weight_map:
-                failures.append(
-                    Failure(in_files[0], tensor, "indexed", f"not listed in {INDEX_NAME}")
-                )
-        total = sum(
-            dtype_info(t["dtype"]).itemsize * _numel(t["shape"])
-            for r in reports
-            for t in r.tensors.values()
+        elif tensor in where and f not in where[tensor]:
+            failures.append(
+                Failure(f, tensor, "indexed", f"{INDEX_NAME} says {f}, stored in {where[tensor]}")
+            )
+    failures.extend(
+        Failure(in_files[0], tensor, "indexed", f"not listed in {INDEX_NAME}")
+        for tensor, in_files in where.items()
+        if tensor not in weight_map
+    )
+    total = sum(
+        dtype_info(t["dtype"]).itemsize * _numel(t["shape"])
+        for r in reports
+        for t in r.tensors.values()
+    )
+    declared = (index or {}).get("metadata", {}).get("total_size")
+    if declared is not None and int(declared) != total:
+        failures.append(
+            Failure(
+                INDEX_NAME,
+                "*",
+                "total_size",
+                f"metadata.total_size {declared}, tensors hold {total}",
+            )
         )
-        declared = (index or {}).get("metadata", {}).get("total_size")
-        if declared is not None and int(declared) != total:
-            failures.append(
-                Failure(
-                    INDEX_NAME,
-                    "*",
-                    "total_size",
-                    f"metadata.total_size {declared}, tensors hold {total}",
-                )
-            )
+    return where
 
-    sources: list[tuple[str, dict[str, str]]] = []
+
+def _collect_aliases(
+    manifest: dict[str, Any] | None,
+    reports: list[Any],
+    index: dict[str, Any] | None,
+    where: dict[str, list[str]],
+    failures: list[Failure],
+) -> dict[str, str]:
+    """Tied aliases from the manifest, the files' `__metadata__` and the index: they must
+    agree, point at stored tensors, and stay out of the index's weight map."""
+    sources: list[tuple[str, Any]] = []
     if manifest is not None:
         sources.append((MANIFEST_NAME, manifest.get("aliases") or {}))
     for r in reports:
@@ -266,55 +337,25 @@ def verify_output(
             if alias in aliases and aliases[alias] != target:
                 failures.append(
                     Failure(
-                        origin,
-                        alias,
-                        "tied",
+                        origin, alias, "tied",
                         f"alias of '{target}' here but of '{aliases[alias]}' elsewhere",
                     )
-                )
+                )  # fmt: skip
                 continue
             aliases.setdefault(alias, target)
             if target not in where:
                 failures.append(
                     Failure(origin, alias, "tied", f"alias of '{target}', which is not stored")
                 )
-    for alias in aliases:
-        if weight_map is not None and alias in weight_map:
-            failures.append(
-                Failure(
-                    INDEX_NAME,
-                    alias,
-                    "tied",
-                    f"alias listed in {INDEX_NAME}; loaders would look for it",
-                )
-            )
-
-    against_report = None
-    if against is not None:
-        exclude_frozen = bool(((manifest or {}).get("options") or {}).get("exclude_frozen"))
-        against_report = _check_against(
-            storage, out_url, against, tag, reports, aliases, failures, chunk_bytes,
-            exclude_frozen=exclude_frozen, source=(manifest or {}).get("source"),
-        )  # fmt: skip
-
-    tensors = {t: info for r in reports for t, info in r.tensors.items()}
-    return {
-        "output": out_url,
-        "ok": not failures,
-        "files": files,
-        "num_tensors": len(tensors),
-        "data_bytes": sum(r.bytes_read for r in reports),
-        "complete": complete,
-        "has_manifest": manifest is not None,
-        "aliases": aliases,
-        "nonfinite": {
-            t: {k: info[k] for k in ("nan", "posinf", "neginf")}
-            for t, info in tensors.items()
-            if info["nan"] or info["posinf"] or info["neginf"]
-        },
-        "against": against_report,
-        "failures": [f.as_dict() for f in failures],
-    }
+    weight_map = (index or {}).get("weight_map") or {}
+    failures.extend(
+        Failure(
+            INDEX_NAME, alias, "tied", f"alias listed in {INDEX_NAME}; loaders would look for it"
+        )
+        for alias in aliases
+        if alias in weight_map
+    )
+    return aliases
 
 
 def _unfinished_work(names: list[str]) -> list[str]:

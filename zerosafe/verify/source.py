@@ -61,7 +61,9 @@ def sample_values(
     from zerosafe.plan.build import plan_layout
     from zerosafe.stages.shards import DirectLocator
 
-    plan = plan_layout(layout, ConvertOptions(dtype="float32", tied="copy"))
+    # Trained params only (the sample never reads frozen ones, which a layout read with
+    # `exclude_frozen` lists without fragments).
+    plan = plan_layout(layout, ConvertOptions(dtype="float32", tied="copy", exclude_frozen=True))
     locator = DirectLocator(plan, storage)
     outputs: dict[str, tuple[ByteSource, dict[str, Any], int]] = {}
     compared = 0

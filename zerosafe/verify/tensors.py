@@ -15,7 +15,7 @@ import math
 import os
 import queue
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -286,66 +286,15 @@ def verify_shard(
             report.failures.append(Failure(name, "*", "header", str(e)))
             return report
         report.metadata = metadata
-        handle = None
-        if is_local(url):
-            try:
-                problems, handle = _library_check(url, header, metadata)
-                report.failures.extend(Failure(name, "*", "header", p) for p in problems)
-            except Exception as e:
-                report.failures.append(
-                    Failure(name, "*", "header", f"safetensors cannot open it: {e}")
-                )
+        handle = _library_handle(url, header, metadata, report) if is_local(url) else None
         ordered = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-        workers = max(1, min(_VERIFY_THREADS, len(ordered)))
-        buffers: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        for _ in range(workers):
-            buffers.put(allocate_buffer(chunk_bytes))
-
-        def scan(tensor: str, entry: dict[str, Any]) -> _TensorScan:
-            dtype = from_safetensors_code(entry["dtype"])
+        for (tensor, entry), scanned in _scan_in_order(
+            source, data_start, ordered, expected, chunk_bytes
+        ):
+            _record_tensor(report, tensor, entry, scanned, handle, allow_nonfinite)
             begin, end = entry["data_offsets"]
-            # The algorithm the record names (SHA-256 in outputs of earlier versions).
-            recorded = recorded_checksum((expected or {}).get(tensor) or {})
-            buf = buffers.get()
-            try:
-                return _scan_tensor(
-                    source, data_start + begin, data_start + end, dtype.name, dtype.itemsize, buf,
-                    recorded[0] if recorded else TENSOR_CHECKSUM,
-                )  # fmt: skip
-            finally:
-                buffers.put(buf)
-
-        # Tensors are hashed in parallel and reported in file order, as a serial scan would.
-        with ThreadPoolExecutor(workers, thread_name_prefix="zerosafe-verify") as pool:
-            futures = [pool.submit(scan, tensor, entry) for tensor, entry in ordered]
-            try:
-                for (tensor, entry), future in zip(ordered, futures, strict=True):
-                    scanned = future.result()
-                    dtype = from_safetensors_code(entry["dtype"])
-                    begin, end = entry["data_offsets"]
-                    nan, posinf, neginf = scanned.nan, scanned.posinf, scanned.neginf
-                    report.bytes_read += end - begin
-                    if on_bytes is not None and end > begin:
-                        on_bytes(end - begin)
-                    info = {
-                        "dtype": dtype.name,
-                        "shape": list(entry["shape"]),
-                        scanned.algorithm: scanned.digest,
-                        "nan": nan,
-                        "posinf": posinf,
-                        "neginf": neginf,
-                    }
-                    report.tensors[tensor] = info
-                    if handle is not None and end > begin:
-                        _spot_check(handle, tensor, entry["shape"], scanned.first, report, name)
-                    if not allow_nonfinite and (nan or posinf or neginf):
-                        detail = f"{nan} NaN, {posinf} +Inf, {neginf} -Inf"
-                        if dtype.name == "float16" and (posinf or neginf):
-                            detail += " (float16 overflow: values beyond +-65504 become Inf when cast to fp16; use --dtype bf16 or fp32)"
-                        report.failures.append(Failure(name, tensor, "finite", detail))
-            finally:
-                for future in futures:
-                    future.cancel()
+            if on_bytes is not None and end > begin:
+                on_bytes(end - begin)
         if expected is not None:
             _compare_expected(report, expected, name)
     finally:
@@ -356,6 +305,89 @@ def verify_shard(
         f"{len(report.failures)} check(s) failed" if report.failures else "ok",
     )  # fmt: skip
     return report
+
+
+def _library_handle(
+    url: str, header: dict[str, Any], metadata: dict[str, str], report: ShardReport
+) -> Any:
+    """The `safetensors` library's own view of a local file (for the spot checks), its
+    complaints recorded as header failures."""
+    try:
+        problems, handle = _library_check(url, header, metadata)
+    except Exception as e:
+        report.failures.append(
+            Failure(report.file, "*", "header", f"safetensors cannot open it: {e}")
+        )
+        return None
+    report.failures.extend(Failure(report.file, "*", "header", p) for p in problems)
+    return handle
+
+
+def _scan_in_order(
+    source: Any,
+    data_start: int,
+    ordered: list[tuple[str, dict[str, Any]]],
+    expected: dict[str, dict[str, Any]] | None,
+    chunk_bytes: int,
+) -> Iterator[tuple[tuple[str, dict[str, Any]], _TensorScan]]:
+    """Every tensor's checksum and non-finite counts, hashed in parallel and yielded in file
+    order, as a serial scan would."""
+    workers = max(1, min(_VERIFY_THREADS, len(ordered)))
+    buffers: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    for _ in range(workers):
+        buffers.put(allocate_buffer(chunk_bytes))
+
+    def scan(tensor: str, entry: dict[str, Any]) -> _TensorScan:
+        dtype = from_safetensors_code(entry["dtype"])
+        begin, end = entry["data_offsets"]
+        # The algorithm the record names (SHA-256 in outputs of earlier versions).
+        recorded = recorded_checksum((expected or {}).get(tensor) or {})
+        buf = buffers.get()
+        try:
+            return _scan_tensor(
+                source, data_start + begin, data_start + end, dtype.name, dtype.itemsize, buf,
+                recorded[0] if recorded else TENSOR_CHECKSUM,
+            )  # fmt: skip
+        finally:
+            buffers.put(buf)
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="zerosafe-verify") as pool:
+        futures = [pool.submit(scan, tensor, entry) for tensor, entry in ordered]
+        try:
+            for item, future in zip(ordered, futures, strict=True):
+                yield item, future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+
+
+def _record_tensor(
+    report: ShardReport,
+    tensor: str,
+    entry: dict[str, Any],
+    scanned: _TensorScan,
+    handle: Any,
+    allow_nonfinite: bool,
+) -> None:
+    dtype = from_safetensors_code(entry["dtype"])
+    begin, end = entry["data_offsets"]
+    nan, posinf, neginf = scanned.nan, scanned.posinf, scanned.neginf
+    report.bytes_read += end - begin
+    report.tensors[tensor] = {
+        "dtype": dtype.name,
+        "shape": list(entry["shape"]),
+        scanned.algorithm: scanned.digest,
+        "nan": nan,
+        "posinf": posinf,
+        "neginf": neginf,
+    }
+    if handle is not None and end > begin:
+        _spot_check(handle, tensor, entry["shape"], scanned.first, report, report.file)
+    if not allow_nonfinite and (nan or posinf or neginf):
+        detail = f"{nan} NaN, {posinf} +Inf, {neginf} -Inf"
+        if dtype.name == "float16" and (posinf or neginf):
+            detail += " (float16 overflow: values beyond +-65504 become Inf when cast to fp16; use --dtype bf16 or fp32)"
+        report.failures.append(Failure(report.file, tensor, "finite", detail))
 
 
 def _spot_check(

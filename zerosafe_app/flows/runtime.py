@@ -59,7 +59,7 @@ def configure_embedded_prefect(*, verbose: int = 0) -> None:
             are 'Finished in state Completed()' per task and links to the embedded server,
             which is gone when the command ends. 2 (`-vv`): Prefect's INFO lines too.
     """
-    # Offline, the analytics call makes the temporary server's database lock (DESIGN.md).
+    # Offline, the analytics call makes the temporary server's database lock.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     level = "CRITICAL" if not verbose else "WARNING" if verbose == 1 else "INFO"

@@ -4,7 +4,7 @@ Folder layout (DeepSpeed `runtime/engine.py`, `save_checkpoint`): `CKPT_DIR/late
 tag; `CKPT_DIR/<tag>/` holds, per data-parallel rank r, `[bf16_]zero_pp_rank_{r}_mp_rank_00_
 optim_states.pt`, plus `mp_rank_00_model_states.pt` (ZeRO-1/2) or one
 `zero_pp_rank_{r}_mp_rank_00_model_states.pt` per rank (ZeRO-3). The keys each file holds are
-described in DESIGN.md ("DeepSpeed checkpoint format"); this module checks them, refuses what
+described in docs/formats.md ("DeepSpeed ZeRO"); this module checks them, refuses what
 it does not support by name, and returns a `ZeroCheckpoint` the planner turns into a plan.
 """
 
@@ -378,7 +378,45 @@ def open_zero_checkpoint(
     ckpt_url = normalize_url(ckpt_url)
     tag, tag_url = find_tag_dir(storage, ckpt_url, tag)
     optim_urls, model_urls, _ = _scan_files(storage, tag_url)
+    optim_by_rank, model_by_rank = _load_files(storage, optim_urls, model_urls, max_workers)
+    first_optim = optim_by_rank[min(optim_by_rank)]
+    osd0 = first_optim.obj.get("optimizer_state_dict")
+    if not isinstance(osd0, Mapping):
+        raise CheckpointFormatError(
+            f"{first_optim.url}: no 'optimizer_state_dict'; not a DeepSpeed optimizer file"
+        )
+    stage, optimizer_kind = _stage_of(osd0, first_optim.url)
+    world_size = _as_int_world_size(osd0.get("partition_count"), first_optim.url)
+    model0 = _model0(tag_url, stage, model_by_rank, model_urls)
+    _check_world_sizes(model0, first_optim, world_size)
+    _check_ranks(tag_url, "optimizer", optim_by_rank, world_size, stage)
+    if stage == 3:
+        _check_ranks(tag_url, "model states", model_by_rank, world_size, stage)
+    optim_files = [optim_by_rank[r] for r in range(world_size)]
+    model_files = [model_by_rank[r] for r in sorted(model_by_rank)]
+    check_one_save(tag_url, optim_files, model_files)
+    _check_optim_files_agree(optim_files, first_optim, stage, optimizer_kind, world_size)
+    param_groups = _param_groups(model_files, stage)
+    ds_version = model0.obj.get("ds_version") or osd0.get("ds_version")
+    ckpt = ZeroCheckpoint(
+        ckpt_url=ckpt_url, tag=tag, tag_url=tag_url, stage=stage,
+        optimizer_kind=optimizer_kind, world_size=world_size,
+        train_dtype=_train_dtype(model0.obj, [n for g in param_groups for n, _ in g]),
+        ds_version=str(ds_version) if ds_version is not None else None,
+        optim_files=optim_files, model_files=model_files, param_groups=param_groups,
+        fp32_partitions=[], alignment_paddings=[], partition_numels=[], frozen=[],
+        buffers=[], shared={}, module_order=[],
+    )  # fmt: skip
+    _version_and_optimizer_notes(ckpt)
+    _read_partitions(ckpt)
+    _read_module_side(ckpt)
+    return ckpt
 
+
+def _load_files(
+    storage: Storage, optim_urls: dict[int, str], model_urls: dict[int, str], max_workers: int
+) -> tuple[dict[int, LoadedFile], dict[int, LoadedFile]]:
+    """Every rank's files, their pickles read at once: `(optimizer, model states)` by rank."""
     with ThreadPoolExecutor(max_workers=max_workers) as pool:
         model_futures = {
             r: pool.submit(_load, storage, u, "model", r) for r, u in model_urls.items()
@@ -388,16 +426,13 @@ def open_zero_checkpoint(
         }
         model_by_rank = {r: f.result() for r, f in sorted(model_futures.items())}
         optim_by_rank = {r: f.result() for r, f in sorted(optim_futures.items())}
+    return optim_by_rank, model_by_rank
 
-    first_optim = optim_by_rank[min(optim_by_rank)]
-    osd0 = first_optim.obj.get("optimizer_state_dict")
-    if not isinstance(osd0, Mapping):
-        raise CheckpointFormatError(
-            f"{first_optim.url}: no 'optimizer_state_dict'; not a DeepSpeed optimizer file"
-        )
-    stage, optimizer_kind = _stage_of(osd0, first_optim.url)
-    world_size = _as_int_world_size(osd0.get("partition_count"), first_optim.url)
 
+def _model0(
+    tag_url: str, stage: int, model_by_rank: dict[int, LoadedFile], model_urls: dict[int, str]
+) -> LoadedFile:
+    """Rank 0's model states, which hold the shapes; refused when it belongs to another run."""
     if (
         stage == 3
         and len(model_by_rank) == 1
@@ -415,6 +450,10 @@ def open_zero_checkpoint(
             f"({'zero_pp_rank_0_mp_rank_00_model_states.pt' if stage == 3 else 'mp_rank_00_model_states.pt'}); "
             "copy the whole tag folder."
         )
+    return model0
+
+
+def _check_world_sizes(model0: LoadedFile, first_optim: LoadedFile, world_size: int) -> None:
     dp_world_size = model0.obj.get("dp_world_size")
     mp_world_size = model0.obj.get("mp_world_size")
     if isinstance(mp_world_size, int) and mp_world_size > 1:
@@ -429,14 +468,15 @@ def open_zero_checkpoint(
             "Use one run's complete tag folder."
         )
 
-    _check_ranks(tag_url, "optimizer", optim_by_rank, world_size, stage)
-    if stage == 3:
-        _check_ranks(tag_url, "model states", model_by_rank, world_size, stage)
 
-    optim_files = [optim_by_rank[r] for r in range(world_size)]
-    model_files = [model_by_rank[r] for r in sorted(model_by_rank)]
-    check_one_save(tag_url, optim_files, model_files)
-
+def _check_optim_files_agree(
+    optim_files: list[LoadedFile],
+    first_optim: LoadedFile,
+    stage: int,
+    optimizer_kind: str,
+    world_size: int,
+) -> None:
+    """Every optimizer file has the first one's ZeRO stage, optimizer and world size."""
     for f in optim_files:
         osd = f.obj.get("optimizer_state_dict")
         if not isinstance(osd, Mapping):
@@ -455,6 +495,12 @@ def open_zero_checkpoint(
                 "run's complete tag folder."
             )
 
+
+def _param_groups(
+    model_files: list[LoadedFile], stage: int
+) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """`param_shapes` of rank 0 (ZeRO-3: the same in every rank's file), names unique."""
+    model0 = model_files[0]
     param_groups = _shapes(model0.obj.get("param_shapes"), model0.url)
     if stage == 3:
         for f in model_files[1:]:
@@ -471,43 +517,21 @@ def open_zero_checkpoint(
                     f"{model0.url}: param '{name}' appears twice in 'param_shapes'"
                 )
             names_seen.add(name)
+    return param_groups
 
-    ds_version = model0.obj.get("ds_version") or osd0.get("ds_version")
-    train_dtype = _train_dtype(model0.obj, [n for g in param_groups for n, _ in g])
-    ckpt = ZeroCheckpoint(
-        ckpt_url=ckpt_url,
-        tag=tag,
-        tag_url=tag_url,
-        stage=stage,
-        optimizer_kind=optimizer_kind,
-        world_size=world_size,
-        train_dtype=train_dtype,
-        ds_version=str(ds_version) if ds_version is not None else None,
-        optim_files=optim_files,
-        model_files=model_files,
-        param_groups=param_groups,
-        fp32_partitions=[],
-        alignment_paddings=[],
-        partition_numels=[],
-        frozen=[],
-        buffers=[],
-        shared={},
-        module_order=[],
-    )
+
+def _version_and_optimizer_notes(ckpt: ZeroCheckpoint) -> None:
     if ckpt.ds_version is None or not ckpt.ds_version.startswith(TESTED_DEEPSPEED_VERSIONS):
         ckpt.warnings.append(
             f"checkpoint written by DeepSpeed {ckpt.ds_version or 'of unknown version'}; zerosafe "
             f"is tested with DeepSpeed {', '.join(v + 'x' for v in TESTED_DEEPSPEED_VERSIONS)}. "
             "Run `zerosafe verify --against` on the output."
         )
-    if optimizer_kind == "bf16_optimizer":
+    if ckpt.optimizer_kind == "bf16_optimizer":
         ckpt.notes.append(
             "optimizer is DeepSpeed's BF16_Optimizer (bf16 + ZeRO-1 + fp32 grad accumulation), "
             "which DeepSpeed's zero_to_fp32 refuses; its fp32 partitions are converted the ZeRO-1 way"
         )
-    _read_partitions(ckpt)
-    _read_module_side(ckpt)
-    return ckpt
 
 
 def _check_ranks(
@@ -603,8 +627,6 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
     module = obj.get("module")
     module = module if isinstance(module, Mapping) else {}
     ckpt.module_order = [k for k in module if isinstance(k, str)]
-    param_names = set(ckpt.param_names)
-
     shared = obj.get("shared_params") or {}
     for alias, target in shared.items():
         seen = {alias}
@@ -612,7 +634,6 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
             seen.add(target)
             target = shared[target]
         ckpt.shared[str(alias)] = str(target)
-
     buffer_names = obj.get("buffer_names") or []
     for name in buffer_names:
         t = module.get(name)
@@ -622,64 +643,10 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
             ckpt.notes.append(
                 f"buffer '{name}' is not in the saved module (non-persistent); not converted"
             )
-
     frozen_shapes = obj.get("frozen_param_shapes")
     if isinstance(frozen_shapes, Mapping):
-        for name, shape in frozen_shapes.items():
-            shape = tuple(int(s) for s in shape)
-            pieces = []
-            for f in ckpt.model_files:
-                fragments = f.obj.get("frozen_param_fragments") or {}
-                t = fragments.get(name)
-                if not isinstance(t, TensorRecord):
-                    raise CheckpointFormatError(
-                        f"{f.url}: 'frozen_param_fragments' lacks '{name}', listed in "
-                        "'frozen_param_shapes'"
-                    )
-                if not t.is_contiguous():
-                    raise CheckpointFormatError(
-                        f"{f.url}: frozen fragment '{name}' is not contiguous"
-                    )
-                pieces.append((f.rank, t))
-            held = sum(t.numel for _, t in pieces)
-            if held < _numel(shape):
-                raise LayoutMismatchError(
-                    f"{ckpt.tag_url}: frozen param '{name}' has shape {list(shape)} "
-                    f"({_numel(shape)} elements) but its fragments hold {held}"
-                )
-            ckpt.frozen.append(
-                FrozenParam(
-                    name=name,
-                    shape=shape,
-                    dtype=pieces[0][1].dtype,
-                    source="fragments",
-                    pieces=tuple(pieces),
-                )
-            )
-    known = (
-        param_names
-        | {n for n, _ in ckpt.buffers}
-        | {fp.name for fp in ckpt.frozen}
-        | set(ckpt.shared)
-    )
-    leftovers = [n for n in ckpt.module_order if n not in known and n not in buffer_names]
-    recovered = []
-    for name in leftovers:
-        t = module[name]
-        if not isinstance(t, TensorRecord):
-            continue
-        if t.numel == 0 and ckpt.stage == 3:
-            raise LayoutMismatchError(
-                f"{model0.url}: module param '{name}' is neither in 'param_shapes' nor in "
-                "'frozen_param_shapes' and ZeRO-3 saved only an empty placeholder for it, so "
-                "its values are not in the checkpoint"
-            )
-        if not t.is_contiguous():
-            raise CheckpointFormatError(f"{model0.url}: module tensor '{name}' is not contiguous")
-        ckpt.frozen.append(
-            FrozenParam(name=name, shape=t.shape, dtype=t.dtype, source="module", pieces=((0, t),))
-        )
-        recovered.append(name)
+        ckpt.frozen += [_frozen_from_fragments(ckpt, n, s) for n, s in frozen_shapes.items()]
+    recovered = _frozen_from_module(ckpt, module, buffer_names)
     if recovered:
         why = (
             "DeepSpeed saves no frozen_param_fragments for ZeRO-1"
@@ -698,10 +665,67 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
             "saved with DeepSpeed's `exclude_frozen_parameters`: frozen parameters are not in "
             "the checkpoint, so the output holds only the trained ones and buffers"
         )
-    owners = param_names | {fp.name for fp in ckpt.frozen}
+    owners = set(ckpt.param_names) | {fp.name for fp in ckpt.frozen}
     for alias, target in ckpt.shared.items():
         if target not in owners:
             raise LayoutMismatchError(
                 f"{model0.url}: tied param '{alias}' shares memory with '{target}', which is "
                 "neither a trained nor a frozen param of this checkpoint"
             )
+
+
+def _frozen_from_fragments(ckpt: ZeroCheckpoint, name: str, shape: Any) -> FrozenParam:
+    """A frozen param listed in `frozen_param_shapes`: its fragment in every model file."""
+    shape = tuple(int(s) for s in shape)
+    pieces = []
+    for f in ckpt.model_files:
+        fragments = f.obj.get("frozen_param_fragments") or {}
+        t = fragments.get(name)
+        if not isinstance(t, TensorRecord):
+            raise CheckpointFormatError(
+                f"{f.url}: 'frozen_param_fragments' lacks '{name}', listed in 'frozen_param_shapes'"
+            )
+        if not t.is_contiguous():
+            raise CheckpointFormatError(f"{f.url}: frozen fragment '{name}' is not contiguous")
+        pieces.append((f.rank, t))
+    held = sum(t.numel for _, t in pieces)
+    if held < _numel(shape):
+        raise LayoutMismatchError(
+            f"{ckpt.tag_url}: frozen param '{name}' has shape {list(shape)} "
+            f"({_numel(shape)} elements) but its fragments hold {held}"
+        )
+    return FrozenParam(
+        name=name, shape=shape, dtype=pieces[0][1].dtype, source="fragments", pieces=tuple(pieces)
+    )
+
+
+def _frozen_from_module(
+    ckpt: ZeroCheckpoint, module: Mapping[str, Any], buffer_names: list[str]
+) -> list[str]:
+    """Module tensors that are no trained param, buffer, frozen param or alias: frozen params
+    DeepSpeed saved only in the module copy (ZeRO-1). Adds them; returns their names."""
+    model0 = ckpt.model_files[0]
+    known = (
+        set(ckpt.param_names)
+        | {n for n, _ in ckpt.buffers}
+        | {fp.name for fp in ckpt.frozen}
+        | set(ckpt.shared)
+    )
+    recovered = []
+    for name in ckpt.module_order:
+        t = module[name]
+        if name in known or name in buffer_names or not isinstance(t, TensorRecord):
+            continue
+        if t.numel == 0 and ckpt.stage == 3:
+            raise LayoutMismatchError(
+                f"{model0.url}: module param '{name}' is neither in 'param_shapes' nor in "
+                "'frozen_param_shapes' and ZeRO-3 saved only an empty placeholder for it, so "
+                "its values are not in the checkpoint"
+            )
+        if not t.is_contiguous():
+            raise CheckpointFormatError(f"{model0.url}: module tensor '{name}' is not contiguous")
+        ckpt.frozen.append(
+            FrozenParam(name=name, shape=t.shape, dtype=t.dtype, source="module", pieces=((0, t),))
+        )
+        recovered.append(name)
+    return recovered

@@ -30,7 +30,7 @@ from zerosafe.formats.deepspeed.layout import (
     zero12_partition_pieces,
 )
 from zerosafe.formats.deepspeed.save_identity import check_module_copy_sample
-from zerosafe.formats.torch_zip import TensorRecord
+from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.io.storage import Storage, join_url, normalize_url
 from zerosafe.plan.model import Slot, SourceFile
 from zerosafe.units import format_bytes

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from zerosafe.errors import LayoutMismatchError
-from zerosafe.formats.torch_zip import InertObject, TensorRecord
+from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 
 if TYPE_CHECKING:
     from zerosafe.formats.deepspeed.checkpoint import LoadedFile, ZeroCheckpoint

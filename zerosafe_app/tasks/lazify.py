@@ -1,0 +1,46 @@
+"""The stages of the `lazify` flow: list a tag's `.pt` files, make each one's sibling current."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from zerosafe.formats.deepspeed.checkpoint import find_tag_dir
+from zerosafe.io.storage import Storage
+from zerosafe.lazy import lazify_file, list_pt_files
+from zerosafe_app.tasks._common import is_transient
+
+_RETRIES: dict[str, Any] = {
+    "retries": 3,
+    "retry_delay_seconds": [2, 10, 30],
+    "retry_condition_fn": is_transient,
+}
+
+
+@task(name="list", task_run_name="list", cache_policy=NO_CACHE, **_RETRIES)
+def list_files(
+    checkpoint: str, tag: str | None = None, storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Resolve the tag and list its `.pt` files (model states, optimizer states, experts)."""
+    storage = Storage(storage_options)
+    tag, tag_url = find_tag_dir(storage, checkpoint, tag)
+    return {"tag": tag, "tag_url": tag_url, "files": list_pt_files(storage, tag_url)}
+
+
+@task(
+    name="lazify",
+    task_run_name="lazify {pt_url}",
+    cache_policy=NO_CACHE,  # the sibling's recorded identity is the cache: see lazify_file
+    **_RETRIES,
+)
+def lazify_one(
+    pt_url: str,
+    *,
+    memory: int,
+    verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Convert one `.pt` into its sibling unless the sibling is current; verify it."""
+    return lazify_file(pt_url, storage=Storage(storage_options), memory=memory, verify=verify)
