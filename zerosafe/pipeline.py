@@ -1,22 +1,34 @@
-"""All stages in order, in one process: the engine's own driver, with no Prefect.
+"""One conversion job's lifecycle as plain functions, and the driver that runs them in order.
 
-`flows/convert.py` runs the same stage functions as Prefect tasks (cached, resumable,
-parallel); this driver is for library users and for tests of the engine alone.
+A job, step by step (`convert_checkpoint` runs it in one process, one unit at a time; the
+flow `convert` in `zerosafe_app` schedules the very same functions as cached, retried,
+parallel Prefect tasks):
+
+1. `hold_destination`: one job at a time per output folder, from before it is looked at.
+2. `plan_job`: nothing to do if the output already holds this conversion; else plan, settle
+   the output folder (`--overwrite`, repair), check free space and save the plan: a `JobPlan`.
+3. `hold_work`: one run at a time per work area.
+4. The units of work: `extract_unit` per part (staged mode); `merge_unit` per shard once the
+   parts it reads are extracted (`MergeReadiness`); `verify_unit` per shard once it is merged.
+5. `publish_job`: the CRC ledgers, the optional 16-bit check, the index, the manifest and,
+   last, the completion marker (a failed check discards the run's work); then `finish_job`
+   removes the work files. `summarize` makes the `RunSummary`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import IntegrityError, StorageError, VerificationError
-from zerosafe.io.lease import destination_lease
+from zerosafe.formats.safetensors import HeaderEntry, build_header
+from zerosafe.io.lease import destination_lease, work_lease
 from zerosafe.io.storage import Storage, is_local, join_url, local_path, normalize_url
 from zerosafe.plan.build import plan_checkpoint
 from zerosafe.plan.model import Plan, save_plan
@@ -27,33 +39,65 @@ from zerosafe.stages.output import (
     finish_work,
     pending_url,
     prepare_output,
-    publish,
     quick_done,
     reusable_shard,
     reusable_shards,
     shard_location,
 )
+from zerosafe.stages.output import publish as publish_output
 from zerosafe.stages.progress import NullProgress, Progress
+from zerosafe.stages.results import (
+    ExtractResult,
+    JobPlan,
+    MergeResult,
+    PartWork,
+    PublishResult,
+    RunStats,
+    RunSummary,
+    ShardWork,
+    TensorRecords,
+    VerifyResult,
+)
 from zerosafe.stages.shards import (
     DirectLocator,
     StagedLocator,
     check_integrity,
     extract_part,
     merge_shard,
+    read_intermediate_sums,
+    shard_metadata,
 )
 from zerosafe.units import format_bytes
 from zerosafe.verify.output import lowp_report
 from zerosafe.verify.tensors import verify_shard
 
 __all__ = [
+    "MergeReadiness",
     "WorkLayout",
     "check_free_space",
     "convert_checkpoint",
-    "merge_or_reuse",
+    "expected_shard_bytes",
+    "extract_unit",
+    "finish_job",
+    "hold_destination",
+    "hold_work",
+    "intermediate_is_present",
+    "merge_unit",
+    "open_locator",
+    "parts_to_extract",
     "peak_rss_bytes",
+    "plan_job",
+    "publish_job",
+    "run_stats",
+    "shard_identity",
+    "stage_bytes",
+    "summarize",
+    "verify_unit",
 ]
 
 log = logging.getLogger(__name__)
+
+OnBytes = Callable[[int], None] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +118,38 @@ class WorkLayout:
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process so far."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# -- 1. and 3. leases -----------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def hold_destination(storage: Storage, source: str, destination: str) -> Iterator[str]:
+    """Hold the output folder for this job, from before it is inspected (and, with
+    `--overwrite`, cleared) until it is published; yields the run id.
+
+    Raises:
+        LeaseHeldError: If another live run converts into `destination`.
+    """
+    job = f"{source} -> {destination}"
+    with destination_lease(storage, destination, job=job, clean=[destination]) as run_id:
+        yield run_id
+
+
+@contextlib.contextmanager
+def hold_work(storage: Storage, job: JobPlan) -> Iterator[str]:
+    """Hold the job's work area for this run (it may live outside the output folder, with
+    `--work-dir`); removes temporary files a killed run left there. Yields the run id.
+
+    Raises:
+        LeaseHeldError: If another live run of this job works there.
+    """
+    clean = [pending_url(job.destination, job.job_key), join_url(job.work_url, "intermediate")]
+    with work_lease(storage, job.work_url, clean=clean) as run_id:
+        yield run_id
+
+
+# -- 2. plan --------------------------------------------------------------------------------------
 
 
 def _same_device(a: str, b: str) -> bool:
@@ -110,94 +186,390 @@ def check_free_space(
             )
 
 
-def _run_stages(
-    plan: Plan,
+def plan_job(
     storage: Storage,
-    out_url: str,
+    source: str,
+    destination: str,
+    options: ConvertOptions,
+    *,
+    tag: str | None = None,
+    work_url: str | None = None,
+) -> JobPlan:
+    """Decide what the job does: nothing (`state == "done"`: the output already holds this
+    conversion), or convert; then the plan is saved in the work area for every unit of work.
+
+    When the output's completion marker and the checkpoint's file stats say it is done, no
+    checkpoint byte is read. `--overwrite` clears another conversion here; a complete output
+    whose files changed becomes a repair.
+
+    Raises:
+        ConversionError: For an unreadable checkpoint, an output holding another conversion
+            (without `overwrite`), or too little free space.
+    """
+    job, _ = plan_job_and_load(storage, source, destination, options, tag=tag, work_url=work_url)
+    return job
+
+
+def plan_job_and_load(
+    storage: Storage,
+    source: str,
+    destination: str,
+    options: ConvertOptions,
+    *,
+    tag: str | None = None,
+    work_url: str | None = None,
+) -> tuple[JobPlan, Plan | None]:
+    """`plan_job`, also returning the `Plan` itself (None when there is nothing to do)."""
+    done = quick_done(storage, source, tag, destination, options)
+    if done is not None:  # this very conversion is complete: no checkpoint byte is read
+        return JobPlan(state="done", job_key=done, destination=destination), None
+    before = dict(storage.counter.read_by_url)
+    layout, plan = plan_checkpoint(storage, source, tag=tag, options=options)
+    metadata_bytes_read = sum(
+        storage.counter.read_by_url.get(f.url, 0) - before.get(f.url, 0) for f in plan.files
+    )
+    state = prepare_output(
+        storage, destination, plan.job_key, overwrite=options.overwrite,
+        model_files_from=model_files_folder(plan.source, options),
+    )  # fmt: skip
+    work = WorkLayout(work_url or default_work_url(destination, plan.job_key))
+    if state.kind != "done":
+        check_free_space(storage, plan, destination, work.root, direct=options.direct)
+        save_plan(plan, storage, work.plan)
+    job = JobPlan(
+        state=state.kind, job_key=plan.job_key, destination=destination, work_url=work.root,
+        source={k: v for k, v in plan.source.items() if k != "files"},
+        parts=tuple(
+            PartWork(
+                index=p.index, rank=p.rank, label=str(p.number),
+                size_bytes=plan.part_bytes(p.index),
+            )
+            for p in plan.parts
+        ),
+        shards=tuple(
+            ShardWork(
+                index=s.index, file_name=s.file_name, data_bytes=s.data_bytes,
+                source_bytes=plan.shard_source_bytes(s.index), parts=tuple(parts),
+            )
+            for s, parts in zip(plan.shards, plan.shard_parts(), strict=True)
+        ),
+        aliases=dict(plan.aliases), notes=tuple(plan.notes), warnings=tuple(plan.warnings),
+        fp32_bytes=plan.fp32_bytes, metadata_bytes_read=metadata_bytes_read,
+        source_bytes_needed=plan.slot_bytes + layout.metadata_bytes,
+        task_memory_bytes=options.task_memory_bytes,
+    )  # fmt: skip
+    return job, (None if job.is_done else plan)
+
+
+# -- 4. the units of work and their order ---------------------------------------------------------
+
+
+def parts_to_extract(job: JobPlan, *, direct: bool, reused: Collection[int] = ()) -> list[PartWork]:
+    """The extract parts this run needs: none in direct mode; in a repair, none that only
+    shards kept as published read."""
+    if direct:
+        return []
+    needed = {p for s in job.shards if s.index not in reused for p in s.parts}
+    return [p for p in job.parts if p.index in needed]
+
+
+class MergeReadiness:
+    """Which shards can be merged now: a shard waits for the extract parts it reads (staged
+    mode); in direct mode, or when a repair keeps it as published, for nothing.
+
+    `ready()` hands out the shards that wait for nothing, `part_done(part)` those that waited
+    only for `part` still; each shard is handed out once.
+    """
+
+    def __init__(
+        self, shards: Sequence[ShardWork], *, direct: bool, reused: Collection[int] = ()
+    ) -> None:
+        self._waiting = {
+            s.index: set() if direct or s.index in reused else set(s.parts) for s in shards
+        }
+        self._shards_of_part: dict[int, list[int]] = {}
+        for shard, parts in self._waiting.items():
+            for part in parts:
+                self._shards_of_part.setdefault(part, []).append(shard)
+
+    def ready(self) -> list[int]:
+        """Shards waiting for nothing (now handed out)."""
+        return self._take([s for s, parts in self._waiting.items() if not parts])
+
+    def part_done(self, part: int) -> list[int]:
+        """Shards that became ready as `part` was extracted (now handed out)."""
+        for shard in self._shards_of_part.pop(part, []):
+            if shard in self._waiting:
+                self._waiting[shard].discard(part)
+        return self.ready()
+
+    @property
+    def waiting(self) -> list[int]:
+        """Shards not handed out yet."""
+        return sorted(self._waiting)
+
+    def _take(self, shards: list[int]) -> list[int]:
+        for shard in shards:
+            del self._waiting[shard]
+        return sorted(shards)
+
+
+def stage_bytes(job: JobPlan, parts: Sequence[PartWork], *, direct: bool) -> dict[str, int]:
+    """The bytes each stage handles this run (for progress)."""
+    return {
+        "extract": 0 if direct else sum(p.size_bytes for p in parts),
+        "merge": sum(s.source_bytes for s in job.shards),
+        "verify": sum(s.data_bytes for s in job.shards),
+    }
+
+
+def extract_unit(
+    plan: Plan,
+    part: int,
+    storage: Storage,
     work: WorkLayout,
     options: ConvertOptions,
-    progress: Progress,
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """Extract (staged), merge into pending shards and verify them, one after another."""
-    chunk = options.chunk_bytes
-    extracts: list[dict[str, Any]] = []
+    *,
+    on_bytes: OnBytes = None,
+) -> ExtractResult:
+    """Copy extract part `part` from the checkpoint into the work area's intermediates."""
+    return extract_part(
+        plan, part, storage, work.intermediate, chunk_bytes=options.chunk_bytes, on_bytes=on_bytes
+    )
+
+
+def open_locator(
+    plan: Plan, storage: Storage, work: WorkLayout, options: ConvertOptions
+) -> DirectLocator | StagedLocator:
+    """Where merges read slots: the checkpoint itself (direct) or the intermediates."""
     if options.direct:
-        locator: DirectLocator | StagedLocator = DirectLocator(plan, storage)
-    else:
-        reused = reusable_shards(storage, out_url, plan)
-        needed = sorted(
-            {p for i, parts in enumerate(plan.shard_parts()) if i not in reused for p in parts}
-        )
-        progress.start("extract", sum(plan.part_bytes(i) for i in needed))
-        for i in needed:
-            extracts.append(
-                extract_part(
-                    plan,
-                    i,
-                    storage,
-                    work.intermediate,
-                    chunk_bytes=chunk,
-                    on_bytes=progress.advance,
-                )  # fmt: skip
-            )
-        progress.finish()
-        locator = StagedLocator(plan, storage, work.intermediate)
-
-    merges = []
-    progress.start("merge", plan.slot_bytes)
-    try:
-        for shard in range(len(plan.shards)):
-            merges.append(
-                merge_or_reuse(
-                    plan,
-                    shard,
-                    storage,
-                    out_url,
-                    locator,
-                    chunk_bytes=chunk,
-                    on_bytes=progress.advance,
-                )  # fmt: skip
-            )
-    finally:
-        locator.close()
-    progress.finish()
-
-    verifies = []
-    progress.start("verify", sum(s.data_bytes for s in plan.shards))
-    for m in merges:
-        report = verify_shard(
-            storage, shard_location(storage, out_url, plan.job_key, m["file"]),
-            expected=m["tensors"], allow_nonfinite=options.allow_nonfinite, chunk_bytes=chunk,
-            on_bytes=progress.advance,
-        )  # fmt: skip
-        verifies.append(report.as_dict())
-    progress.finish()
-    if options.check_lowp:
-        verifies.append(lowp_report(storage, plan.source, out_url, merges, job_key=plan.job_key))
-    return extracts, merges, verifies
+        return DirectLocator(plan, storage)
+    return StagedLocator(plan, storage, work.intermediate)
 
 
-def merge_or_reuse(
+def merge_unit(
     plan: Plan,
     shard: int,
     storage: Storage,
-    out_url: str,
-    locator: DirectLocator | StagedLocator,
+    destination: str,
+    work: WorkLayout,
+    options: ConvertOptions,
     *,
-    chunk_bytes: int,
-    on_bytes: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
-    """Merge output shard `shard` into the job's pending folder, or, in a repair, reuse the
-    published shard when it is still as published."""
+    on_bytes: OnBytes = None,
+    locator: DirectLocator | StagedLocator | None = None,
+) -> MergeResult:
+    """Merge output shard `shard` into the job's pending folder, or, in a repair, keep the
+    published shard when it is still as published.
+
+    Args:
+        locator: Shared by several merges (the sequential driver); by default one of its own.
+    """
     file_name = plan.shards[shard].file_name
-    reused = reusable_shard(storage, out_url, plan.job_key, shard, file_name)
+    reused = reusable_shard(storage, destination, plan.job_key, shard, file_name)
     if reused is not None:
-        log.info("%s: still as published; kept", join_url(out_url, file_name))
+        log.info("%s: still as published; kept", join_url(destination, file_name))
         return reused
-    return merge_shard(
-        plan, shard, storage, pending_url(out_url, plan.job_key), locator,
-        chunk_bytes=chunk_bytes, on_bytes=on_bytes,
+    reader = open_locator(plan, storage, work, options) if locator is None else locator
+    try:
+        return merge_shard(
+            plan, shard, storage, pending_url(destination, plan.job_key), reader,
+            chunk_bytes=options.chunk_bytes, on_bytes=on_bytes,
+        )  # fmt: skip
+    finally:
+        if locator is None:
+            reader.close()
+
+
+def verify_unit(
+    plan: Plan,
+    shard: int,
+    storage: Storage,
+    destination: str,
+    options: ConvertOptions,
+    *,
+    expected: TensorRecords,
+    on_bytes: OnBytes = None,
+) -> VerifyResult:
+    """Check shard `shard` with the independent reader against what its merge recorded."""
+    started = time.monotonic()
+    url = shard_location(storage, destination, plan.job_key, plan.shards[shard].file_name)
+    report = verify_shard(
+        storage, url, expected=expected, allow_nonfinite=options.allow_nonfinite,
+        chunk_bytes=options.chunk_bytes, on_bytes=on_bytes,
     )  # fmt: skip
+    return VerifyResult(
+        shard=shard, file=report.file, num_tensors=len(report.tensors), tensors=report.tensors,
+        metadata=report.metadata, failures=tuple(f.as_dict() for f in report.failures),
+        bytes_read=report.bytes_read, seconds=round(time.monotonic() - started, 3),
+    )  # fmt: skip
+
+
+# -- what is on disk: whether a cached result still holds ------------------------------------------
+
+
+def intermediate_is_present(
+    plan: Plan, storage: Storage, work: WorkLayout, part: int, content_sha256: str | None = None
+) -> bool:
+    """Whether part `part`'s intermediate is on disk, whole, with the recorded content."""
+    sums = read_intermediate_sums(storage, work.intermediate, plan.parts[part])
+    return sums is not None and (content_sha256 is None or sums["content_sha256"] == content_sha256)
+
+
+def expected_shard_bytes(plan: Plan, shard: int) -> int:
+    """The exact size shard `shard` has when written (header + data)."""
+    entries = [HeaderEntry(t.name, t.out_dtype, t.shape) for t in plan.shard_tensors(shard)]
+    return len(build_header(entries, shard_metadata(plan, shard))) + plan.shards[shard].data_bytes
+
+
+def shard_identity(
+    plan: Plan, storage: Storage, destination: str, shard: int
+) -> tuple[int, str] | None:
+    """(size, version) of shard `shard` on disk (pending, else published), or None."""
+    url = shard_location(storage, destination, plan.job_key, plan.shards[shard].file_name)
+    if not storage.exists(url):
+        return None
+    ident = storage.identity(url)
+    return ident.size_bytes, ident.version
+
+
+# -- 5. publish, finish, summarize ---------------------------------------------------------------
+
+
+def run_stats(
+    job: JobPlan,
+    options: ConvertOptions,
+    *,
+    extracts: Sequence[ExtractResult],
+    merges: Sequence[MergeResult],
+    verifies: Sequence[VerifyResult],
+    seconds: float,
+    tasks_executed: dict[str, int],
+    peak_rss_bytes: int,
+    rss_growth_bytes_by_stage: dict[str, int] | None = None,
+    rss_baseline_bytes: int = 0,
+) -> RunStats:
+    """The run's stats from its results (so they add up across workers), before publish adds
+    the bytes its CRC checks read."""
+    copied = (
+        sum(m.bytes_read for m in merges) if options.direct else sum(e.bytes_read for e in extracts)
+    )
+    intermediate_written = sum(e.file_bytes for e in extracts)
+    output_written = sum(m.file_bytes for m in merges)
+    from_intermediates = 0 if options.direct else sum(m.bytes_read for m in merges)
+    source_read = job.metadata_bytes_read + copied
+    return RunStats(
+        mode="direct" if options.direct else "staged", mode_reason=options.mode_reason,
+        source_bytes_read=source_read, source_bytes_needed=job.source_bytes_needed,
+        intermediate_bytes_written=intermediate_written, output_bytes_written=output_written,
+        bytes_read=source_read + from_intermediates + sum(v.bytes_read for v in verifies),
+        bytes_written=intermediate_written + output_written, fp32_bytes=job.fp32_bytes,
+        rss_growth_bytes_by_stage=dict(rss_growth_bytes_by_stage or {}),
+        rss_baseline_bytes=rss_baseline_bytes, tasks_executed=dict(tasks_executed),
+        peak_rss_bytes=peak_rss_bytes, seconds=round(seconds, 3),
+    )  # fmt: skip
+
+
+def _with_gap_bytes(stats: RunStats, gap_bytes: int) -> RunStats:
+    source_read = stats.source_bytes_read + gap_bytes
+    ratio = round(source_read / stats.source_bytes_needed, 4) if stats.source_bytes_needed else None
+    return replace(
+        stats,
+        source_bytes_read=source_read,
+        bytes_read=stats.bytes_read + gap_bytes,
+        source_read_ratio=ratio,
+    )
+
+
+def publish_job(
+    plan: Plan,
+    storage: Storage,
+    destination: str,
+    work: WorkLayout,
+    options: ConvertOptions,
+    *,
+    extracts: Sequence[ExtractResult],
+    merges: Sequence[MergeResult],
+    verifies: Sequence[VerifyResult],
+    stats: RunStats,
+) -> PublishResult:
+    """Check every record read against its CRC, run the optional 16-bit check, then write
+    the index, the manifest and, last, the completion marker.
+
+    A failed check is never kept: the run's intermediates, cached results and pending shards
+    are discarded, so the next run reads the source again.
+
+    Raises:
+        IntegrityError: If a record read does not match its CRC.
+        VerificationError: If a shard (or the 16-bit check) failed; nothing is published.
+    """
+    try:
+        return _publish_checked(
+            plan, storage, destination, work, options,
+            extracts=extracts, merges=merges, verifies=verifies, stats=stats,
+        )  # fmt: skip
+    except (IntegrityError, VerificationError):
+        discard_failed_work(storage, destination, plan.job_key, work.root)
+        raise
+
+
+def _publish_checked(
+    plan: Plan,
+    storage: Storage,
+    destination: str,
+    work: WorkLayout,
+    options: ConvertOptions,
+    *,
+    extracts: Sequence[ExtractResult],
+    merges: Sequence[MergeResult],
+    verifies: Sequence[VerifyResult],
+    stats: RunStats,
+) -> PublishResult:
+    source_urls = {f.url for f in plan.files}
+    read_before = storage.counter.bytes_read_from(source_urls)
+    integrity = check_integrity(
+        plan, storage, [e.ledger for e in extracts] + [m.ledger for m in merges],
+        intermediate_url=None if options.direct else work.intermediate,
+    ).as_dict()  # fmt: skip
+    # CRC checks read the few source bytes no copy covered: count them with the rest.
+    stats = _with_gap_bytes(stats, storage.counter.bytes_read_from(source_urls) - read_before)
+    lowp = None
+    if options.check_lowp:  # the optional 16-bit witness: reads the module weights too
+        lowp = lowp_report(storage, plan.source, destination, merges, job_key=plan.job_key)
+    manifest = publish_output(
+        plan, storage, destination, options=options, merges=merges, verifies=verifies,
+        integrity=integrity, stats=stats, lowp=lowp,
+    )  # fmt: skip
+    return PublishResult(
+        files=tuple(f["file"] for f in manifest["files"]),
+        num_tensors=len(manifest["tensors"]),
+        integrity=integrity,
+        stats=stats,
+    )
+
+
+def finish_job(
+    storage: Storage, *, destination: str, job_key: str, work_url: str, keep_work: bool
+) -> None:
+    """After a publish: remove the pending folder, the work area (unless `keep_work`) and
+    the output's work folder once empty."""
+    finish_work(storage, destination, job_key, work_url, keep=keep_work)
+
+
+def summarize(
+    job: JobPlan, published: PublishResult, verifies: Sequence[VerifyResult], *, seconds: float
+) -> RunSummary:
+    """The run's summary, once published."""
+    return RunSummary(
+        status="converted", output=job.destination, job_key=job.job_key,
+        files=published.files, num_tensors=published.num_tensors, aliases=job.aliases,
+        integrity=published.integrity, notes=job.notes, warnings=job.warnings,
+        checks_passed=sum(v.num_tensors for v in verifies), stats=published.stats,
+        seconds=round(seconds, 3),
+        throughput_bytes_per_second=round(published.stats.source_bytes_read / max(seconds, 1e-9)),
+    )  # fmt: skip
+
+
+# -- the sequential driver ------------------------------------------------------------------------
 
 
 def convert_checkpoint(
@@ -209,8 +581,11 @@ def convert_checkpoint(
     storage: Storage | None = None,
     work_url: str | None = None,
     progress: Progress | None = None,
-) -> dict[str, Any]:
-    """Convert a ZeRO checkpoint tag into verified safetensors in `out_url`.
+) -> RunSummary:
+    """Convert a checkpoint tag into verified safetensors in `out_url`, in this process.
+
+    The same steps as the flow `convert`, one unit of work at a time: the same leases, the
+    same cleanup and the same summary.
 
     Args:
         ckpt_url: The checkpoint folder (holding `latest`) or a tag folder.
@@ -222,81 +597,106 @@ def convert_checkpoint(
         progress: Receives byte progress.
 
     Returns:
-        A JSON-able summary of the run.
+        The run's summary (`RunSummary.to_json()` for JSON).
+
+    Raises:
+        ConversionError: For bad input or options, an output that may not be replaced, a
+            live run holding the output or work area, or a failed check.
     """
     options = options or ConvertOptions()
     storage = storage or Storage()
     ckpt_url, out_url = normalize_url(ckpt_url), normalize_url(out_url)
     work_url = normalize_url(work_url) if work_url else None
-    progress = progress or NullProgress()
     started = time.monotonic()
-    with destination_lease(storage, out_url, job=f"{ckpt_url} -> {out_url}", clean=[out_url]):
-        return _convert_held(
-            ckpt_url, out_url, options, tag=tag, storage=storage, work_url=work_url,
-            progress=progress, started=started,
-        )  # fmt: skip
+    with hold_destination(storage, ckpt_url, out_url):
+        job, plan = plan_job_and_load(
+            storage, ckpt_url, out_url, options, tag=tag, work_url=work_url
+        )
+        if plan is None:
+            return RunSummary.already_complete(out_url, job.job_key)
+        for warning in job.warnings:
+            log.warning("%s", warning)
+        with hold_work(storage, job):
+            return _run_held(
+                job, plan, storage, options, progress or NullProgress(), started=started
+            )
 
 
-def _convert_held(
-    ckpt_url: str,
-    out_url: str,
-    options: ConvertOptions,
-    *,
-    tag: str | None,
+def _run_held(
+    job: JobPlan,
+    plan: Plan,
     storage: Storage,
-    work_url: str | None,
+    options: ConvertOptions,
     progress: Progress,
+    *,
     started: float,
-) -> dict[str, Any]:
-    done = quick_done(storage, ckpt_url, tag, out_url, options)
-    if done is not None:
-        return {"status": "already-complete", "output": out_url, "job_key": done}
-    _, plan = plan_checkpoint(storage, ckpt_url, tag=tag, options=options)
-    for warning in plan.warnings:
-        log.warning("%s", warning)
-    state = prepare_output(
-        storage, out_url, plan.job_key, overwrite=options.overwrite,
-        model_files_from=model_files_folder(plan.source, options),
+) -> RunSummary:
+    work = WorkLayout(job.work_url)
+    extracts, merges, verifies = _run_units(job, plan, storage, work, options, progress)
+    stats = run_stats(
+        job, options, extracts=extracts, merges=merges, verifies=verifies,
+        seconds=time.monotonic() - started,
+        tasks_executed={"extract": len(extracts), "merge": len(merges), "verify": len(verifies)},
+        peak_rss_bytes=peak_rss_bytes(),
     )  # fmt: skip
-    if state.kind == "done":
-        return {"status": "already-complete", "output": out_url, "job_key": plan.job_key}
-    work = WorkLayout(work_url or default_work_url(out_url, plan.job_key))
-    check_free_space(storage, plan, out_url, work.root, direct=options.direct)
-    save_plan(plan, storage, work.plan)
+    published = publish_job(
+        plan, storage, job.destination, work, options,
+        extracts=extracts, merges=merges, verifies=verifies, stats=stats,
+    )  # fmt: skip
+    finish_job(
+        storage, destination=job.destination, job_key=job.job_key, work_url=job.work_url,
+        keep_work=options.keep_work,
+    )  # fmt: skip
+    return summarize(job, published, verifies, seconds=time.monotonic() - started)
+
+
+def _run_units(
+    job: JobPlan,
+    plan: Plan,
+    storage: Storage,
+    work: WorkLayout,
+    options: ConvertOptions,
+    progress: Progress,
+) -> tuple[list[ExtractResult], list[MergeResult], list[VerifyResult]]:
+    """Every unit of work in an order the flow could take: a shard is merged as soon as its
+    parts are extracted, and verified as soon as it is merged."""
+    reused = reusable_shards(storage, job.destination, plan)
+    parts = parts_to_extract(job, direct=options.direct, reused=reused)
+    readiness = MergeReadiness(job.shards, direct=options.direct, reused=reused)
+    stages = stage_bytes(job, parts, direct=options.direct)
+    progress.start("convert", sum(stages.values()), stages=stages)
+    extracts: list[ExtractResult] = []
+    merges: dict[int, MergeResult] = {}
+    verifies: dict[int, VerifyResult] = {}
+    locator = open_locator(plan, storage, work, options)
+
+    def merge_and_verify(shards: list[int]) -> None:
+        for shard in shards:
+            merges[shard] = merge_unit(
+                plan, shard, storage, job.destination, work, options, locator=locator,
+                on_bytes=lambda n: progress.advance(n, "merge"),
+            )  # fmt: skip
+            verifies[shard] = verify_unit(
+                plan, shard, storage, job.destination, options, expected=merges[shard].tensors,
+                on_bytes=lambda n: progress.advance(n, "verify"),
+            )  # fmt: skip
+
     try:
-        extracts, merges, verifies = _run_stages(plan, storage, out_url, work, options, progress)
-        integrity = check_integrity(
-            plan, storage, [e["ledger"] for e in extracts] + [m["ledger"] for m in merges],
-            intermediate_url=None if options.direct else work.intermediate,
-        ).as_dict()  # fmt: skip
-        seconds = time.monotonic() - started
-        stats = {
-            "seconds": round(seconds, 3),
-            "bytes_read": storage.counter.bytes_read,
-            "source_bytes_read": storage.counter.bytes_read_from({f.url for f in plan.files}),
-            "fp32_bytes": plan.fp32_bytes,
-            "bytes_written": storage.counter.bytes_written,
-            "peak_rss_bytes": peak_rss_bytes(),
-            "mode": "direct" if options.direct else "staged",
-            "mode_reason": options.mode_reason,
-        }
-        manifest = publish(
-            plan, storage, out_url, options=options, merges=merges, verifies=verifies,
-            integrity=integrity, stats=stats,
-        )  # fmt: skip
-    except (IntegrityError, VerificationError):
-        discard_failed_work(storage, out_url, plan.job_key, work.root)
-        raise
-    finish_work(storage, out_url, plan.job_key, work.root, keep=options.keep_work)
-    return {
-        "status": "converted",
-        "output": out_url,
-        "job_key": plan.job_key,
-        "files": [f["file"] for f in manifest["files"]],
-        "num_tensors": len(manifest["tensors"]),
-        "aliases": plan.aliases,
-        "integrity": integrity,
-        "notes": plan.notes,
-        "warnings": plan.warnings,
-        **stats,
-    }
+        merge_and_verify(readiness.ready())
+        for part in parts:
+            extracts.append(
+                extract_unit(
+                    plan,
+                    part.index,
+                    storage,
+                    work,
+                    options,
+                    on_bytes=lambda n: progress.advance(n, "extract"),
+                )  # fmt: skip
+            )
+            merge_and_verify(readiness.part_done(part.index))
+    finally:
+        locator.close()
+    progress.finish()
+    assert not readiness.waiting, f"shards never became ready: {readiness.waiting}"
+    return extracts, [merges[i] for i in sorted(merges)], [verifies[i] for i in sorted(verifies)]

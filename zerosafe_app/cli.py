@@ -473,18 +473,16 @@ def _preload(module: str) -> None:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     from zerosafe.stages.progress import NullProgress, TerminalProgress
+    from zerosafe.stages.results import RunSummary
 
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()
     done = _check_before_starting(args, options)
     if done is None:
         _preload("torch")
+    summary: RunSummary
     if done is not None:  # complete and intact: no checkpoint byte read, no server started
-        summary: dict[str, Any] = {
-            "status": "already-complete",
-            "output": args.output,
-            "job_key": done,
-        }
+        summary = RunSummary.already_complete(args.output, done)
     elif args.no_flow:
         from zerosafe.pipeline import convert_checkpoint
 
@@ -505,35 +503,39 @@ def _cmd_convert(args: argparse.Namespace) -> int:
                 mode=_requested_mode(args),
             )  # fmt: skip
     if args.json:
-        print(json.dumps(summary, indent=1))
-    elif summary["status"] == "already-complete":
+        print(json.dumps(summary.to_json(), indent=1))
+    elif summary.status == "already-complete":
         print(
             f"{args.output}: already a complete conversion of this checkpoint with these options; nothing to do."
         )
     elif not args.quiet:
-        rate = summary.get("source_bytes_read", summary.get("bytes_read", 0)) / max(
-            summary.get("seconds", 0), 1e-9
-        )
-        print(
-            f"converted {summary['num_tensors']} tensors into {len(summary['files'])} file(s) in {args.output} "
-            f"in {summary['seconds']:.1f} s ({format_bytes(rate)}/s read; peak memory {format_bytes(summary['peak_rss_bytes'])})"
-        )
-        if summary.get("source_read_ratio"):
-            print(
-                f"  read {format_bytes(summary['source_bytes_read'])} from the source: "
-                f"{summary['source_read_ratio']:.3f} x the {format_bytes(summary['source_bytes_needed'])} "
-                "it needs (the tensor bytes it copies, plus metadata and headers)"
-            )
-        if summary.get("mode_reason"):
-            print(f"  mode: {summary['mode_reason']}")
-        for alias, target in summary.get("aliases", {}).items():
-            print(f"  tied: {alias} -> {target} (stored once; recorded in the metadata)")
-        for note in summary.get("notes", []):
-            print(f"  note: {note}")
-    if summary.get("status") == "converted" and not args.json:
-        for warning in summary.get("warnings", []):
+        _print_summary(args.output, summary)
+    if summary.status == "converted" and not args.json:
+        for warning in summary.warnings:
             print(f"zerosafe: warning: {warning}", file=sys.stderr)
     return EXIT_OK
+
+
+def _print_summary(output: str, summary: Any) -> None:
+    """The few lines a converted run prints (`summary` is a `RunSummary`)."""
+    stats = summary.stats
+    print(
+        f"converted {summary.num_tensors} tensors into {len(summary.files)} file(s) in {output} "
+        f"in {summary.seconds:.1f} s ({format_bytes(summary.throughput_bytes_per_second)}/s read; "
+        f"peak memory {format_bytes(stats.peak_rss_bytes)})"
+    )
+    if stats.source_read_ratio:
+        print(
+            f"  read {format_bytes(stats.source_bytes_read)} from the source: "
+            f"{stats.source_read_ratio:.3f} x the {format_bytes(stats.source_bytes_needed)} "
+            "it needs (the tensor bytes it copies, plus metadata and headers)"
+        )
+    if stats.mode_reason:
+        print(f"  mode: {stats.mode_reason}")
+    for alias, target in summary.aliases.items():
+        print(f"  tied: {alias} -> {target} (stored once; recorded in the metadata)")
+    for note in summary.notes:
+        print(f"  note: {note}")
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

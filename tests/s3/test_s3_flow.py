@@ -165,8 +165,8 @@ def test_transient_faults_are_retried_and_no_credential_leaks(
     from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
 
-    from tasks import credentials
     from zerosafe_app.flows.convert import convert
+    from zerosafe_app.tasks import credentials
 
     # Credentials only in a Secret block: none in this process's environment.
     Secret(value={"aws_access_key_id": ACCESS_KEY, "aws_secret_access_key": SECRET_KEY}).save(

@@ -14,15 +14,17 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from zerosafe._version import __version__
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import OutputExistsError, VerificationError
-from zerosafe.io.storage import Storage, is_local, join_url
+from zerosafe.io.storage import FileIdentity, Storage, is_local, join_url
 from zerosafe.plan.model import Plan
 from zerosafe.stages.model_files import copy_model_files, find_model_files, model_files_folder
+from zerosafe.stages.results import MergeResult, RunStats, VerifyResult
 
 __all__ = [
     "INDEX_NAME",
@@ -169,7 +171,7 @@ def _previous_manifest(storage: Storage, out_url: str, job_key: str) -> dict[str
 
 def _reused(
     storage: Storage, out_url: str, manifest: dict[str, Any], shard: int, file_name: str
-) -> dict[str, Any] | None:
+) -> MergeResult | None:
     """The merge result of published shard `file_name` rebuilt from `manifest`, if the file
     is still as published; else None."""
     try:
@@ -183,22 +185,22 @@ def _reused(
         return None
     if _file_changed(storage, out_url, entry) is not None:
         return None
-    return {
-        "shard": shard,
-        "file": file_name,
-        "file_bytes": entry["size_bytes"],
-        "data_bytes": entry["data_bytes"],
-        "bytes_read": 0,
-        "tensors": tensors,
-        "ledger": {},
-        "seconds": 0.0,
-        "reused": True,
-    }
+    return MergeResult(
+        shard=shard,
+        file=file_name,
+        file_bytes=entry["size_bytes"],
+        data_bytes=entry["data_bytes"],
+        bytes_read=0,
+        tensors=tensors,
+        ledger={},
+        seconds=0.0,
+        reused=True,
+    )
 
 
 def reusable_shard(
     storage: Storage, out_url: str, job_key: str, shard: int, file_name: str
-) -> dict[str, Any] | None:
+) -> MergeResult | None:
     """In a repair: the merge result of a published shard that is still intact, rebuilt from
     the manifest it was published with (nothing is read from the checkpoint). None when the
     shard must be merged again."""
@@ -463,14 +465,13 @@ def _remove_files(storage: Storage, out_url: str, names: list[str]) -> None:
         _remove_if_empty(storage, join_url(out_url, folder))
 
 
-def _checks(verifies: list[dict[str, Any]]) -> dict[str, Any]:
+def _checks(verifies: Sequence[VerifyResult], lowp: dict[str, Any] | None) -> dict[str, Any]:
     """What verification covered, for the manifest."""
-    checks: dict[str, Any] = {"verified_tensors": sum(v.get("num_tensors", 0) for v in verifies)}
-    for v in verifies:
-        if v.get("check") == "lowp":
-            checks["lowp_cross_check"] = {
-                k: v[k] for k in ("lowp_checked", "lowp_mismatched", "lowp_skipped")
-            }
+    checks: dict[str, Any] = {"verified_tensors": sum(v.num_tensors for v in verifies)}
+    if lowp is not None:
+        checks["lowp_cross_check"] = {
+            k: lowp[k] for k in ("lowp_checked", "lowp_mismatched", "lowp_skipped")
+        }
     return checks
 
 
@@ -507,24 +508,64 @@ def _published_model_files(
     return out
 
 
+def _move_into_place(
+    storage: Storage,
+    out_url: str,
+    job_key: str,
+    merges: Sequence[MergeResult],
+    model_files: Sequence[dict[str, Any]] = (),
+) -> dict[str, FileIdentity]:
+    """Rename the pending shards and copied model files to their final names; returns each
+    shard's identity.
+
+    Raises:
+        VerificationError: If a shard in place does not have the size its merge wrote.
+    """
+    pending = pending_url(out_url, job_key)
+    for name in [m.file for m in merges] + [e["file"] for e in model_files]:
+        src = join_url(pending, name)
+        if storage.exists(src):
+            if is_local(out_url) and "/" in name:
+                storage.makedirs(join_url(out_url, name.rsplit("/", 1)[0]))
+            storage.rename(src, join_url(out_url, name))
+    versions = {m.file: storage.identity(join_url(out_url, m.file)) for m in merges}
+    for m in merges:
+        if versions[m.file].size_bytes != m.file_bytes:
+            raise VerificationError(
+                f"{join_url(out_url, m.file)}: {versions[m.file].size_bytes} bytes after "
+                f"moving it into place, expected {m.file_bytes}; the output was not marked "
+                "complete. Run the same command again.",
+                [],
+            )
+    return versions
+
+
 def publish(
     plan: Plan,
     storage: Storage,
     out_url: str,
     *,
     options: ConvertOptions,
-    merges: list[dict[str, Any]],
-    verifies: list[dict[str, Any]],
+    merges: Sequence[MergeResult],
+    verifies: Sequence[VerifyResult],
     integrity: dict[str, Any],
-    stats: dict[str, Any] | None = None,
+    stats: RunStats | None = None,
+    lowp: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Move the verified shards and the copied model files into place, write the index and
     the manifest, then the completion marker, last.
 
+    Args:
+        lowp: The optional 16-bit cross-check (`zerosafe.verify.output.lowp_report`).
+
+    Returns:
+        The manifest written.
+
     Raises:
         VerificationError: If any shard failed verification; then nothing is written.
     """
-    failures = [f for v in verifies for f in v.get("failures", [])]
+    failures = [f for v in verifies for f in v.failures]
+    failures += lowp["failures"] if lowp is not None else []
     if failures:
         lines = [f"{f['file']}: {f['tensor']}: {f['check']}: {f['detail']}" for f in failures[:20]]
         raise VerificationError(
@@ -532,28 +573,13 @@ def publish(
             + "\n  ".join(lines),
             failures,
         )
-    by_shard = sorted(merges, key=lambda m: m["shard"])
-    if [m["shard"] for m in by_shard] != list(range(len(plan.shards))):
+    by_shard = sorted(merges, key=lambda m: m.shard)
+    if [m.shard for m in by_shard] != list(range(len(plan.shards))):
         raise AssertionError("publish needs one merge result per shard")
-    pending = pending_url(out_url, plan.job_key)
-    model_files = _stage_model_files(plan, storage, pending, options)
-    for name in [m["file"] for m in by_shard] + [e["file"] for e in model_files]:
-        src = join_url(pending, name)
-        if storage.exists(src):
-            if is_local(out_url) and "/" in name:
-                storage.makedirs(join_url(out_url, name.rsplit("/", 1)[0]))
-            storage.rename(src, join_url(out_url, name))
-    versions = {m["file"]: storage.identity(join_url(out_url, m["file"])) for m in by_shard}
-    for m in by_shard:
-        if versions[m["file"]].size_bytes != m["file_bytes"]:
-            raise VerificationError(
-                f"{join_url(out_url, m['file'])}: {versions[m['file']].size_bytes} bytes after "
-                f"moving it into place, expected {m['file_bytes']}; the output was not marked "
-                "complete. Run the same command again.",
-                [],
-            )
-    weight_map = {name: m["file"] for m in by_shard for name in m["tensors"]}
-    total_size = sum(m["data_bytes"] for m in by_shard)
+    model_files = _stage_model_files(plan, storage, pending_url(out_url, plan.job_key), options)
+    versions = _move_into_place(storage, out_url, plan.job_key, by_shard, model_files)
+    weight_map = {name: m.file for m in by_shard for name in m.tensors}
+    total_size = sum(m.data_bytes for m in by_shard)
     if len(plan.shards) > 1:
         index: dict[str, Any] = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
         if plan.aliases:
@@ -579,28 +605,28 @@ def publish(
         "options": {**options.identity(), "direct": options.direct},
         "files": [
             {
-                "file": m["file"],
-                "size_bytes": m["file_bytes"],
-                "data_bytes": m["data_bytes"],
-                "version": versions[m["file"]].version,
+                "file": m.file,
+                "size_bytes": m.file_bytes,
+                "data_bytes": m.data_bytes,
+                "version": versions[m.file].version,
             }
             for m in by_shard
         ],
         "total_size": total_size,
         **({"index": index_entry} if index_entry else {}),
         "tensors": {
-            name: {**info, "file": m["file"], "role": roles.get(name, "param")}
+            name: {**info, "file": m.file, "role": roles.get(name, "param")}
             for m in by_shard
-            for name, info in m["tensors"].items()
+            for name, info in m.tensors.items()
         },
         "aliases": plan.aliases,
         "model_files_from": model_files_folder(plan.source, options),
         "model_files": _published_model_files(storage, out_url, model_files),
         "integrity": integrity,
-        "checks": _checks(verifies),
+        "checks": _checks(verifies, lowp),
         "notes": plan.notes,
         "warnings": plan.warnings,
-        "stats": stats or {},
+        "stats": stats.to_json() if stats is not None else {},
     }
     raw = (json.dumps(manifest, indent=1) + "\n").encode()
     storage.write_bytes(join_url(out_url, MANIFEST_NAME), raw)

@@ -28,6 +28,7 @@ from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, r
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, Storage, join_url
 from zerosafe.plan.model import ExtractPart, Plan, Slot
+from zerosafe.stages.results import ExtractResult, MergeResult
 from zerosafe.stages.streaming import CopyJob, copy_stream
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
 
@@ -197,12 +198,11 @@ def extract_part(
     *,
     chunk_bytes: int,
     on_bytes: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
+) -> ExtractResult:
     """Copy one extract part's slot ranges from the checkpoint into an intermediate file.
 
     Returns:
-        A JSON-able summary: file URL, bytes, content hash, per-tensor CRC32s and the CRC
-        ledger of the source records read.
+        The file URL, bytes, content hash and the CRC ledger of the source records read.
     """
     started = time.monotonic()
     part = plan.parts[index]
@@ -269,16 +269,16 @@ def extract_part(
         "extract rank %d part %d: %d bytes into %s in %.1f s",
         part.rank, part.number, writer.file_bytes, part.file_name, time.monotonic() - started,
     )  # fmt: skip
-    return {
-        "part": index,
-        "rank": part.rank,
-        "file": url,
-        "file_bytes": writer.file_bytes,
-        "bytes_read": sum(j.nbytes for j in jobs),
-        "content_sha256": content,
-        "ledger": ledger.to_json(),
-        "seconds": round(time.monotonic() - started, 3),
-    }
+    return ExtractResult(
+        part=index,
+        rank=part.rank,
+        file=url,
+        file_bytes=writer.file_bytes,
+        bytes_read=sum(j.nbytes for j in jobs),
+        content_sha256=content,
+        ledger=ledger.to_json(),
+        seconds=round(time.monotonic() - started, 3),
+    )
 
 
 def _content_hash(tensor_hashes: list[str]) -> str:
@@ -339,12 +339,12 @@ def merge_shard(
     *,
     chunk_bytes: int,
     on_bytes: Callable[[int], None] | None = None,
-) -> dict[str, Any]:
+) -> MergeResult:
     """Write output shard `shard` into folder `out_url`.
 
     Returns:
-        A JSON-able summary: file, sizes, each tensor's checksum (`TENSOR_CHECKSUM`) and the
-        CRC ledger of what was read.
+        The file, sizes, each tensor's checksum (`TENSOR_CHECKSUM`) and the CRC ledger of
+        what was read.
     """
     started = time.monotonic()
     spec = plan.shards[shard]
@@ -384,19 +384,19 @@ def merge_shard(
         shard + 1, len(plan.shards), len(tensors), writer.file_bytes, spec.file_name,
         time.monotonic() - started,
     )  # fmt: skip
-    return {
-        "shard": shard,
-        "file": spec.file_name,
-        "file_bytes": writer.file_bytes,
-        "data_bytes": writer.data_bytes,
-        "bytes_read": bytes_read,
-        "tensors": {
+    return MergeResult(
+        shard=shard,
+        file=spec.file_name,
+        file_bytes=writer.file_bytes,
+        data_bytes=writer.data_bytes,
+        bytes_read=bytes_read,
+        tensors={
             t.name: {TENSOR_CHECKSUM: h, "dtype": t.out_dtype, "shape": list(t.shape)}
             for t, h in zip(tensors, writer.digests, strict=True)
         },
-        "ledger": ledger.to_json(),
-        "seconds": round(time.monotonic() - started, 3),
-    }
+        ledger=ledger.to_json(),
+        seconds=round(time.monotonic() - started, 3),
+    )
 
 
 # -- integrity -----------------------------------------------------------------------------------

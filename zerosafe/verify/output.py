@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ from zerosafe.verify.tensors import Failure, parse_safetensors_header, verify_sh
 
 if TYPE_CHECKING:
     from zerosafe.formats.base import SourceLayout
+    from zerosafe.stages.results import MergeResult
 
 __all__ = ["render_verify", "verify_output"]
 
@@ -547,7 +548,7 @@ def lowp_report(
     storage: Storage,
     source: dict[str, Any],
     out_url: str,
-    merges: list[dict[str, Any]],
+    merges: Sequence[MergeResult],
     *,
     job_key: str | None = None,
 ) -> dict[str, Any]:
@@ -561,7 +562,7 @@ def lowp_report(
     from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
 
     ckpt = open_zero_checkpoint(storage, source["checkpoint"], tag=source["tag"])
-    stored = {name: (m["file"], info) for m in merges for name, info in m["tensors"].items()}
+    stored = {name: (m.file, info) for m in merges for name, info in m.tensors.items()}
     failures: list[Failure] = []
     checked, mismatched, why = lowp_cross_check(
         storage, out_url, ckpt, stored, failures,

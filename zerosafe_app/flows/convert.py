@@ -29,7 +29,6 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.client.schemas.objects import State
-from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import deployment as deployment_run
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
@@ -37,19 +36,25 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConversionError, VerificationError
-from zerosafe.io.lease import destination_lease, work_lease
 from zerosafe.io.storage import Storage, is_local, join_url
-from zerosafe.stages.output import pending_url
+from zerosafe.pipeline import (
+    hold_destination,
+    hold_work,
+    parts_to_extract,
+    run_stats,
+    stage_bytes,
+    summarize,
+)
+from zerosafe.stages.results import JobPlan, PublishResult, RunStats, RunSummary, VerifyResult
 from zerosafe.units import format_bytes
 from zerosafe_app.flows.config import JobConfig, load_job_config
+from zerosafe_app.flows.schedule import StageResults, StageScheduler
 from zerosafe_app.tasks._common import Job, read_journal, set_progress, stage_memory
 from zerosafe_app.tasks._common import progress as task_progress
 from zerosafe_app.tasks.credentials import storage_for
-from zerosafe_app.tasks.extract import extract, extract_is_present
 from zerosafe_app.tasks.inspect import inspect
-from zerosafe_app.tasks.merge import expected_shard_bytes, merge, reusable_shards, shard_identity
+from zerosafe_app.tasks.merge import reusable_shards
 from zerosafe_app.tasks.publish import publish
-from zerosafe_app.tasks.verify import verify
 
 __all__ = ["convert", "run_convert"]
 
@@ -246,10 +251,6 @@ def _result_storage(work: str, storage_options: dict[str, Any]) -> Any:
     return block
 
 
-def _fingerprint(*values: Any) -> str:
-    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
 class _Progress:
     """The run's progress artifact, advanced by the bytes each finished task handled."""
 
@@ -303,199 +304,90 @@ def _run_job(cfg: JobConfig) -> dict[str, Any]:
     started = time.monotonic()
     started_wall = time.time()
     storage = storage_for(cfg.storage_options)
-    # One job at a time per output folder, whatever its options: held from before the output
-    # is inspected (and, with --overwrite, cleared) until it is published.
-    with destination_lease(
-        storage, cfg.destination, job=f"{cfg.source} -> {cfg.destination}", clean=[cfg.destination]
-    ):
-        return _run_held(cfg, storage, started=started, started_wall=started_wall)
+    with hold_destination(storage, cfg.source, cfg.destination):
+        return _run_held(cfg, storage, started=started, started_wall=started_wall).to_json()
 
 
 def _run_held(
     cfg: JobConfig, storage: Storage, *, started: float, started_wall: float
-) -> dict[str, Any]:
-    log = get_run_logger()
+) -> RunSummary:
+    """Plan, then (holding the work area) run the stages and publish; the same steps as
+    `zerosafe.pipeline.convert_checkpoint`, as tasks."""
     options = cfg.options()
-    info = inspect(
-        cfg.source, cfg.destination, _options_dict(options), tag=cfg.tag,
-        work_dir=cfg.work_dir, storage_options=cfg.storage_options,
-    )  # fmt: skip
-    if info["state"] == "done":
-        log.info("%s already holds this conversion; nothing to do", cfg.destination)
+    job = JobPlan.from_json(
+        inspect(
+            cfg.source,
+            cfg.destination,
+            options.as_dict(),
+            tag=cfg.tag,
+            work_dir=cfg.work_dir,
+            storage_options=cfg.storage_options,
+        )  # fmt: skip
+    )
+    if job.is_done:
+        get_run_logger().info("%s already holds this conversion; nothing to do", cfg.destination)
         # Unkeyed: the job's keyed summary stays the one of the run that converted it.
         create_markdown_artifact(
-            f"`{cfg.destination}` already holds this conversion (job `{info['job_key'][:16]}`); nothing to do.",
+            f"`{cfg.destination}` already holds this conversion (job `{job.job_key[:16]}`); nothing to do.",
         )
-        return {"status": "already-complete", "output": cfg.destination, "job_key": info["job_key"]}
-    job = Job(
-        cfg.source,
-        cfg.destination,
-        info["work"],
-        info["job_key"],
-        _options_dict(options),
+        return RunSummary.already_complete(cfg.destination, job.job_key)
+    task_job = Job(
+        cfg.source, cfg.destination, job.work_url, job.job_key, options.as_dict(),
         cfg.storage_options,
-    ).as_dict()
-    with work_lease(
-        storage,
-        info["work"],
-        clean=[
-            pending_url(cfg.destination, info["job_key"]),
-            join_url(info["work"], "intermediate"),
-        ],
-    ):
-        result = _run_stages(cfg, options, info, job, storage, since=started_wall)
-    seconds = time.monotonic() - started
-    result["seconds"] = round(seconds, 3)
-    result["throughput_bytes_per_second"] = round(result["source_bytes_read"] / max(seconds, 1e-9))
-    _summary_artifact(cfg, info, result)
-    return result
-
-
-def _options_dict(options: ConvertOptions) -> dict[str, Any]:
-    return options.as_dict()
+    ).as_dict()  # fmt: skip
+    with hold_work(storage, job):
+        published, verifies = _run_stages(
+            cfg, options, job, task_job, storage, started=started, since=started_wall
+        )
+    summary = summarize(job, published, verifies, seconds=time.monotonic() - started)
+    _summary_artifact(cfg, job, summary)
+    return summary
 
 
 def _run_stages(
     cfg: JobConfig,
     options: ConvertOptions,
-    info: dict[str, Any],
-    job: dict[str, Any],
+    job: JobPlan,
+    task_job: dict[str, Any],
     storage: Storage,
     *,
+    started: float,
     since: float,
-) -> dict[str, Any]:
-    parts, shards = info["parts"], info["shards"]
-    count = len(shards)
-    results = _result_storage(info["work"], cfg.storage_options)
+) -> tuple[PublishResult, list[VerifyResult]]:
+    """Schedule extract, merge and verify (`StageScheduler`), then publish."""
+    results = _result_storage(job.work_url, cfg.storage_options)
 
-    def run(task: Any, *, refresh: bool = False) -> Any:
-        return task.with_options(result_storage=results, refresh_cache=refresh or None)
+    def submit(task: Any, *args: Any, refresh: bool = False, **kwargs: Any) -> Any:
+        run = task.with_options(result_storage=results, refresh_cache=refresh or None)
+        return run.submit(*args, **kwargs)
 
     # A repair keeps the published shards that are still intact: no extract or merge reads
     # anything for them.
-    reused = reusable_shards(job)
-    needed = {p for s in shards if s["index"] not in reused for p in s["parts"]}
-    parts = [p for p in parts if p["index"] in needed]
-    work_bytes = 0 if options.direct else sum(p["bytes"] for p in parts)
+    reused = reusable_shards(task_job)
+    parts = parts_to_extract(job, direct=options.direct, reused=reused)
     slug = job_slug(cfg.destination)
     progress = _Progress(
-        {
-            "extract": work_bytes,
-            "merge": sum(s["source_bytes"] for s in shards),
-            "verify": sum(s["bytes"] for s in shards),
-        },
-        key=f"zerosafe-{slug}-progress",
+        stage_bytes(job, parts, direct=options.direct), key=f"zerosafe-{slug}-progress"
     )
-
-    part_of = {p["index"]: p for p in parts}
-    extract_futures: dict[int, PrefectFuture[Any]] = {}
-    if not options.direct:
-        for p in parts:
-            fresh = not extract_is_present(job, p["index"])
-            extract_futures[p["index"]] = run(extract, refresh=fresh).submit(
-                job, p["index"], p["rank"], p["label"]
-            )
-
-    extracts: dict[int, dict[str, Any]] = {}
-    merge_futures: dict[int, PrefectFuture[Any]] = {}
-
-    def submit_merge(shard: dict[str, Any]) -> None:
-        index = shard["index"]
-        if index in reused:
-            fingerprint = "reused"
-        elif options.direct:
-            fingerprint = ""
-        else:
-            fingerprint = _fingerprint([extracts[p]["content_sha256"] for p in shard["parts"]])
-        on_disk = shard_identity(job, index)
-        fresh = on_disk is None or on_disk[0] != expected_shard_bytes(job, index)
-        merge_futures[index] = run(merge, refresh=fresh).submit(
-            job, index, index + 1, count, fingerprint=fingerprint,
-            wait_for=[extract_futures[p] for p in shard["parts"] if p in extract_futures],
-        )  # fmt: skip
-
-    waiting = {s["index"]: s for s in shards}
-    for shard in shards:
-        if not options.direct and (not shard["parts"] or shard["index"] in reused):
-            submit_merge(shard)
-            del waiting[shard["index"]]
-    if options.direct:
-        for shard in shards:
-            submit_merge(shard)
-        waiting.clear()
-    by_future = {id(f): i for i, f in extract_futures.items()}
-    for future in as_completed(list(extract_futures.values())):
-        index = by_future[id(future)]
-        extracts[index] = future.result()
-        if not extract_is_present(job, index, extracts[index]["content_sha256"]):
-            # A cached result whose file vanished between the check and now: run it again.
-            extracts[index] = (
-                run(extract, refresh=True)
-                .submit(job, index, part_of[index]["rank"], part_of[index]["label"])
-                .result()
-            )
-        progress.add(part_of[index]["bytes"])
-        for shard_index in [
-            i for i, s in waiting.items() if all(p in extracts for p in s["parts"])
-        ]:
-            submit_merge(waiting.pop(shard_index))
-    assert not waiting, f"shards never became ready: {sorted(waiting)}"
-
-    merges: dict[int, dict[str, Any]] = {}
-    verify_futures: dict[int, PrefectFuture[Any]] = {}
-    by_future = {id(f): i for i, f in merge_futures.items()}
-    for future in as_completed(list(merge_futures.values())):
-        index = by_future[id(future)]
-        merges[index] = future.result()
-        progress.add(shards[index]["source_bytes"])
-        identity = shard_identity(job, index)
-        verify_futures[index] = run(verify).submit(
-            job,
-            index,
-            index + 1,
-            count,
-            merges[index]["tensors"],
-            fingerprint=_fingerprint(identity, merges[index]["tensors"]),
-            wait_for=[future],
-        )
-
-    verifies: dict[int, dict[str, Any]] = {}
-    by_future = {id(f): i for i, f in verify_futures.items()}
-    for future in as_completed(list(verify_futures.values())):
-        index = by_future[id(future)]
-        verifies[index] = future.result()
-        progress.add(shards[index]["bytes"])
-
-    ordered_merges = [merges[i] for i in range(count)]
-    source_read = info.get("metadata_bytes_read", 0) + sum(
-        r["bytes_read"] for r in (extracts.values() if not options.direct else ordered_merges)
-    )
-    journal = [e for e in read_journal(storage, info["work"]) if e["time"] >= since]  # this run
-    growth, baseline = stage_memory(journal)
-    stats = {
-        "mode": "direct" if options.direct else "staged",
-        "mode_reason": options.mode_reason,
-        "source_bytes_read": source_read,
-        "source_bytes_needed": info.get("source_bytes_needed", 0),
-        "intermediate_bytes_written": sum(e["file_bytes"] for e in extracts.values()),
-        "output_bytes_written": sum(m["file_bytes"] for m in ordered_merges),
-        # Each stage's own peak: the most one of its tasks raised the RSS (zerosafe_app/tasks/_common.py).
-        "rss_growth_bytes_by_stage": growth,
-        "rss_baseline_bytes": baseline,
-        "tasks_executed": {
-            stage: sum(1 for e in journal if e["stage"] == stage)
-            for stage in ("extract", "merge", "verify")
-        },
+    unit_bytes = {
+        "extract": {p.index: p.size_bytes for p in parts},
+        "merge": {s.index: s.source_bytes for s in job.shards},
+        "verify": {s.index: s.data_bytes for s in job.shards},
     }
+    done = StageScheduler(
+        job, task_job, parts=parts, direct=options.direct, reused=reused, submit=submit,
+        on_done=lambda stage, index: progress.add(unit_bytes[stage][index]),
+        limit=None if cfg.runner == "dask" else options.parallel_tasks,
+    ).run()  # fmt: skip
+    extracts = [done.extracts[i] for i in sorted(done.extracts)]
+    merges = [done.merges[i] for i in range(len(job.shards))]
+    verifies = [done.verifies[i] for i in range(len(job.shards))]
+    stats = _stats(job, options, storage, done, seconds=time.monotonic() - started, since=since)
     try:
         published = publish(
-            job,
-            [extracts[i] for i in sorted(extracts)],
-            ordered_merges,
-            [verifies[i] for i in range(count)],
-            stats,
-            wait_for=list(verify_futures.values()),
-        )
+            task_job, [e.to_json() for e in extracts], [m.to_json() for m in merges],
+            [v.to_json() for v in verifies], stats.to_json(), wait_for=done.verify_futures,
+        )  # fmt: skip
     except VerificationError as e:
         rows = "\n".join(
             f"| {f['file']} | {f['tensor']} | {f['check']} | {f['detail']} |"
@@ -506,58 +398,74 @@ def _run_stages(
             key=f"zerosafe-{slug}-failure",
         )
         raise
-    stats.update(published.get("stats", {}))  # with the bytes publish's CRC checks read
-    return {
-        "status": "converted",
-        "output": cfg.destination,
-        "job_key": info["job_key"],
-        "files": published["files"],
-        "num_tensors": published["num_tensors"],
-        "aliases": info["aliases"],
-        "integrity": published["integrity"],
-        "notes": info["notes"],
-        "warnings": info["warnings"],
-        "checks_passed": sum(r["num_tensors"] for r in verifies.values()),
+    return PublishResult.from_json(published), verifies
+
+
+def _stats(
+    job: JobPlan,
+    options: ConvertOptions,
+    storage: Storage,
+    done: StageResults,
+    *,
+    seconds: float,
+    since: float,
+) -> RunStats:
+    """The run's stats, with what the journal says of this run's tasks: which ran (not
+    cached) and each stage's own memory peak."""
+    journal = [e for e in read_journal(storage, job.work_url) if e["time"] >= since]
+    growth, baseline = stage_memory(journal)
+    return run_stats(
+        job, options, extracts=list(done.extracts.values()), merges=list(done.merges.values()),
+        verifies=list(done.verifies.values()), seconds=seconds,
+        tasks_executed={
+            stage: sum(1 for e in journal if e["stage"] == stage)
+            for stage in ("extract", "merge", "verify")
+        },
         # the process's lifetime peak (ru_maxrss), as the command line has always reported
-        "peak_rss_bytes": max((e["peak_rss_bytes"] for e in journal), default=0),
-        **stats,
-    }
+        peak_rss_bytes=max((e["peak_rss_bytes"] for e in journal), default=0),
+        # Each stage's own peak: the most one of its tasks raised the RSS (zerosafe_app/tasks/_common.py).
+        rss_growth_bytes_by_stage=growth, rss_baseline_bytes=baseline,
+    )  # fmt: skip
 
 
 def _source_text(cfg: JobConfig, source: dict[str, Any]) -> str:
     """The summary's `source` row: what the format's manifest block says about it."""
     if source.get("format") == "dcp":
         return (
-            f"`{cfg.source}` (PyTorch DCP, {source['num_tensors_selected']} of "
-            f"{source['num_tensors_in_checkpoint']} tensors selected, "
-            f"{source['num_distcp_files']} .distcp files)"
+            f"`{cfg.source}` (PyTorch DCP, {source.get('num_tensors_selected')} of "
+            f"{source.get('num_tensors_in_checkpoint')} tensors selected, "
+            f"{source.get('num_distcp_files')} .distcp files)"
         )
-    return f"`{cfg.source}` (tag {source['tag']}, ZeRO-{source['stage']}, world size {source['world_size']})"
+    return (
+        f"`{cfg.source}` (tag {source.get('tag')}, ZeRO-{source.get('stage')}, "
+        f"world size {source.get('world_size')})"
+    )
 
 
-def _summary_artifact(cfg: JobConfig, info: dict[str, Any], r: dict[str, Any]) -> None:
+def _summary_artifact(cfg: JobConfig, job: JobPlan, r: RunSummary) -> None:
+    assert r.stats is not None
     rows = [
-        ("source", _source_text(cfg, info["source"])),
-        ("output", f"`{cfg.destination}`: {len(r['files'])} file(s), {r['num_tensors']} tensors"),
-        ("mode", r.get("mode_reason") or r["mode"]),
-        ("read from source", _source_read_text(r)),
-        ("intermediates written", format_bytes(r["intermediate_bytes_written"])),
-        ("output written", format_bytes(r["output_bytes_written"])),
-        ("time", f"{r['seconds']:.1f} s ({format_bytes(r['throughput_bytes_per_second'])}/s read)"),
-        ("peak memory by stage", _memory_text(r)),
+        ("source", _source_text(cfg, job.source)),
+        ("output", f"`{cfg.destination}`: {len(r.files)} file(s), {r.num_tensors} tensors"),
+        ("mode", r.stats.mode_reason or r.stats.mode),
+        ("read from source", _source_read_text(r.stats)),
+        ("intermediates written", format_bytes(r.stats.intermediate_bytes_written)),
+        ("output written", format_bytes(r.stats.output_bytes_written)),
+        ("time", f"{r.seconds:.1f} s ({format_bytes(r.throughput_bytes_per_second)}/s read)"),
+        ("peak memory by stage", _memory_text(r.stats)),
         (
             "tasks executed (not cached)",
-            ", ".join(f"{k} {v}" for k, v in r["tasks_executed"].items()),
+            ", ".join(f"{k} {v}" for k, v in r.stats.tasks_executed.items()),
         ),
         (
             "checks passed",
-            f"{r['checks_passed']} tensors verified; {r['integrity']['records_checked']} zip/intermediate records CRC-checked",
+            f"{r.checks_passed} tensors verified; {r.integrity['records_checked']} zip/intermediate records CRC-checked",
         ),
     ]
-    if info["aliases"]:
-        rows.append(("tied aliases", ", ".join(f"{a} -> {t}" for a, t in info["aliases"].items())))
+    if job.aliases:
+        rows.append(("tied aliases", ", ".join(f"{a} -> {t}" for a, t in job.aliases.items())))
     body = "\n".join(f"| {k} | {v} |" for k, v in rows)
-    notes = "".join(f"\n- {n}" for n in info["notes"])
+    notes = "".join(f"\n- {n}" for n in job.notes)
     create_markdown_artifact(
         f"# zerosafe conversion\n\n| | |\n|---|---|\n{body}\n{notes}\n",
         key=f"zerosafe-{job_slug(cfg.destination)}",
@@ -565,23 +473,23 @@ def _summary_artifact(cfg: JobConfig, info: dict[str, Any], r: dict[str, Any]) -
     )
 
 
-def _memory_text(r: dict[str, Any]) -> str:
+def _memory_text(stats: RunStats) -> str:
     """Each stage's own peak, as growth over the worker process's baseline RSS."""
-    growth = r["rss_growth_bytes_by_stage"]
+    growth = stats.rss_growth_bytes_by_stage
     if not growth:
         return "no task executed (all cached)"
     stages = ", ".join(f"{k} +{format_bytes(v)}" for k, v in growth.items())
     return (
         f"{stages} (the most one task of the stage raised the worker's RSS, over a "
-        f"{format_bytes(r['rss_baseline_bytes'])} process baseline)"
+        f"{format_bytes(stats.rss_baseline_bytes)} process baseline)"
     )
 
 
-def _source_read_text(r: dict[str, Any]) -> str:
-    text = format_bytes(r["source_bytes_read"])
-    if r.get("source_read_ratio"):
+def _source_read_text(stats: RunStats) -> str:
+    text = format_bytes(stats.source_bytes_read)
+    if stats.source_read_ratio:
         text += (
-            f" = {r['source_read_ratio']:.3f} x the {format_bytes(r['source_bytes_needed'])} "
+            f" = {stats.source_read_ratio:.3f} x the {format_bytes(stats.source_bytes_needed)} "
             "needed (the tensor bytes it copies, plus metadata and headers)"
         )
     return text
@@ -598,7 +506,7 @@ def run_convert(
     quiet: bool = False,
     storage_options: dict[str, Any] | None = None,
     mode: str | None = None,
-) -> dict[str, Any]:
+) -> RunSummary:
     """Run the flow embedded, for `zerosafe convert`. Progress goes to the terminal bar.
 
     `mode` is the mode as asked (`auto` included); by default the one `options` holds."""
@@ -633,7 +541,7 @@ def run_convert(
         set_progress(NullProgress())
         if show_progress:
             bar.finish()
-    return result
+    return RunSummary.from_json(result)
 
 
 if __name__ == "__main__":  # pragma: no cover - `python flows/convert.py conf.yaml`

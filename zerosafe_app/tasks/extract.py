@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect import task
 
-from zerosafe.stages.shards import extract_part, read_intermediate_sums
+from zerosafe.pipeline import extract_unit, intermediate_is_present
 from zerosafe_app.tasks._common import (
     TaskMeter,
     cache_key,
@@ -30,24 +30,19 @@ from zerosafe_app.tasks._common import (
 def extract(
     job: dict[str, Any], index: int, rank: int, label: str, fingerprint: str = ""
 ) -> dict[str, Any]:
-    """Extract part `index` (`rank`'s `label`); returns sizes, content hash and CRC ledger."""
+    """Extract part `index` (`rank`'s `label`); returns its `ExtractResult` as JSON (sizes,
+    content hash, CRC ledger)."""
     meter = TaskMeter()
     j = job_of(job)
     plan, storage, options, work = context(j)
-    summary = extract_part(
-        plan,
-        index,
-        storage,
-        work.intermediate,
-        chunk_bytes=options.chunk_bytes,
-        on_bytes=lambda n: progress().advance(n, "extract"),
-    )
-    record_run(j, "extract", index, summary, meter)
-    return summary
+    result = extract_unit(
+        plan, index, storage, work, options, on_bytes=lambda n: progress().advance(n, "extract")
+    ).to_json()
+    record_run(j, "extract", index, result, meter)
+    return result
 
 
 def extract_is_present(job: dict[str, Any], index: int, content_sha256: str | None = None) -> bool:
     """Whether part `index`'s intermediate is on disk, whole, with the recorded content."""
     plan, storage, _, work = context(job_of(job))
-    sums = read_intermediate_sums(storage, work.intermediate, plan.parts[index])
-    return sums is not None and (content_sha256 is None or sums["content_sha256"] == content_sha256)
+    return intermediate_is_present(plan, storage, work, index, content_sha256)

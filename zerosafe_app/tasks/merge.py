@@ -6,11 +6,9 @@ from typing import Any
 
 from prefect import task
 
-from zerosafe.formats.safetensors import HeaderEntry, build_header
-from zerosafe.pipeline import merge_or_reuse
+from zerosafe import pipeline
+from zerosafe.pipeline import merge_unit
 from zerosafe.stages import output
-from zerosafe.stages.output import shard_location
-from zerosafe.stages.shards import DirectLocator, StagedLocator, shard_metadata
 from zerosafe_app.tasks._common import (
     TaskMeter,
     cache_key,
@@ -34,44 +32,30 @@ from zerosafe_app.tasks._common import (
 def merge(
     job: dict[str, Any], index: int, number: int, count: int, fingerprint: str = ""
 ) -> dict[str, Any]:
-    """Merge shard `index` (shown as `number`/`count`). `fingerprint` names the content of
-    the intermediates it reads, so a re-extracted identical file keeps this result cached."""
+    """Merge shard `index` (shown as `number`/`count`); returns its `MergeResult` as JSON.
+    `fingerprint` names the content of the intermediates it reads, so a re-extracted
+    identical file keeps this result cached."""
     meter = TaskMeter()
     j = job_of(job)
     plan, storage, options, work = context(j)
-    if options.direct:
-        locator: DirectLocator | StagedLocator = DirectLocator(plan, storage)
-    else:
-        locator = StagedLocator(plan, storage, work.intermediate)
-    try:
-        summary = merge_or_reuse(
-            plan, index, storage, j.destination, locator, chunk_bytes=options.chunk_bytes,
-            on_bytes=lambda n: progress().advance(n, "merge"),
-        )  # fmt: skip
-    finally:
-        locator.close()
-    record_run(j, "merge", index, summary, meter)
-    return summary
+    result = merge_unit(
+        plan, index, storage, j.destination, work, options,
+        on_bytes=lambda n: progress().advance(n, "merge"),
+    ).to_json()  # fmt: skip
+    record_run(j, "merge", index, result, meter)
+    return result
 
 
 def expected_shard_bytes(job: dict[str, Any], index: int) -> int:
     """The exact size shard `index` has when written (header + data)."""
     plan, _, _, _ = context(job_of(job))
-    tensors = plan.shard_tensors(index)
-    header = build_header(
-        [HeaderEntry(t.name, t.out_dtype, t.shape) for t in tensors], shard_metadata(plan, index)
-    )
-    return len(header) + plan.shards[index].data_bytes
+    return pipeline.expected_shard_bytes(plan, index)
 
 
 def shard_identity(job: dict[str, Any], index: int) -> tuple[int, str] | None:
     """(size, version) of shard `index` on disk (pending, else published), or None."""
     plan, storage, _, _ = context(job_of(job))
-    url = shard_location(storage, job["destination"], plan.job_key, plan.shards[index].file_name)
-    if not storage.exists(url):
-        return None
-    ident = storage.identity(url)
-    return ident.size_bytes, ident.version
+    return pipeline.shard_identity(plan, storage, job["destination"], index)
 
 
 def reusable_shards(job: dict[str, Any]) -> set[int]:

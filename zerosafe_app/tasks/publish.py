@@ -7,12 +7,9 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from zerosafe.errors import IntegrityError, VerificationError
-from zerosafe.stages.output import discard_failed_work, finish_work
-from zerosafe.stages.output import publish as publish_output
-from zerosafe.stages.shards import check_integrity
-from zerosafe.verify.output import lowp_report
-from zerosafe_app.tasks._common import Job, context, is_transient, job_of, record_run
+from zerosafe.pipeline import finish_job, publish_job
+from zerosafe.stages.results import ExtractResult, MergeResult, RunStats, VerifyResult
+from zerosafe_app.tasks._common import context, is_transient, job_of, record_run
 
 
 @task(
@@ -30,51 +27,21 @@ def publish(
     verifies: list[dict[str, Any]],
     stats: dict[str, Any],
 ) -> dict[str, Any]:
-    """Publish a verified output. Raises (and writes no marker) if any check failed."""
+    """Publish a verified output (`zerosafe.pipeline.publish_job`), then remove the work
+    files; returns the `PublishResult` as JSON. Raises (and writes no marker, and discards
+    the run's work) if any check failed."""
     j = job_of(job)
     plan, storage, options, work = context(j)
-    try:
-        return _publish(j, extracts, merges, verifies, stats)
-    except (IntegrityError, VerificationError):
-        # A failed check is never kept: the next run reads the source again.
-        discard_failed_work(storage, j.destination, plan.job_key, work.root)
-        raise
-
-
-def _publish(
-    j: Job,
-    extracts: list[dict[str, Any]],
-    merges: list[dict[str, Any]],
-    verifies: list[dict[str, Any]],
-    stats: dict[str, Any],
-) -> dict[str, Any]:
-    plan, storage, options, work = context(j)
-    integrity = check_integrity(
-        plan, storage, [e["ledger"] for e in extracts] + [m["ledger"] for m in merges],
-        intermediate_url=None if options.direct else work.intermediate,
-    ).as_dict()  # fmt: skip
-    # CRC checks read the few source bytes no copy covered: count them with the rest.
-    gap_bytes = storage.counter.bytes_read_from({f.url for f in plan.files})
-    if "source_bytes_read" in stats:
-        stats = {**stats, "source_bytes_read": stats["source_bytes_read"] + gap_bytes}
-        if stats.get("source_bytes_needed"):
-            stats["source_read_ratio"] = round(
-                stats["source_bytes_read"] / stats["source_bytes_needed"], 4
-            )
-    if options.check_lowp:  # the optional 16-bit witness: reads the module weights too
-        verifies = [
-            *verifies,
-            lowp_report(storage, plan.source, j.destination, merges, job_key=plan.job_key),
-        ]
-    manifest = publish_output(
-        plan, storage, j.destination, options=options, merges=merges, verifies=verifies,
-        integrity=integrity, stats=stats,
+    published = publish_job(
+        plan, storage, j.destination, work, options,
+        extracts=[ExtractResult.from_json(e) for e in extracts],
+        merges=[MergeResult.from_json(m) for m in merges],
+        verifies=[VerifyResult.from_json(v) for v in verifies],
+        stats=RunStats.from_json(stats),
     )  # fmt: skip
-    record_run(j, "publish", 0, {})
-    finish_work(storage, j.destination, plan.job_key, work.root, keep=options.keep_work)
-    return {
-        "files": [f["file"] for f in manifest["files"]],
-        "num_tensors": len(manifest["tensors"]),
-        "integrity": integrity,
-        "stats": stats,
-    }
+    record_run(j, "publish", 0, {})  # before the work area (and its journal) is removed
+    finish_job(
+        storage, destination=j.destination, job_key=j.job_key, work_url=j.work,
+        keep_work=options.keep_work,
+    )  # fmt: skip
+    return published.to_json()

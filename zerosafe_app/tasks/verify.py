@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from prefect import task
 
-from zerosafe.stages.output import shard_location
-from zerosafe.verify.tensors import verify_shard
+from zerosafe.pipeline import verify_unit
 from zerosafe_app.tasks._common import (
     TaskMeter,
     cache_key,
@@ -37,21 +35,18 @@ def verify(
     expected: dict[str, Any],
     fingerprint: str = "",
 ) -> dict[str, Any]:
-    """Verify shard `index` against the checksums its merge recorded (`expected`).
+    """Verify shard `index` against the checksums its merge recorded (`expected`); returns
+    its `VerifyResult` as JSON.
 
     `fingerprint` holds the file's size and version, so a file changed after a cached
     verification is verified again.
     """
     meter = TaskMeter()
-    started = time.monotonic()
     j = job_of(job)
     plan, storage, options, _ = context(j)
-    url = shard_location(storage, j.destination, plan.job_key, plan.shards[index].file_name)
-    report = verify_shard(
-        storage, url, expected=expected, allow_nonfinite=options.allow_nonfinite,
-        chunk_bytes=options.chunk_bytes, on_bytes=lambda n: progress().advance(n, "verify"),
-    ).as_dict()  # fmt: skip
-    report["shard"] = index
-    report["seconds"] = round(time.monotonic() - started, 3)
-    record_run(j, "verify", index, report, meter)
-    return report
+    result = verify_unit(
+        plan, index, storage, j.destination, options, expected=expected,
+        on_bytes=lambda n: progress().advance(n, "verify"),
+    ).to_json()  # fmt: skip
+    record_run(j, "verify", index, result, meter)
+    return result

@@ -1,0 +1,194 @@
+"""Each task through `task.fn()`, the cache keys, and the flow's scheduler over the real tasks
+with a plain thread pool: the DAG's edges without a Prefect server."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect.logging import disable_run_logger
+
+from tests.conftest import SAMPLE_CKPT
+from tests.flows.conftest import journal
+from zerosafe.config import ConvertOptions
+from zerosafe.pipeline import parts_to_extract
+from zerosafe.stages.results import JobPlan, PublishResult
+from zerosafe_app.flows.schedule import StageScheduler, fingerprint
+from zerosafe_app.tasks._common import Job, cache_key
+from zerosafe_app.tasks.extract import extract
+from zerosafe_app.tasks.inspect import inspect
+from zerosafe_app.tasks.merge import merge, reusable_shards
+from zerosafe_app.tasks.publish import publish
+from zerosafe_app.tasks.verify import verify
+
+STAGED = ConvertOptions(max_shard_size=20_000, dtype="bf16")
+
+
+@pytest.fixture(autouse=True)
+def _no_run_logger() -> Iterator[None]:
+    with disable_run_logger():
+        yield
+
+
+def _plan(out: Path, options: ConvertOptions = STAGED) -> tuple[JobPlan, dict[str, Any]]:
+    job = JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(out), options.as_dict()))
+    task_job = Job(str(SAMPLE_CKPT), str(out), job.work_url, job.job_key, options.as_dict(), {})
+    return job, task_job.as_dict()
+
+
+def test_each_task_in_order(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job, task_job = _plan(out)
+    assert job.state == "empty" and len(job.parts) == 3 and len(job.shards) == 2
+    extracts = [extract.fn(task_job, p.index, p.rank, p.label) for p in job.parts]
+    merges = [merge.fn(task_job, s.index, s.index + 1, 2, fingerprint="f") for s in job.shards]
+    verifies = [
+        verify.fn(task_job, m["shard"], m["shard"] + 1, 2, m["tensors"], fingerprint="f")
+        for m in merges
+    ]
+    assert all(v["ok"] for v in verifies) and {v["shard"] for v in verifies} == {0, 1}
+    ran = [(e["stage"], e["index"]) for e in journal(Path(job.work_url))]
+    assert sorted(ran) == [("extract", i) for i in range(3)] + [("merge", 0), ("merge", 1),
+                                                              ("verify", 0), ("verify", 1)]  # fmt: skip
+    stats = {"mode": "staged", "mode_reason": "", "source_bytes_read": 1, "source_bytes_needed": 1,
+             "intermediate_bytes_written": 0, "output_bytes_written": 0, "bytes_read": 0,
+             "bytes_written": 0, "fp32_bytes": 0}  # fmt: skip
+    published = PublishResult.from_json(publish.fn(task_job, extracts, merges, verifies, stats))
+    assert published.files == (
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    )
+    assert (out / "zerosafe-complete.json").exists() and not (out / ".zerosafe-work").exists()
+    assert JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(out), STAGED.as_dict())).is_done
+
+
+def _inputs(stage: str, **changes: Any) -> dict[str, Any]:
+    job = {"job_key": "k", "options": {"direct": False, "allow_nonfinite": False, "keep_work": False,
+                                       "memory": 10**9}}  # fmt: skip
+    inputs: dict[str, Any] = {"job": job, "index": 3, "fingerprint": "abc"}
+    for key, value in changes.items():
+        if key in job["options"]:
+            job["options"] = {**job["options"], key: value}
+        else:
+            inputs[key] = value
+    return inputs
+
+
+def test_cache_keys_name_the_stage_the_unit_and_what_changes_the_result() -> None:
+    key = cache_key("merge")
+    base = key(None, _inputs("merge"))
+    assert base == key(None, _inputs("merge")) and base.startswith("zerosafe-merge-")
+    assert cache_key("verify")(None, _inputs("merge")) != base
+    for change in (
+        {"index": 4},
+        {"fingerprint": "abd"},
+        {"direct": True},
+        {"allow_nonfinite": True},
+    ):
+        assert key(None, _inputs("merge", **change)) != base, change
+    for same in ({"keep_work": True}, {"memory": 2 * 10**9}):  # a re-run with these resumes
+        assert key(None, _inputs("merge", **same)) == base, same
+
+
+class _Pool:
+    """A `Submit` running the tasks' functions on threads, recording what was submitted when."""
+
+    def __init__(self, workers: int) -> None:
+        self.pool = ThreadPoolExecutor(workers)
+        self.lock = threading.Lock()
+        self.events: list[tuple[str, str, int, bool]] = []  # (what, stage, index, refresh)
+        self.fingerprints: dict[tuple[str, int], str] = {}
+
+    def __call__(self, task: Any, *args: Any, refresh: bool = False, **kwargs: Any) -> Future[Any]:
+        kwargs.pop("wait_for", None)
+        stage, index = task.name, args[1]
+        with self.lock:
+            self.events.append(("submit", stage, index, refresh))
+            self.fingerprints[(stage, index)] = kwargs.get("fingerprint", "")
+
+        def run() -> Any:
+            result = task.fn(*args, **kwargs)
+            with self.lock:
+                self.events.append(("done", stage, index, refresh))
+            return result
+
+        return self.pool.submit(run)
+
+
+def _schedule(
+    out: Path, pool: _Pool, *, limit: int | None, options: ConvertOptions = STAGED
+) -> tuple[JobPlan, Any]:
+    job, task_job = _plan(out, options)
+    reused = reusable_shards(task_job)
+    scheduler = StageScheduler(
+        job, task_job, parts=parts_to_extract(job, direct=options.direct, reused=reused),
+        direct=options.direct, reused=reused, submit=pool, limit=limit,
+    )  # fmt: skip
+    return job, scheduler.run()
+
+
+def test_merges_wait_for_their_parts_and_verifies_follow_their_merge(tmp_path: Path) -> None:
+    pool = _Pool(workers=1)
+    job, done = _schedule(tmp_path / "out", pool, limit=1)
+    order = [(what, stage, index) for what, stage, index, _ in pool.events]
+    for shard in job.shards:
+        merged_at = order.index(("submit", "merge", shard.index))
+        for part in shard.parts:
+            assert order.index(("done", "extract", part)) < merged_at
+        # The verify is the next task submitted once the merge is done.
+        after = order[order.index(("done", "merge", shard.index)) + 1 :]
+        assert next(e for e in after if e[0] == "submit") == ("submit", "verify", shard.index)
+    assert sorted(done.verifies) == [s.index for s in job.shards]
+    assert all(v.ok for v in done.verifies.values())
+    assert done.merges[0].tensors.keys() == done.verifies[0].tensors.keys()
+
+
+def test_a_verify_starts_before_later_extracts_in_direct_mode_too(tmp_path: Path) -> None:
+    pool = _Pool(workers=1)
+    options = ConvertOptions(max_shard_size=10_000, direct=True)
+    job, _ = _schedule(tmp_path / "out", pool, limit=1, options=options)
+    submitted = [(stage, index) for what, stage, index, _ in pool.events if what == "submit"]
+    assert len(job.shards) > 2 and not any(stage == "extract" for stage, _ in submitted)
+    assert submitted[:3] == [("merge", 0), ("verify", 0), ("merge", 1)]
+
+
+def test_what_is_on_disk_decides_which_caches_are_refreshed(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    first = _Pool(workers=2)
+    job, done = _schedule(
+        out, first, limit=None, options=ConvertOptions(**{**STAGED.as_dict(), "keep_work": True})
+    )
+    assert all(
+        refresh
+        for what, stage, _, refresh in first.events
+        if what == "submit" and stage != "verify"
+    )
+    again = _Pool(workers=2)
+    _schedule(
+        out, again, limit=None, options=ConvertOptions(**{**STAGED.as_dict(), "keep_work": True})
+    )
+    assert not any(refresh for *_, refresh in again.events), "outputs on disk, caches kept"
+    # A merge's cache key names the content of the intermediates it reads.
+    shard = job.shards[0]
+    want = fingerprint([done.extracts[p].content_sha256 for p in shard.parts])
+    assert first.fingerprints[("merge", 0)] == want == again.fingerprints[("merge", 0)]
+    (Path(job.work_url) / "intermediate" / "rank00001-part0000.safetensors").unlink()
+    third = _Pool(workers=2)
+    _schedule(
+        out, third, limit=None, options=ConvertOptions(**{**STAGED.as_dict(), "keep_work": True})
+    )
+    refreshed = {
+        (stage, index)
+        for what, stage, index, refresh in third.events
+        if what == "submit" and refresh
+    }
+    assert refreshed == {("extract", 1)}
+    # Re-extracted with the same content: every merge keeps its cache key. (Verify keys name
+    # the shard's mtime, which this pool's uncached merges changed.)
+    assert {k: v for k, v in third.fingerprints.items() if k[0] == "merge"} == {
+        k: v for k, v in first.fingerprints.items() if k[0] == "merge"
+    }
