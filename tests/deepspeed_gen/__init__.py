@@ -137,7 +137,11 @@ def _free_port() -> int:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # Muon's Newton-Schulz step is `torch.compile`d: compiling C++ kernels takes minutes on CPU
+    # machines; TORCHDYNAMO_DISABLE runs it eagerly, with the same results.
+    env.update(
+        DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHDYNAMO_DISABLE="1"
+    )
     return env
 
 
