@@ -107,7 +107,8 @@ def main():
     if spec.get("round_robin"):
         zero["round_robin_gradients"] = True
     if spec.get("optimizer") == "muon" and spec["stage"] == 3:
-        zero["reduce_scatter"] = False  # stage3.py: "Muon and reduce scatter cannot be used together"
+        # stage3.py: "Muon and reduce scatter cannot be used together"
+        zero["reduce_scatter"] = False
     if spec.get("offload"):
         zero["offload_optimizer"] = {"device": spec["offload"], "pin_memory": False}
         if spec["offload"] == "nvme":
