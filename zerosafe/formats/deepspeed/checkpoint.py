@@ -673,7 +673,7 @@ def _zero3_partitions(ckpt: ZeroCheckpoint, storage: Storage) -> None:
             elif t.numel != want[g]:
                 raise LayoutMismatchError(
                     f"{f.url}: fp32 partition {g} of rank {f.rank} holds {t.numel} elements but "
-                    f"'param_shapes' partitioned over {ckpt.world_size} ranks needs {want[g]}; "
+                    f"'param_shapes' partitioned over {ckpt.world_size} ranks needs exactly {want[g]}; "
                     "was the checkpoint saved with another world size or another model?"
                 )
     if missing:
@@ -776,10 +776,10 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
 
 
 def _shape_of(
-    obj: Mapping[str, Any], module: Mapping[str, Any], name: str
+    obj: Mapping[str, Any], module: Mapping[str, Any], name: str, stage: int
 ) -> tuple[int, ...] | None:
     """A param's shape: `frozen_param_shapes` (ZeRO-2/3), `param_shapes`, or the module copy
-    (ZeRO-1/2; ZeRO-3 keeps only empty placeholders there)."""
+    (ZeRO-1/2 only: ZeRO-3 keeps empty placeholders there)."""
     frozen = obj.get("frozen_param_shapes")
     if isinstance(frozen, Mapping) and name in frozen:
         return tuple(int(x) for x in frozen[name])
@@ -787,7 +787,7 @@ def _shape_of(
         if isinstance(group, Mapping) and name in group:
             return tuple(int(x) for x in group[name])
     t = module.get(name)
-    return tuple(t.shape) if isinstance(t, TensorRecord) else None
+    return tuple(t.shape) if isinstance(t, TensorRecord) and stage < 3 else None
 
 
 def _real_ties(
@@ -799,7 +799,7 @@ def _real_ties(
     shared = obj.get("shared_params") or {}
     ties = {}
     for alias, target in shared.items():
-        shapes = [_shape_of(obj, module, str(n)) for n in (alias, target)]
+        shapes = [_shape_of(obj, module, str(n), ckpt.stage) for n in (alias, target)]
         if any(sh is not None and _numel(sh) == 0 for sh in shapes):
             ckpt.notes.append(
                 f"DeepSpeed records '{alias}' as tied to '{target}' because both are empty "

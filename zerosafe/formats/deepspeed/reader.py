@@ -287,7 +287,7 @@ def _facts(ckpt: ZeroCheckpoint) -> dict[str, Any]:
             "main": f"{_short(ckpt.master_dtype)} masters",
             "other": "frozen params and buffers",
             "metadata": "pickles and zip directories",
-            "never": f"optimizer state ({_state_of(ckpt.optimizer_name)}) is never read",
+            "never": _never_read(ckpt.optimizer_name),
         },
     }
 
@@ -305,10 +305,12 @@ def _short(dtype: str) -> str:
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
 
 
-def _state_of(optimizer_name: str) -> str:
-    """`AdamW (state exp_avg, exp_avg_sq)` -> `exp_avg, exp_avg_sq`."""
-    inside = optimizer_name.partition("(")[2].rstrip(")")
-    return inside.removeprefix("state ") or "moments"
+def _never_read(optimizer_name: str) -> str:
+    """What `inspect` says is left unread: `AdamW (state exp_avg, exp_avg_sq)` -> Adam moments."""
+    state = optimizer_name.partition("(")[2].rstrip(")").removeprefix("state ")
+    if state in ("exp_avg, exp_avg_sq", "no state saved", ""):
+        return "Adam moments are never read"
+    return f"optimizer state ({state}) is never read"
 
 
 def content_fingerprint(ckpt: ZeroCheckpoint) -> str:
