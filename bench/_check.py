@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import forge as F
+from bench.forge.values import expected_16bit, expected_buffer, expected_fp32
 
 __all__ = ["check_output"]
 
@@ -59,11 +59,11 @@ def _expected(
 ) -> np.ndarray:
     """The expected raw values (as unsigned ints of the output's item size)."""
     if kind == "int64":
-        return F.expected_buffer(name, buffer[0], "int64", seed).ravel()[start : start + count]
+        return expected_buffer(name, buffer[0], "int64", seed).ravel()[start : start + count]
     if out_dtype == "float32":
-        return F.expected_fp32(name, start, count, seed).view(np.uint32)
+        return expected_fp32(name, start, count, seed).view(np.uint32)
     dt = "bf16" if out_dtype == "bfloat16" else "fp16"
-    return F.expected_16bit(name, start, count, dt, seed)
+    return expected_16bit(name, start, count, dt, seed)
 
 
 def _windows(numel: int, mode: str, rng: random.Random) -> list[tuple[int, int]]:

@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/run.py --size quick      # ~0.5B params, warm and cold, ~10 min
     .venv/bin/python bench/run.py --size 7b         # 7B: fp32 masters (28 GB) > RAM, cold
+    .venv/bin/python bench/run.py --format dcp --size quick   # a DCP checkpoint (bench/run_dcp.py)
 
-One run forges a ZeRO-3 checkpoint (bench/forge.py: deterministic values, Adam moments as
+One run forges a ZeRO-3 checkpoint (bench/forge/: deterministic values, Adam moments as
 sparse holes), then, on the same files and in the same run, measures:
 
 - `io-limit`: reading the fp32 master bytes once plus writing the output bytes once (fsynced);
@@ -468,7 +469,16 @@ def rerender(path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--format", default="deepspeed", choices=("deepspeed", "dcp"))
+    known, rest = first.parse_known_args(argv)
+    if known.format == "dcp":  # a forged DCP checkpoint: bench/run_dcp.py
+        from bench import run_dcp
+
+        return run_dcp.main(rest)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--format", default="deepspeed", choices=("deepspeed", "dcp"),
+                    help="dcp: a forged PyTorch DCP checkpoint instead (bench/run_dcp.py)")  # fmt: skip
     ap.add_argument("--size", default="quick", choices=sorted(SIZES))
     ap.add_argument("--params", help="override the size's param count (e.g. 1B)")
     ap.add_argument("--work-dir", default=os.path.join(REPO, "bench", "results", "work"))

@@ -6,6 +6,7 @@ The flows validate user input (CLI flags, YAML job files, Prefect parameters) in
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -113,9 +114,47 @@ class ConvertOptions:
     check_lowp: bool = False
     """ZeRO-1/2: before publishing, check each tensor cast to the training dtype equals the
     16-bit weight in the model states (reads those weights: 2 more bytes per parameter)."""
+    keep_fp32: tuple[str, ...] = ()
+    """Regular expressions on tensor names (`re.search`): matching floating tensors stay
+    float32 whatever `dtype` says (router and norm weights a model needs in full precision)."""
+    model_files: str | None = None
+    """Folder to copy `config.json`, `generation_config.json` and the tokenizer files from
+    (`zerosafe.stages.model_files`); None: the checkpoint folder above the tag."""
+    copy_model_files: bool = True
+    """Copy those files next to the weights, so `from_pretrained(OUT)` needs no extra step."""
+
+    select: tuple[str, ...] = ()
+    """PyTorch DCP: key prefixes to convert (`model`, `optim.state`); a prefix matches whole
+    dotted components. Empty: the tensors under `model` (`model.` stripped), or every tensor
+    without a `model` key. Formats that hold one state dict (DeepSpeed) refuse it."""
+    strip_prefix: str | None = None
+    """PyTorch DCP: a prefix removed from the output names (`model`); `""` strips nothing;
+    None: `model` with the default selection, nothing with `select`."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if isinstance(self.select, str) or not all(isinstance(p, str) for p in self.select):
+            raise ConfigError(f"`select` must be a list of key prefixes (got {self.select!r})")
+        object.__setattr__(self, "select", tuple(self.select))
+        # JSON (Prefect parameters, the job dict tasks get) turns the tuple into a list.
+        object.__setattr__(self, "keep_fp32", tuple(self.keep_fp32))
+        for pattern in self.keep_fp32:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(
+                    f"`keep_fp32` pattern '{pattern}' is not a regular expression ({e}); "
+                    "quote it for the shell, e.g. 'router|norm'"
+                ) from e
+        if self.model_files is not None:
+            from zerosafe.io.storage import normalize_url
+
+            object.__setattr__(self, "model_files", normalize_url(self.model_files))
+        if self.model_files is not None and not self.copy_model_files:
+            raise ConfigError(
+                "`model_files` names a folder to copy from but `copy_model_files` is off; "
+                "give one or the other"
+            )
         if self.tied not in ("dedupe", "copy"):
             raise ConfigError(f"`tied` must be 'dedupe' or 'copy' (got '{self.tied}')")
         if self.max_shard_size <= 0:
@@ -156,16 +195,30 @@ class ConvertOptions:
         """What one running copy task holds at most."""
         return TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * self.chunk_bytes
 
+    def keeps_fp32(self, name: str) -> bool:
+        """Whether tensor `name` matches a `keep_fp32` pattern."""
+        return any(re.search(p, name) for p in self.keep_fp32)
+
     def identity(self) -> dict[str, Any]:
         """The options that change output bytes (part of the job key). The keys are frozen:
         renaming one would change every job key, and outputs converted before would no
-        longer count as done."""
-        return {
+        longer count as done. So a newer option joins only when it is not at its default
+        (`keep_fp32`, and DCP's `select` and `strip_prefix`: every DeepSpeed job keeps its key)."""
+        ident: dict[str, Any] = {
             "dtype": self.dtype,
             "max_shard_bytes": self.max_shard_size,
             "tied": self.tied,
             "exclude_frozen": self.exclude_frozen,
         }
+        if self.keep_fp32:
+            ident["keep_fp32"] = list(self.keep_fp32)
+        if self.select:
+            ident["select"] = list(self.select)
+        if self.strip_prefix is not None:
+            ident["strip_prefix"] = self.strip_prefix
+        # Not the model files: which are copied is checked apart, file by file, so changing
+        # them (or `--model-files`) only copies again instead of converting again.
+        return ident
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

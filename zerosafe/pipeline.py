@@ -20,6 +20,7 @@ from zerosafe.io.lease import destination_lease
 from zerosafe.io.storage import Storage, is_local, join_url, local_path, normalize_url
 from zerosafe.plan.build import plan_checkpoint
 from zerosafe.plan.model import Plan, save_plan
+from zerosafe.stages.model_files import model_files_folder
 from zerosafe.stages.output import (
     default_work_url,
     discard_failed_work,
@@ -253,7 +254,10 @@ def _convert_held(
     _, plan = plan_checkpoint(storage, ckpt_url, tag=tag, options=options)
     for warning in plan.warnings:
         log.warning("%s", warning)
-    state = prepare_output(storage, out_url, plan.job_key, overwrite=options.overwrite)
+    state = prepare_output(
+        storage, out_url, plan.job_key, overwrite=options.overwrite,
+        model_files_from=model_files_folder(plan.source, options),
+    )  # fmt: skip
     if state.kind == "done":
         return {"status": "already-complete", "output": out_url, "job_key": plan.job_key}
     work = WorkLayout(work_url or default_work_url(out_url, plan.job_key))

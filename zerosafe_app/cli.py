@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -93,6 +94,12 @@ _FLAG_OF_FIELD = {
     "`mode: direct`": "`--mode direct`",
     "`mode: staged`": "`--mode staged`",
     "`mode`": "`--mode`",
+    "`keep_fp32`": "`--keep-fp32`",
+    "`model_files`": "`--model-files`",
+    "`copy_model_files`": "`--no-model-files`",
+    "`check_lowp`": "`--check-lowp`",
+    "`select`": "`--select`",
+    "`strip_prefix`": "`--strip-prefix`",
 }
 """`ConvertOptions` fields as its errors name them -> the flag a user of the command typed."""
 
@@ -105,7 +112,20 @@ def _with_flag_names(e: ConfigError) -> ConfigError:
 
 
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tag", help="tag to convert (default: the one 'latest' names)")
+    p.add_argument("--tag", help="DeepSpeed: the tag to convert (default: the one 'latest' names)")
+    p.add_argument(
+        "--select",
+        action="append",
+        metavar="PREFIX",
+        help="PyTorch DCP: convert the tensors under this key prefix (repeatable; default: "
+        "'model', or every tensor without a 'model' key)",
+    )
+    p.add_argument(
+        "--strip-prefix",
+        metavar="PREFIX",
+        help="PyTorch DCP: remove this prefix from the output names (default: 'model' with "
+        "the default selection, nothing with --select; '' strips nothing)",
+    )
     p.add_argument(
         "--dtype",
         default="fp32",
@@ -145,6 +165,27 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         "--direct",
         action="store_true",
         help="same as --mode direct (kept for one release)",
+    )
+    p.add_argument(
+        "--keep-fp32",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="keep floating tensors whose name matches this regular expression (re.search) in "
+        "fp32 under --dtype bf16/fp16, e.g. 'router|norm' (repeatable)",
+    )
+    files = p.add_mutually_exclusive_group()
+    files.add_argument(
+        "--model-files",
+        metavar="DIR",
+        help="copy config.json, generation_config.json and tokenizer files from DIR (default: "
+        "the checkpoint folder above the tag)",
+    )
+    files.add_argument(
+        "--no-model-files",
+        dest="copy_model_files",
+        action="store_false",
+        help="do not copy config and tokenizer files next to the weights",
     )
     _add_storage_option(p)
 
@@ -197,7 +238,7 @@ def _add_verbosity(p: argparse.ArgumentParser, *, top: bool) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="zerosafe",
-        description="Convert DeepSpeed ZeRO checkpoints into verified safetensors, streaming, without DeepSpeed.",
+        description="Convert DeepSpeed ZeRO and PyTorch DCP checkpoints into verified safetensors, streaming, without DeepSpeed or torch.distributed.",
     )
     parser.add_argument("--version", action="version", version=f"zerosafe {__version__}")
     _add_verbosity(parser, top=True)
@@ -206,7 +247,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show what a checkpoint holds and what converting it costs")
     _add_verbosity(p, top=False)
     p.add_argument(
-        "checkpoint", nargs="?", help="checkpoint folder (holding 'latest') or tag folder"
+        "checkpoint",
+        nargs="?",
+        help="checkpoint folder: DeepSpeed (holding 'latest') or tag folder, or PyTorch DCP (holding '.metadata')",
     )
     _add_plan_options(p)
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
@@ -250,7 +293,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="convert a checkpoint tag into safetensors")
     _add_verbosity(p, top=False)
-    p.add_argument("checkpoint", help="checkpoint folder (holding 'latest') or tag folder")
+    p.add_argument(
+        "checkpoint",
+        help="checkpoint folder: DeepSpeed (holding 'latest') or tag folder, or PyTorch DCP (holding '.metadata')",
+    )
     p.add_argument("output", help="output folder")
     _add_plan_options(p)
     p.add_argument(
@@ -325,7 +371,12 @@ def _options(args: argparse.Namespace) -> Any:
             keep_work=getattr(args, "keep_work", False),
             allow_nonfinite=getattr(args, "allow_nonfinite", False),
             check_lowp=getattr(args, "check_lowp", False),
+            keep_fp32=tuple(args.keep_fp32),
+            model_files=args.model_files,
+            copy_model_files=args.copy_model_files,
             max_parallel_tasks=getattr(args, "parallel", 2),
+            select=tuple(getattr(args, "select", None) or ()),
+            strip_prefix=getattr(args, "strip_prefix", None),
             **(
                 {"extract_part_size": args.extract_part_size}
                 if getattr(args, "extract_part_size", None) is not None
@@ -392,7 +443,7 @@ def _check_before_starting(args: argparse.Namespace, options: Any) -> str | None
         stat-only check the flow's inspect makes first): then there is nothing to run.
     """
     from zerosafe.errors import ConfigError
-    from zerosafe.formats.registry import quick_identities
+    from zerosafe.formats.registry import check_options, detect_format
     from zerosafe.io.storage import normalize_url
     from zerosafe.stages.output import quick_done
 
@@ -400,9 +451,24 @@ def _check_before_starting(args: argparse.Namespace, options: Any) -> str | None
     if source == output:
         raise ConfigError(f"{output}: the output folder must differ from the checkpoint folder")
     storage = _storage(args)
-    quick_identities(storage, source, args.tag)
+    reader = detect_format(storage, source)
+    check_options(reader, source, options)
+    reader.quick_identities(storage, source, args.tag)
     storage.ensure_folder(output)
     return quick_done(storage, source, args.tag, output, options)
+
+
+def _preload(module: str) -> None:
+    """Import `module` in a background thread: torch takes a second to import and the merge
+    needs it only after the checkpoint is read and planned (and, with the flow, after Prefect
+    is imported and the run created), so its import overlaps that work. A later `import` of
+    it waits for this one (the import lock), never runs it twice."""
+
+    def load() -> None:
+        with contextlib.suppress(Exception):  # the real import reports any problem
+            importlib.import_module(module)
+
+    threading.Thread(target=load, name=f"zerosafe-preload-{module}", daemon=True).start()
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -411,6 +477,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()
     done = _check_before_starting(args, options)
+    if done is None:
+        _preload("torch")
     if done is not None:  # complete and intact: no checkpoint byte read, no server started
         summary: dict[str, Any] = {
             "status": "already-complete",
@@ -454,7 +522,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             print(
                 f"  read {format_bytes(summary['source_bytes_read'])} from the source: "
                 f"{summary['source_read_ratio']:.3f} x the {format_bytes(summary['source_bytes_needed'])} "
-                "it needs (fp32 masters, frozen params and buffers, pickles, zip directories)"
+                "it needs (the tensor bytes it copies, plus metadata and headers)"
             )
         if summary.get("mode_reason"):
             print(f"  mode: {summary['mode_reason']}")

@@ -72,12 +72,12 @@ def add_parser(subparsers: Any, add_verbosity: Callable[..., None]) -> None:
 
 
 def _list_globals(args: argparse.Namespace) -> int:
-    from zerosafe.formats.torch_zip import TorchZipFile
+    from zerosafe.formats.torch_legacy import open_torch_file
     from zerosafe.pt2st.convert import _open_pt, list_pt_globals
 
     src = _open_pt(_storage(args), args.source)
     try:
-        found = list_pt_globals(TorchZipFile(src))
+        found = list_pt_globals(open_torch_file(src))
     finally:
         src.close()
     if args.json:

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: E402
 
-from bench.forge import expected_16bit, expected_buffer, expected_fp32  # noqa: E402
+from bench.forge.values import expected_16bit, expected_buffer, expected_fp32  # noqa: E402
 
 
 def bits(t: torch.Tensor) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""bench/forge.py: synthetic DeepSpeed ZeRO checkpoints, checked against the real fixtures'
+"""bench/forge: synthetic DeepSpeed ZeRO checkpoints, checked against the real fixtures'
 structure, DeepSpeed's own converter, zerosafe, zipfile/torch readers, and for bounded memory."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench import forge as F  # noqa: E402
+from zerosafe.formats.crc import crc32_combine, crc32_zeros  # noqa: E402
 
 FIXTURES = Path(
     os.environ.get("ZEROSAFE_SHARED_FIXTURES", REPO.parent / "shared" / "fixtures" / "deepspeed")
@@ -76,10 +77,10 @@ def test_values_are_deterministic_varied_and_addressable() -> None:
 
 def test_crc_algebra_matches_zlib() -> None:
     for n in (0, 1, 3, 64, 4097, 1 << 20):
-        assert F.crc32_zeros(n) == zlib.crc32(bytes(n))
-        assert F.crc32_zeros(n, 0xDEADBEEF) == zlib.crc32(bytes(n), 0xDEADBEEF)
+        assert crc32_zeros(n) == zlib.crc32(bytes(n))
+        assert crc32_zeros(n, 0xDEADBEEF) == zlib.crc32(bytes(n), 0xDEADBEEF)
     a, b = os.urandom(5000), os.urandom(333)
-    assert F.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
 
 
 def test_transformer_shapes_sizes() -> None:
@@ -454,11 +455,14 @@ def test_memory_stays_bounded(tmp_path: Path) -> None:
     assert r["peak_hwm_kib"] * 1024 < r["largest"] / 2
 
 
-def test_cli(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "entry", [["-m", "bench.forge"], [str(REPO / "bench" / "forge")]], ids=["module", "folder"]
+)
+def test_cli(tmp_path: Path, entry: list[str]) -> None:
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "bench" / "forge.py"),
+            *entry,
             str(tmp_path / "c"),
             "--params",
             "3M",
@@ -474,6 +478,7 @@ def test_cli(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=120,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
     assert "GB/s" in proc.stdout and "peak RSS" in proc.stdout

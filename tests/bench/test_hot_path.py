@@ -146,3 +146,19 @@ def test_accelerated_crc32_is_zips_crc32() -> None:
         assert streaming._crc32(data[start:]) == zlib.crc32(data[start:])
         assert streaming._crc32(data[start:], 0xDEADBEEF) == zlib.crc32(data[start:], 0xDEADBEEF)
     assert streaming._crc32(memoryview(bytearray(data))[5:]) == zlib.crc32(data[5:])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_cast_shared_between_threads_equals_one_torch_call(out_dtype: torch.dtype) -> None:
+    """A chunk large enough to be cut between the caller and a helper thread casts to the
+    same bits, boundaries between the threads' runs included."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = 2 * streaming._PARALLEL_CAST_MIN + 12345
+    src = _values(n, seed=3)
+    name = str(out_dtype).removeprefix("torch.")
+    out = bytearray(n * 2)
+    with ThreadPoolExecutor(1) as helpers:
+        view = streaming._cast(memoryview(src.numpy()).cast("B"), "float32", out, name, helpers)
+    got = torch.frombuffer(bytearray(view), dtype=out_dtype)
+    assert torch.equal(got.view(torch.int16), src.to(out_dtype).view(torch.int16))

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "HF_SCRIPT",
     "SPECS",
     "TRAIN_SCRIPT",
     "deepspeed_fp32_state_dict",
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 TRAIN_SCRIPT = Path(__file__).with_name("train_zero.py")
+HF_SCRIPT = Path(__file__).with_name("train_hf.py")
 LIVE_NAME = "live.safetensors"
 CKPT_NAME = "ckpt"
 _FORMAT = "deepspeed_gen/1"  # bump when the layout of what train_checkpoint writes changes
@@ -73,6 +75,11 @@ SPECS: dict[str, dict[str, Any]] = {
     "z3-fp16-ws2-groups-tied-persist": {
         "world_size": 2, "stage": 3, "precision": "fp16", "tied": True, "groups": 2,
         "persistence_threshold": 100, "steps": 3,
+    },
+    # `checkpoint: {checkpoint_serialization: false}`: every file in torch's legacy format.
+    "z2-bf16-ws2-legacy-tied-frozen": {
+        "world_size": 2, "stage": 2, "precision": "bf16", "legacy_files": True, "tied": True,
+        "frozen": True, "steps": 2,
     },
     "z3-bf16-ws4-frozen-groups-subgroups": {
         "world_size": 4, "stage": 3, "precision": "bf16", "frozen": True, "groups": 2,
@@ -186,12 +193,18 @@ def _tail(path: Path, chars: int = 6000) -> str:
 
 
 def train_checkpoint(
-    spec: dict[str, Any], dest: Path, *, attempts: int = 3, timeout: float = 600
+    spec: dict[str, Any],
+    dest: Path,
+    *,
+    attempts: int = 3,
+    timeout: float = 600,
+    script: Path = TRAIN_SCRIPT,
 ) -> Path:
     """Train `spec` with real DeepSpeed on CPU ranks; returns the checkpoint folder.
 
     Writes dest/"ckpt" (the checkpoint), dest/"live.safetensors" (the live weights and
-    buffers at the end of training), dest/"spec.json" and dest/"train.log". gloo with more
+    buffers at the end of training; `script` is `TRAIN_SCRIPT` or `HF_SCRIPT`, which trains a
+    transformers model and saves its config and tokenizer as the HF Trainer does), dest/"spec.json" and dest/"train.log". gloo with more
     ranks than cores sometimes aborts at random, so a failed run is retried from scratch.
 
     Raises:
@@ -212,7 +225,7 @@ def train_checkpoint(
             "--nnodes", "1", "--nproc_per_node", str(world),
             "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
             "--no-python", sys.executable, "-c", _LAUNCHER,
-            str(TRAIN_SCRIPT), str(spec_file), str(ckpt), str(live),
+            str(script), str(spec_file), str(ckpt), str(live),
         ]  # fmt: skip
         with open(log, "w") as f:
             try:

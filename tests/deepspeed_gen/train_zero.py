@@ -3,11 +3,11 @@
 Run by `tests/deepspeed_gen/__init__.py` as
     DS_ACCELERATOR=cpu torchrun --nproc_per_node WS train_zero.py SPEC.json CKPT_DIR REFERENCE.safetensors
 SPEC keys: stage, precision (bf16|fp16|fp32), tied, frozen, groups (1|2), steps, sub_group_size,
-round_robin, grad_accum_dtype, dims [vocab, width, hidden], layers, plus the layouts of issue 14:
-master (bf16|fp16: low-precision master weights, `bf16_master_weights_and_grads` /
-`fp16_master_weights_and_grads`), bf16_optimizer_states, offload (cpu|nvme: `offload_optimizer`),
-cpu_adam (DeepSpeedCPUAdam instead of torch's AdamW), optimizer (muon), zero_size (two
-zero-element params).
+round_robin, grad_accum_dtype, legacy_files (the legacy non-zip torch format), dims
+[vocab, width, hidden], layers, plus the layouts of issue 14: master (bf16|fp16: low-precision
+master weights, `bf16_master_weights_and_grads` / `fp16_master_weights_and_grads`),
+bf16_optimizer_states, offload (cpu|nvme: `offload_optimizer`), cpu_adam (DeepSpeedCPUAdam
+instead of torch's AdamW), optimizer (muon), zero_size (two zero-element params).
 REFERENCE gets the live training weights (gathered) and buffers at the end, for checks where
 DeepSpeed's own converter has no answer (frozen params under ZeRO-1, BF16_Optimizer).
 """
@@ -146,6 +146,8 @@ def main():
             config["fp16"]["fp16_master_weights_and_grads"] = True
     if spec.get("grad_accum_dtype"):
         config["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
+    if spec.get("legacy_files"):  # torch.save(..., _use_new_zipfile_serialization=False)
+        config["checkpoint"] = {"checkpoint_serialization": False}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     gen = torch.Generator().manual_seed(31 + rank)
     for _ in range(spec.get("steps", 2)):

@@ -106,11 +106,16 @@ def test_self_referencing_structure_is_refused(tmp_path: Path) -> None:
         convert_pt(pt, str(tmp_path / "l.safetensors"))
 
 
-def test_legacy_format_is_refused_with_the_fix(tmp_path: Path) -> None:
-    pt = tmp_path / "old.pt"
-    torch.save({"w": torch.ones(2)}, pt, _use_new_zipfile_serialization=False)
-    with pytest.raises(CheckpointFormatError, match="legacy .* Re-save"):
-        convert_pt(str(pt), str(tmp_path / "old.safetensors"))
+def test_legacy_format_converts_like_the_zip_format(tmp_path: Path) -> None:
+    """Legacy (non-zip) files are read lazily with the same unpickler: same output bytes as
+    the zip format's file of the same object."""
+    state = {"w": torch.arange(6.0).reshape(2, 3), "v": torch.arange(6.0)[2:5], "n": 3}
+    torch.save(state, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    torch.save(state, tmp_path / "new.pt")
+    convert_pt(str(tmp_path / "old.pt"), str(tmp_path / "old.safetensors"))
+    convert_pt(str(tmp_path / "new.pt"), str(tmp_path / "new.safetensors"))
+    old, new = load_pt_like(str(tmp_path / "old.safetensors")), torch.load(tmp_path / "new.pt")
+    assert old["n"] == new["n"] and all(torch.equal(old[k], new[k]) for k in ("w", "v"))
 
 
 def test_corrupt_storage_fails_crc_and_writes_nothing(tmp_path: Path) -> None:

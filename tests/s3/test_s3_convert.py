@@ -140,3 +140,30 @@ def test_verify_reads_s3_output_and_catches_corruption(
     bad = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "checksum" in bad.stdout
+
+
+def test_model_files_on_s3(
+    moto: MotoServer, bucket: str, sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """config.json and tokenizer files beside `latest` in a bucket are copied into an S3
+    output, recorded, verified, and copied again after they change there."""
+    from zerosafe.verify.output import verify_output
+
+    (sample_ckpt / "config.json").write_text('{"tie_word_embeddings": true}')
+    (sample_ckpt / "tokenizer.json").write_text('{"model": {}}')
+    (sample_ckpt / "additional_chat_templates").mkdir()
+    (sample_ckpt / "additional_chat_templates" / "tool.jinja").write_text("{{ x }}")
+    src = upload_folder(moto.url, sample_ckpt, bucket, "run/ckpt")
+    out = f"s3://{bucket}/hf"
+    storage = Storage({"endpoint_url": moto.url})
+    assert convert_checkpoint(src, out, ConvertOptions(), storage=storage)["status"] == "converted"
+    got = download_folder(moto.url, out, tmp_path / "got")
+    for name in ("config.json", "tokenizer.json", "additional_chat_templates/tool.jinja"):
+        assert (got / name).read_bytes() == (sample_ckpt / name).read_bytes(), name
+    assert verify_output(out, storage=storage)["ok"]
+    s3_client(moto.url).put_object(Bucket=bucket, Key="hf/tokenizer.json", Body=b"{}")
+    failures = verify_output(out, storage=storage)["failures"]
+    assert [(f["file"], f["check"]) for f in failures] == [("tokenizer.json", "model file")]
+    again = convert_checkpoint(src, out, ConvertOptions(), storage=storage)
+    assert again["status"] == "converted" and verify_output(out, storage=storage)["ok"]
+    assert convert_checkpoint(src, out, storage=storage)["status"] == "already-complete"

@@ -68,13 +68,17 @@ class SourceLayout:
     metadata_bytes: int = 0
     """What any conversion reads besides the slots: pickles, zip directories, metadata
     files. The run summary reports bytes read against slots + this."""
+    main_slot_kind: str = "fp32"
+    """The kind of slot `inspect` reports as the main read (`read_labels["main"]`): DeepSpeed's
+    fp32 masters (`fp32`), DCP's chunks (`chunk`); other slots count as `other`."""
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     checks: tuple[Callable[[Plan], None], ...] = ()
-    native: Any = None
-    """The reader's own description (DeepSpeed: the `ZeroCheckpoint`), for the checks only
-    that format has (`verify --against`'s 16-bit cross-check)."""
     """Format checks that need the finished plan (run by `plan_layout`, before it returns)."""
+    native: Any = None
+    """The reader's own description (DeepSpeed: the `ZeroCheckpoint`; DCP: its parsed
+    metadata), for the checks only that format has (`verify --against`'s 16-bit
+    cross-check)."""
 
     @property
     def identities(self) -> list[dict[str, Any]]:
@@ -93,6 +97,9 @@ class FormatReader(Protocol):
     """What `inspect` and errors call it (`DeepSpeed ZeRO`)."""
     looks_like: str
     """What a folder of this format holds, for the error that lists the formats."""
+    selects: bool
+    """Whether the format takes `ConvertOptions.select` and `strip_prefix` (DCP: a
+    checkpoint holds more than one state dict); other readers refuse them."""
 
     def detect(self, storage: Storage, url: str) -> bool:
         """Whether `url` holds this format, from a listing (no file is opened)."""

@@ -88,7 +88,8 @@ class LedgerCheck:
 class CrcLedger:
     """CRCs of byte ranges read from named records, merged as they meet.
 
-    Keys name a record (`"<file url>#<record>"`); offsets are relative to the record's first
+    Keys name a record (`"<file url>#<record>@<offset>"`, `zerosafe.stages.shards.record_key`,
+    or `"<intermediate url>#<tensor>"`); offsets are relative to the record's first
     data byte. Ledgers from many tasks are merged, then `check` combines each record's pieces
     and compares with the CRC recorded for the whole record.
     """

@@ -9,15 +9,26 @@ from __future__ import annotations
 from typing import Any
 
 from zerosafe.config import ConvertOptions
-from zerosafe.errors import CheckpointFormatError
+from zerosafe.errors import CheckpointFormatError, ConfigError
 from zerosafe.formats.base import FormatReader, SourceLayout
+from zerosafe.formats.dcp.reader import DcpReader
 from zerosafe.formats.deepspeed.reader import DeepSpeedReader
 from zerosafe.io.storage import Storage, normalize_url
 
-__all__ = ["READERS", "detect_format", "formats_text", "quick_identities", "read_source"]
+__all__ = [
+    "READERS",
+    "check_options",
+    "detect_format",
+    "formats_text",
+    "quick_identities",
+    "read_source",
+]
 
-READERS: tuple[FormatReader, ...] = (DeepSpeedReader(),)
-"""Every format, in the order `detect_format` asks them."""
+READERS: tuple[FormatReader, ...] = (DcpReader(), DeepSpeedReader())
+"""Every format, in the order `detect_format` asks them (DCP first: its `.metadata` file is
+unambiguous, while DeepSpeed's detection looks into subfolders)."""
+FALLBACK = "deepspeed"
+"""The reader of a folder no reader claims."""
 
 
 def formats_text() -> str:
@@ -43,14 +54,42 @@ def detect_format(storage: Storage, url: str) -> FormatReader:
     for reader in READERS:
         if reader.detect(storage, url):
             return reader
-    return READERS[0]
+    return reader_named(FALLBACK)
+
+
+def check_options(reader: FormatReader, url: str, options: ConvertOptions) -> None:
+    """Refuse options the format has no use for, before anything is read.
+
+    Raises:
+        ConfigError: For `select`/`strip_prefix` on a format that holds one state dict.
+    """
+    if reader.selects:
+        return
+    given = [
+        flag
+        for flag, value in (("--select", options.select), ("--strip-prefix", options.strip_prefix))
+        if value not in ((), None)
+    ]
+    if given:
+        selecting = [r.title for r in READERS if r.selects]
+        raise ConfigError(
+            f"{url}: {' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} only to {', '.join(selecting)} checkpoints, "
+            f"and this is a {reader.title} checkpoint, which holds one model; drop "
+            f"{' and '.join(given)}"
+        )
 
 
 def read_source(
     storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
 ) -> SourceLayout:
-    """Detect the format of `url` and read its metadata into a `SourceLayout`."""
-    return detect_format(storage, url).read(storage, url, tag=tag, options=options)
+    """Detect the format of `url` and read its metadata into a `SourceLayout`.
+
+    Raises:
+        ConfigError: For options the format refuses (`check_options`).
+    """
+    reader = detect_format(storage, url)
+    check_options(reader, url, options)
+    return reader.read(storage, url, tag=tag, options=options)
 
 
 def quick_identities(

@@ -364,8 +364,8 @@ ALLOWED_GLOBALS: dict[str, Any] = {
 class RestrictedUnpickler(pickle.Unpickler):
     """Unpickles `data` with `ALLOWED_GLOBALS` only; `storages` collects the storages named."""
 
-    def __init__(self, data: bytes, url: str) -> None:
-        super().__init__(io.BytesIO(data))
+    def __init__(self, data: bytes | io.BytesIO, url: str) -> None:
+        super().__init__(io.BytesIO(data) if isinstance(data, bytes) else data)
         self._url = url
         self.globals_found: set[str] = set()
         self.storages: dict[str, StorageRef] = {}

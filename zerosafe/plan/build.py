@@ -9,6 +9,7 @@ to output files and, for staged mode, groups the slots into extract parts.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 
 from zerosafe.config import ConvertOptions
@@ -34,11 +35,17 @@ def plan_checkpoint(
     storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
 ) -> tuple[SourceLayout, Plan]:
     """Detect the format of the checkpoint at `url`, read its metadata and plan converting it.
-    Reads pickles and zip headers only."""
+    Reads pickles and zip headers only, and the `config.json` of the model files the job
+    copies (checked against the output: dtype, tied weights)."""
     from zerosafe.formats.registry import read_source
+    from zerosafe.stages.model_files import model_files_report
 
     layout = read_source(storage, url, tag=tag, options=options)
-    return layout, plan_layout(layout, options)
+    plan = plan_layout(layout, options)
+    notes, warnings = model_files_report(storage, plan.source, options, aliases=layout.aliases)
+    plan.notes += notes
+    plan.warnings += warnings
+    return layout, plan
 
 
 def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
@@ -79,7 +86,7 @@ def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
         fragments=fragments,
         aliases=aliases,
         notes=[*layout.notes, *_option_notes(layout, specs, options)],
-        warnings=list(layout.warnings),
+        warnings=[*layout.warnings, *_keep_fp32_warnings(layout, options)],
     )
     for check in layout.checks:
         check(plan)
@@ -87,8 +94,11 @@ def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
 
 
 def output_dtype(tensor: SourceTensor, options: ConvertOptions) -> str:
-    """Floating tensors take the output dtype; integer and bool tensors keep theirs."""
-    return options.dtype if dtype_info(tensor.dtype).is_floating else tensor.dtype
+    """Floating tensors take the output dtype, or float32 when their name matches a
+    `keep_fp32` pattern; integer and bool tensors keep theirs."""
+    if not dtype_info(tensor.dtype).is_floating:
+        return tensor.dtype
+    return "float32" if options.keeps_fp32(tensor.name) else options.dtype
 
 
 def assign_shards(sizes: Sequence[int], max_shard_size: int) -> list[int]:
@@ -188,6 +198,17 @@ def _fragment_rows(
             )
 
 
+def _keep_fp32_warnings(layout: SourceLayout, options: ConvertOptions) -> list[str]:
+    """A `keep_fp32` pattern that keeps nothing is most likely a typo: say which."""
+    floating = [n for n, t in layout.tensors.items() if dtype_info(t.dtype).is_floating]
+    return [
+        f"`keep_fp32` (--keep-fp32) pattern '{p}' matches no floating tensor of "
+        f"{layout.where}; names look like '{floating[0] if floating else '?'}'"
+        for p in options.keep_fp32
+        if not any(re.search(p, n) for n in floating)
+    ]
+
+
 def _shard_specs(specs: list[TensorSpec]) -> list[ShardSpec]:
     count = specs[-1].shard + 1 if specs else 0
     shards = []
@@ -212,6 +233,12 @@ def _option_notes(
         notes.append(
             f"{len(frozen)} frozen param(s) left out of the output (`exclude_frozen`, "
             f"--exclude-frozen): {', '.join(frozen[:8])}{' ...' if len(frozen) > 8 else ''}"
+        )
+    kept = [s.name for s in specs if s.out_dtype == "float32" and options.keeps_fp32(s.name)]
+    if kept and options.dtype != "float32":
+        notes.append(
+            f"{len(kept)} tensor(s) kept in float32 under dtype {options.dtype} (`keep_fp32`, "
+            f"--keep-fp32): {', '.join(kept[:8])}{' ...' if len(kept) > 8 else ''}"
         )
     oversized = [s for s in specs if s.out_nbytes > options.max_shard_size]
     if oversized:

@@ -34,7 +34,9 @@ def describe_plan(
             dtype = dt if dtype_info(t.src_dtype).is_floating else t.src_dtype
             total += t.numel * dtype_info(dtype).itemsize
         out_by_dtype[dt] = total
-    fp32_bytes = plan.fp32_bytes
+    # `fp32_master_bytes` (a key older than the format readers) is the main read: DeepSpeed's
+    # fp32 masters, DCP's chunks (`SourceLayout.main_slot_kind`).
+    fp32_bytes = sum(s.nbytes for s in plan.slots if s.kind == layout.main_slot_kind)
     other_bytes = plan.slot_bytes - fp32_bytes
     checkpoint_bytes = plan.source.get("checkpoint_bytes") or sum(f.size_bytes for f in plan.files)
     read_bytes = plan.slot_bytes + metadata_bytes_read

@@ -53,6 +53,7 @@ from zerosafe.errors import (
 )
 from zerosafe.formats.crc import CrcLedger
 from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, read_header
+from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_zip import (
     ALLOWED_GLOBALS,
     TensorRecord,
@@ -451,7 +452,7 @@ def inspect_pt(source: str, *, storage: Storage | None = None) -> dict[str, Any]
     storage = storage or Storage()
     src = _open_pt(storage, source)
     try:
-        zf = TorchZipFile(src)
+        zf = open_torch_file(src)
         plan = plan_pt(zf, load_pt_records(zf))
         return _plan_summary(source, src.size_bytes, plan)
     finally:
@@ -532,7 +533,7 @@ def convert_pt(
     started = time.monotonic()
     read_before = storage.counter.bytes_read
     try:
-        zf = TorchZipFile(src)
+        zf = open_torch_file(src)
         plan = plan_pt(zf, load_pt_records(zf), source_version=identity.version)
         log.info(
             "%s: %d tensors in %d entries (%d views), %d bytes",

@@ -1,9 +1,10 @@
 """The output folder: what counts as complete, what may be replaced, and how it is published.
 
 An output folder holds `model.safetensors` or `model-0000K-of-0000N.safetensors` plus
-`model.safetensors.index.json` (transformers' sharded layout), `zerosafe-manifest.json`
-(source identity, options, per-tensor checksums) and `zerosafe-complete.json`, the completion
-marker, written last. Without the marker an output is not complete, whatever else is there.
+`model.safetensors.index.json` (transformers' sharded layout), the model files copied from
+the checkpoint folder (`config.json`, tokenizer files: `zerosafe.stages.model_files`),
+`zerosafe-manifest.json` (source identity, options, per-tensor checksums, each copied file's
+SHA-256) and `zerosafe-complete.json`, the completion marker, written last. Without the marker an output is not complete, whatever else is there.
 Work files (plan, intermediates) live in `.zerosafe-work/<job>/` unless placed elsewhere.
 """
 
@@ -21,12 +22,14 @@ from zerosafe.config import ConvertOptions
 from zerosafe.errors import OutputExistsError, VerificationError
 from zerosafe.io.storage import Storage, is_local, join_url
 from zerosafe.plan.model import Plan
+from zerosafe.stages.model_files import copy_model_files, find_model_files, model_files_folder
 
 __all__ = [
     "INDEX_NAME",
     "MANIFEST_NAME",
     "MARKER_NAME",
     "WORK_DIR_NAME",
+    "RECORDED",
     "OutputState",
     "changed_files",
     "clear_output",
@@ -90,10 +93,25 @@ def _file_changed(storage: Storage, out_url: str, entry: dict[str, Any]) -> str 
     return None
 
 
-def changed_files(storage: Storage, out_url: str, manifest: dict[str, Any]) -> dict[str, str]:
+class _Recorded:
+    """The model-files folder a manifest records, for callers that do not know the run's."""
+
+
+RECORDED = _Recorded()
+
+
+def changed_files(
+    storage: Storage,
+    out_url: str,
+    manifest: dict[str, Any],
+    *,
+    model_files_from: str | None | _Recorded = RECORDED,
+) -> dict[str, str]:
     """Files of a complete output that are missing or changed since publish: name -> why.
 
-    Checked from file stats alone (size, and mtime or ETag where the manifest has it).
+    Checked from file stats alone (size, and mtime or ETag where the manifest has it), plus
+    a listing of the folder model files are copied from (`model_files_from`: this run's,
+    None when it copies none; by default the one the manifest records).
     """
     out: dict[str, str] = {}
     index = manifest.get("index")
@@ -101,6 +119,39 @@ def changed_files(storage: Storage, out_url: str, manifest: dict[str, Any]) -> d
         why = _file_changed(storage, out_url, entry)
         if why is not None:
             out[str(entry.get("file"))] = why
+    out.update(_changed_model_files(storage, out_url, manifest, model_files_from))
+    return out
+
+
+def _changed_model_files(
+    storage: Storage, out_url: str, manifest: dict[str, Any], wanted: str | None | _Recorded
+) -> dict[str, str]:
+    """Copied model files that are missing or changed in the output or in the folder they
+    were copied from, or new there (an output converted before they were copied included),
+    or all of them when this run copies from another folder: name -> why. A source file
+    removed since is not a change: its copy stays."""
+    recorded = manifest.get("model_files_from")
+    folder = recorded if isinstance(wanted, _Recorded) else wanted
+    entries = [e for e in manifest.get("model_files") or [] if isinstance(e, dict)]
+    new = find_model_files(storage, folder) if folder is not None else []
+    if folder != recorded:
+        stale = {str(e.get("file")): f"copied from {recorded}; not wanted now" for e in entries}
+        return {**stale, **{n: f"to copy from {folder}" for n in new}}
+    out: dict[str, str] = {}
+    for entry in entries:
+        why = _file_changed(storage, out_url, entry)
+        src = entry.get("source")
+        if why is None and isinstance(src, str) and storage.exists(src):
+            ident = storage.identity(src)
+            if (ident.size_bytes, ident.version) != (
+                entry.get("source_size_bytes"),
+                entry.get("source_version"),
+            ):
+                why = f"{src} changed since it was copied"
+        if why is not None:
+            out[str(entry.get("file"))] = why
+    copied = {str(e.get("file")) for e in entries}
+    out.update({n: f"in {folder}, not copied yet" for n in new if n not in copied})
     return out
 
 
@@ -266,15 +317,23 @@ def quick_done(
     key = job_key_of(resolved_tag, identities, options)
     if manifest is None or manifest.get("job_key") != key:
         return None
-    changed = changed_files(storage, out_url, manifest)
+    wanted = model_files_folder(manifest.get("source") or {}, options)
+    changed = changed_files(storage, out_url, manifest, model_files_from=wanted)
     if changed:  # not a no-op: the full path repairs these shards
         log.warning("%s: published files changed: %s", out_url, changed)
         return None
     return key
 
 
-def inspect_output(storage: Storage, out_url: str, job_key: str) -> OutputState:
-    """Classify what `out_url` holds relative to the job `job_key`."""
+def inspect_output(
+    storage: Storage,
+    out_url: str,
+    job_key: str,
+    *,
+    model_files_from: str | None | _Recorded = RECORDED,
+) -> OutputState:
+    """Classify what `out_url` holds relative to the job `job_key`, which copies model files
+    from `model_files_from` (`model_files_folder`; by default as the output records)."""
     names = storage.listdir(out_url)
     if MARKER_NAME in names:
         try:
@@ -283,7 +342,9 @@ def inspect_output(storage: Storage, out_url: str, job_key: str) -> OutputState:
             return OutputState("unusable", str(e))
         if manifest is not None:
             if manifest.get("job_key") == job_key:
-                changed = changed_files(storage, out_url, manifest)
+                changed = changed_files(
+                    storage, out_url, manifest, model_files_from=model_files_from
+                )
                 if changed:
                     detail = ", ".join(f"{f} ({why})" for f, why in sorted(changed.items()))
                     return OutputState("repair", detail, manifest)
@@ -313,17 +374,37 @@ def inspect_output(storage: Storage, out_url: str, job_key: str) -> OutputState:
     return OutputState("empty")
 
 
+def _copied_model_files(storage: Storage, out_url: str) -> list[str]:
+    """The model files a previous conversion's manifest says it copied (none if unreadable)."""
+    url = join_url(out_url, MANIFEST_NAME)
+    try:
+        manifest = json.loads(storage.read_bytes(url)) if storage.exists(url) else {}
+        return [str(e["file"]) for e in manifest.get("model_files") or []]
+    except (ValueError, AttributeError, KeyError, TypeError):
+        return []
+
+
 def clear_output(storage: Storage, out_url: str) -> None:
     """Remove a previous conversion: the marker first, so nothing looks complete meanwhile."""
     storage.remove(join_url(out_url, MARKER_NAME))
+    _remove_files(storage, out_url, _copied_model_files(storage, out_url))
     for name in storage.listdir(out_url):
         if _is_model_file(name) or name == MANIFEST_NAME:
             storage.remove(join_url(out_url, name))
     storage.remove_tree(join_url(out_url, WORK_DIR_NAME))
 
 
-def prepare_output(storage: Storage, out_url: str, job_key: str, *, overwrite: bool) -> OutputState:
-    """Decide whether to convert into `out_url`; clears it when `overwrite` says to.
+def prepare_output(
+    storage: Storage,
+    out_url: str,
+    job_key: str,
+    *,
+    overwrite: bool,
+    model_files_from: str | None | _Recorded = RECORDED,
+) -> OutputState:
+    """Decide whether to convert into `out_url`; clears it when `overwrite` says to. A
+    complete output of this job whose model files are not those of `model_files_from` (see
+    `inspect_output`) is repaired: only the copies are redone.
 
     Returns:
         The state found: `done` means there is nothing to do.
@@ -331,7 +412,7 @@ def prepare_output(storage: Storage, out_url: str, job_key: str, *, overwrite: b
     Raises:
         OutputExistsError: If the folder holds another conversion and `overwrite` is off.
     """
-    state = inspect_output(storage, out_url, job_key)
+    state = inspect_output(storage, out_url, job_key, model_files_from=model_files_from)
     if state.kind == "unusable" and not overwrite:
         raise OutputExistsError(state.detail)
     if state.kind in ("other", "foreign", "unusable"):
@@ -346,12 +427,18 @@ def prepare_output(storage: Storage, out_url: str, job_key: str, *, overwrite: b
         clear_output(storage, out_url)
         return OutputState("empty")
     if state.kind == "repair":
-        _start_repair(storage, out_url, job_key, state)
+        _start_repair(storage, out_url, job_key, state, model_files_from)
         return OutputState("partial", state.detail)
     return state
 
 
-def _start_repair(storage: Storage, out_url: str, job_key: str, state: OutputState) -> None:
+def _start_repair(
+    storage: Storage,
+    out_url: str,
+    job_key: str,
+    state: OutputState,
+    model_files_from: str | None | _Recorded,
+) -> None:
     """Take a complete output whose files changed back to an unfinished one: keep the
     manifest it was published with (intact shards are reused from it), remove the marker
     first, then the index, the manifest and the changed files."""
@@ -364,8 +451,16 @@ def _start_repair(storage: Storage, out_url: str, job_key: str, state: OutputSta
     storage.remove(join_url(out_url, MARKER_NAME))
     storage.remove(join_url(out_url, INDEX_NAME))
     storage.remove(join_url(out_url, MANIFEST_NAME))
-    for name in changed_files(storage, out_url, state.manifest):
+    changed = changed_files(storage, out_url, state.manifest, model_files_from=model_files_from)
+    _remove_files(storage, out_url, list(changed))
+
+
+def _remove_files(storage: Storage, out_url: str, names: list[str]) -> None:
+    """Remove output files by name, and a folder a name was in (chat templates) left empty."""
+    for name in names:
         storage.remove(join_url(out_url, name))
+    for folder in {n.rsplit("/", 1)[0] for n in names if "/" in n}:
+        _remove_if_empty(storage, join_url(out_url, folder))
 
 
 def _checks(verifies: list[dict[str, Any]]) -> dict[str, Any]:
@@ -379,6 +474,39 @@ def _checks(verifies: list[dict[str, Any]]) -> dict[str, Any]:
     return checks
 
 
+def _stage_model_files(
+    plan: Plan, storage: Storage, pending: str, options: ConvertOptions
+) -> list[dict[str, Any]]:
+    """Copy the job's model files (config, tokenizer) into the pending folder, for publish to
+    move into place with the shards; their manifest entries."""
+    folder = model_files_folder(plan.source, options)
+    if folder is None:
+        return []
+    return copy_model_files(storage, folder, find_model_files(storage, folder), pending)
+
+
+def _published_model_files(
+    storage: Storage, out_url: str, entries: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The entries with each copy's size and version as published.
+
+    Raises:
+        VerificationError: If a copy did not arrive whole.
+    """
+    out = []
+    for entry in entries:
+        ident = storage.identity(join_url(out_url, entry["file"]))
+        if ident.size_bytes != entry["size_bytes"]:
+            raise VerificationError(
+                f"{ident.url}: {ident.size_bytes} bytes after moving it into place, expected "
+                f"{entry['size_bytes']}; the output was not marked complete. Run the same "
+                "command again.",
+                [],
+            )
+        out.append({**entry, "version": ident.version})
+    return out
+
+
 def publish(
     plan: Plan,
     storage: Storage,
@@ -390,7 +518,8 @@ def publish(
     integrity: dict[str, Any],
     stats: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write the index and the manifest, then the completion marker, last.
+    """Move the verified shards and the copied model files into place, write the index and
+    the manifest, then the completion marker, last.
 
     Raises:
         VerificationError: If any shard failed verification; then nothing is written.
@@ -407,10 +536,13 @@ def publish(
     if [m["shard"] for m in by_shard] != list(range(len(plan.shards))):
         raise AssertionError("publish needs one merge result per shard")
     pending = pending_url(out_url, plan.job_key)
-    for m in by_shard:
-        src = join_url(pending, m["file"])
+    model_files = _stage_model_files(plan, storage, pending, options)
+    for name in [m["file"] for m in by_shard] + [e["file"] for e in model_files]:
+        src = join_url(pending, name)
         if storage.exists(src):
-            storage.rename(src, join_url(out_url, m["file"]))
+            if is_local(out_url) and "/" in name:
+                storage.makedirs(join_url(out_url, name.rsplit("/", 1)[0]))
+            storage.rename(src, join_url(out_url, name))
     versions = {m["file"]: storage.identity(join_url(out_url, m["file"])) for m in by_shard}
     for m in by_shard:
         if versions[m["file"]].size_bytes != m["file_bytes"]:
@@ -462,6 +594,8 @@ def publish(
             for name, info in m["tensors"].items()
         },
         "aliases": plan.aliases,
+        "model_files_from": model_files_folder(plan.source, options),
+        "model_files": _published_model_files(storage, out_url, model_files),
         "integrity": integrity,
         "checks": _checks(verifies),
         "notes": plan.notes,

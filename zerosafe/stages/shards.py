@@ -27,7 +27,7 @@ from zerosafe.formats.crc import CrcLedger, LedgerCheck
 from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, read_header
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, Storage, join_url
-from zerosafe.plan.model import ExtractPart, Plan
+from zerosafe.plan.model import ExtractPart, Plan, Slot
 from zerosafe.stages.streaming import CopyJob, copy_stream
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
 
@@ -40,6 +40,7 @@ __all__ = [
     "extract_part",
     "intermediate_tensor_name",
     "merge_shard",
+    "record_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,14 @@ class SlotLocator(Protocol):
     def locate(self, slot: int, start: int, numel: int) -> list[Segment]: ...
 
     def close(self) -> None: ...
+
+
+def record_key(plan: Plan, slot: Slot) -> str:
+    """The CRC ledger's key of a slot's source record: its file and the offset of its first
+    data byte, which tell any two records apart whatever the format names them (each DCP
+    chunk is its own archive, so every chunk's record is `archive/data/0`). The record's name
+    is there for people reading the integrity report."""
+    return f"{plan.files[slot.file].url}#{slot.record}@{slot.record_offset}"
 
 
 def _check_identity(plan: Plan, file_index: int, source: ByteSource) -> None:
@@ -96,7 +105,7 @@ class DirectLocator:
     def locate(self, slot: int, start: int, numel: int) -> list[Segment]:
         s = self.plan.slots[slot]
         offset = s.byte_offset + start * s.itemsize
-        key = f"{self.plan.files[s.file].url}#{s.record}"
+        key = record_key(self.plan, s)
         return [
             Segment(self.source(s.file), offset, numel * s.itemsize, key, offset - s.record_offset)
         ]
@@ -415,7 +424,7 @@ def check_integrity(
     expected: dict[str, tuple[int, int]] = {}
     where: dict[str, tuple[str, int]] = {}  # key -> (url, absolute offset of byte 0)
     for slot in plan.slots:
-        key = f"{plan.files[slot.file].url}#{slot.record}"
+        key = record_key(plan, slot)
         where[key] = (plan.files[slot.file].url, slot.record_offset)
         if slot.record_crc32 != 0 or slot.record_size_bytes == 0:
             expected[key] = (slot.record_size_bytes, slot.record_crc32)

@@ -8,12 +8,14 @@ holds at most `PIPELINE_BUFFERS * chunk_bytes` of data whatever the size of a te
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from zerosafe.config import PIPELINE_BUFFERS
 from zerosafe.dtypes import dtype_info, torch_dtype
@@ -33,6 +35,10 @@ _READ_AHEAD = 3
 _CAST_STEP = 32768 - 64
 """Elements per torch call in `_cast`: below torch's parallel grain, a multiple of 64."""
 _WRITE_QUEUE = 2
+_CAST_THREADS = max(1, min(2, os.cpu_count() or 1))
+"""Threads that cast one chunk (the caller's and helpers); 2 keeps cores for readers/writer."""
+_PARALLEL_CAST_MIN = 8 * _CAST_STEP
+"""Elements below which a chunk is cast by the caller alone (a helper's hand-off costs more)."""
 assert _READ_AHEAD + _WRITE_QUEUE + 3 <= PIPELINE_BUFFERS
 
 
@@ -108,14 +114,23 @@ def _read(job: CopyJob, pos: int, n: int, buf: bytearray) -> tuple[int | None, m
     return (_crc32(view) if job.crc_key is not None else None), view
 
 
-def _cast(src: memoryview, src_dtype: str, out: bytearray, out_dtype: str) -> memoryview:
-    """Cast with torch (round-to-nearest-even), in the calling thread only.
+def _cast(
+    src: memoryview,
+    src_dtype: str,
+    out: bytearray,
+    out_dtype: str,
+    helpers: ThreadPoolExecutor | None = None,
+) -> memoryview:
+    """Cast with torch (round-to-nearest-even), in the calling thread and `helpers`.
 
     One `copy_` over a whole chunk would fan out over torch's OpenMP pool, whose threads spin
     between calls and fight the reader and writer threads for the cores: measured on 2 cores,
     that made the cast the slowest stage of a merge (0.3 GB/s). Slices under torch's grain size
     (`at::internal::GRAIN_SIZE`, 32768 elements) run serially, at several GB/s, without touching
     the process-wide `torch.set_num_threads`. The values are the same kernel's either way.
+    A large chunk is cut in equal runs of slices, one per helper thread plus the caller's
+    (torch releases the GIL while it copies): the cast was the one stage of a merge that ran
+    on one core.
     """
     import torch
 
@@ -125,14 +140,20 @@ def _cast(src: memoryview, src_dtype: str, out: bytearray, out_dtype: str) -> me
         return memoryview(out)[:0]
     src_t = torch.frombuffer(src, dtype=torch_dtype(src_dtype), count=count)
     out_t = torch.frombuffer(out, dtype=torch_dtype(out_dtype), count=count)
-    slices = zip(
-        out_t.split(_CAST_STEP),  # type: ignore[no-untyped-call]
-        src_t.split(_CAST_STEP),  # type: ignore[no-untyped-call]
-        strict=True,
-    )
-    for dst, part in slices:
-        dst.copy_(part)
+    ways = 1 if helpers is None or count < _PARALLEL_CAST_MIN else _CAST_THREADS
+    per = -(-count // ways)
+    per += -per % _CAST_STEP
+    runs = [(out_t[i : i + per], src_t[i : i + per]) for i in range(0, count, per)]
+    waits = [helpers.submit(_cast_run, *run) for run in runs[1:]] if helpers else []
+    _cast_run(*runs[0])
+    for wait in waits:
+        wait.result()
     return memoryview(out)[:n_out]
+
+
+def _cast_run(dst: Any, src: Any) -> None:
+    for d, s in zip(dst.split(_CAST_STEP), src.split(_CAST_STEP), strict=True):
+        d.copy_(s)
 
 
 class _Writer(threading.Thread):
@@ -191,9 +212,14 @@ def copy_stream(
     pending: deque[tuple[CopyJob, int, int, bytearray, Future[tuple[int | None, memoryview]]]]
     pending = deque()
     try:
-        with ThreadPoolExecutor(
-            max_workers=num_readers, thread_name_prefix="zerosafe-read"
-        ) as readers:
+        with (
+            ThreadPoolExecutor(
+                max_workers=num_readers, thread_name_prefix="zerosafe-read"
+            ) as readers,
+            ThreadPoolExecutor(
+                max_workers=max(1, _CAST_THREADS - 1), thread_name_prefix="zerosafe-cast"
+            ) as casters,
+        ):
 
             def submit_next() -> None:
                 item = next(chunks, None)
@@ -220,7 +246,10 @@ def copy_stream(
                         out_buf, view = buf, data
                     else:
                         out_buf = pool.acquire()
-                        view = _cast(data, job.src_dtype, out_buf, job.out_dtype)
+                        view = _cast(
+                            data, job.src_dtype, out_buf, job.out_dtype,
+                            casters if _CAST_THREADS > 1 else None,
+                        )  # fmt: skip
                         pool.release(buf)
                     del data  # a mapped chunk is unmapped once its last view goes
                     if write_thread.error is not None:

@@ -2,7 +2,8 @@
 
 Works on any safetensors output (zerosafe's, DeepSpeed's, transformers'): every file's header
 and data region, the index (every file and tensor exactly once, `total_size`), finiteness, the
-manifest's checksums when there is one, tied aliases; and with `--against`, coverage of the
+manifest's checksums when there is one, the model files it copied (config, tokenizer: size and
+SHA-256), tied aliases; and with `--against`, coverage of the
 source checkpoint (params, frozen params, buffers, aliases; shapes) and, for ZeRO-1/2, that
 each fp32 tensor cast to the training dtype equals the 16-bit weight DeepSpeed saved beside
 it, a witness that owes nothing to the fp32 partitions.
@@ -10,6 +11,7 @@ it, a witness that owes nothing to the fp32 partitions.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -62,7 +64,7 @@ def verify_output(
     """Check an output folder; returns a report with `ok` and a list of `failures`.
 
     The steps: the folder's files (an index with its shards, or one `model.safetensors`), the
-    manifest and completion marker, every file's header and data against its checksums,
+    manifest and completion marker, the model files it copied, every file's header and data against its checksums,
     where each tensor is stored, tied aliases, and with `against` the checkpoint itself.
 
     Raises:
@@ -88,6 +90,8 @@ def verify_output(
     files, index = _weight_files(storage, out_url, names, failures)
     weight_map = index.get("weight_map") if index is not None else None
     manifest, complete = _read_manifest(storage, out_url, names, failures)
+    if manifest is not None:
+        failures.extend(_check_model_files(storage, out_url, manifest))
     reports = _verify_files(
         storage, out_url, files, manifest, failures,
         allow_nonfinite=allow_nonfinite, chunk_bytes=chunk_bytes, max_workers=max_workers,
@@ -96,10 +100,10 @@ def verify_output(
     aliases = _collect_aliases(manifest, reports, index, where, failures)
     against_report = None
     if against is not None:
-        exclude_frozen = bool(((manifest or {}).get("options") or {}).get("exclude_frozen"))
         against_report = _check_against(
             storage, out_url, against, tag, reports, aliases, failures, chunk_bytes,
-            exclude_frozen=exclude_frozen, source=(manifest or {}).get("source"),
+            recorded_options=(manifest or {}).get("options") or {},
+            source=(manifest or {}).get("source"),
         )  # fmt: skip
     tensors = {t: info for r in reports for t, info in r.tensors.items()}
     return {
@@ -357,6 +361,35 @@ def _collect_aliases(
     return aliases
 
 
+def _check_model_files(storage: Storage, out_url: str, manifest: dict[str, Any]) -> list[Failure]:
+    """The model files the manifest says were copied (config, tokenizer): each present, with
+    the size and SHA-256 it was copied with."""
+    failures = []
+    for entry in manifest.get("model_files") or []:
+        name = str(entry.get("file"))
+        url = join_url(out_url, name)
+        if not storage.exists(url):
+            failures.append(Failure(name, "*", "model file", f"in {MANIFEST_NAME} but missing"))
+            continue
+        data = storage.read_bytes(url)
+        if len(data) != entry.get("size_bytes"):
+            found = f"{len(data)} bytes, copied as {entry.get('size_bytes')}"
+        elif hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+            found = "its SHA-256 differs from the copy's"
+        else:
+            continue
+        failures.append(
+            Failure(
+                name,
+                "*",
+                "model file",
+                f"{found} (from {entry.get('source')}): changed after publishing; run the "
+                "same `zerosafe convert` again to copy it anew",
+            )  # fmt: skip
+        )
+    return failures
+
+
 def _unfinished_work(names: list[str]) -> list[str]:
     """The zerosafe work files among a folder's entries (a run's plan, pending shards,
     intermediates or lease)."""
@@ -401,21 +434,26 @@ def _check_against(
     failures: list[Failure],
     chunk_bytes: int,
     *,
-    exclude_frozen: bool = False,
+    recorded_options: dict[str, Any],
     source: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Coverage against the checkpoint (any format), its identity (`source`: the manifest's
     record), a sample of values, and DeepSpeed ZeRO-1/2's 16-bit cross-check.
 
-    With `exclude_frozen` (the output's manifest says it was converted so), frozen params
-    must be absent instead of present.
+    The output's manifest says how it was converted (`recorded_options`, the job key's
+    options): with `exclude_frozen`, frozen params must be absent instead of present; a DCP
+    output is checked against the tensors its `select` and `strip_prefix` chose.
     """
     from zerosafe.config import ConvertOptions
     from zerosafe.formats.registry import read_source
 
-    layout = read_source(
-        storage, ckpt_url, tag=tag, options=ConvertOptions(exclude_frozen=exclude_frozen)
+    exclude_frozen = bool(recorded_options.get("exclude_frozen"))
+    options = ConvertOptions(
+        exclude_frozen=exclude_frozen,
+        select=tuple(recorded_options.get("select") or ()),
+        strip_prefix=recorded_options.get("strip_prefix"),
     )
+    layout = read_source(storage, ckpt_url, tag=tag, options=options)
     stored = {t: (r.file, info) for r in reports for t, info in r.tensors.items()}
     expected = _check_coverage(layout, stored, aliases, failures, exclude_frozen=exclude_frozen)
     content = layout.source.get("content_sha256")

@@ -12,7 +12,7 @@ independent witnesses can:
 - a sample of values: for every trained parameter, the first elements of each of its
   fragments (one per rank in ZeRO-3) are read from the checkpoint's fp32 master weights, cast
   to the output dtype exactly as the conversion casts, and compared bit for bit with the
-  output.
+  output. (DCP: the first elements of every chunk, from the chunk's stored bytes.)
 """
 
 from __future__ import annotations
@@ -83,10 +83,12 @@ def sample_values(
                 continue
             out_item = dtype_info(out_dtype).itemsize
             begin = data_start + int(entry["data_offsets"][0])
+            sampled: set[int] = set()
             for slot, src_offset, numel, dst_offset in plan.fragments.for_tensor(tensor.index):
                 count = min(numel, SAMPLE_ELEMENTS)
-                if count == 0:
-                    continue
+                if count == 0 or slot in sampled:
+                    continue  # one run per slot: a DCP chunk split on dim 1 is a run per row
+                sampled.add(slot)
                 src_dtype = plan.slots[slot].dtype
                 raw = b"".join(
                     seg.source.read_range(seg.offset, seg.offset + seg.nbytes)

@@ -30,11 +30,18 @@ class JobConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     source: str
-    """The checkpoint: the folder holding `latest`, or a tag folder (path or URL, e.g. s3://...)."""
+    """The checkpoint (path or URL, e.g. s3://...): DeepSpeed's folder holding `latest` or a
+    tag folder, or a PyTorch DCP folder holding `.metadata`."""
     destination: str
     """The output folder (path or URL)."""
     tag: str | None = None
-    """The tag to convert; by default the one `latest` names."""
+    """DeepSpeed: the tag to convert; by default the one `latest` names."""
+    select: list[str] = Field(default_factory=list)
+    """PyTorch DCP: key prefixes to convert (e.g. `[model]`, `[optim.state]`); empty: the
+    tensors under `model`, or every tensor without a `model` key. Refused for DeepSpeed."""
+    strip_prefix: str | None = None
+    """PyTorch DCP: a prefix removed from the output names; null: `model` with the default
+    selection, nothing with `select`; `""` strips nothing. Refused for DeepSpeed."""
     work_dir: str | None = None
     """Where the plan, intermediates and cached task results go (default: DESTINATION/.zerosafe-work)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -62,6 +69,14 @@ class JobConfig(BaseModel):
     check_lowp: bool = False
     """ZeRO-1/2: also check each tensor cast to the training dtype equals the 16-bit weight
     DeepSpeed saved beside it, before publishing (reads those weights too)."""
+    keep_fp32: list[str] = Field(default_factory=list)
+    """Regular expressions on tensor names (`re.search`): matching floating tensors stay
+    float32 under `dtype: bf16` or `fp16`, e.g. `['router', 'norm']`."""
+    model_files: str | None = None
+    """Folder to copy `config.json`, `generation_config.json` and the tokenizer files from;
+    null: the checkpoint folder above the tag (where the HF Trainer saves them)."""
+    copy_model_files: bool = True
+    """Copy those files next to the weights, so `from_pretrained(destination)` works as is."""
     extract_part_size: int = Field(default=2 * 10**9, gt=0)
     """Staged mode: a rank's fp32 bytes are extracted in parts of at most this size."""
     runner: Literal["threads", "dask"] = "threads"
@@ -86,7 +101,7 @@ class JobConfig(BaseModel):
                 raise ValueError(str(e)) from None
         return value
 
-    @field_validator("source", "destination", "work_dir")
+    @field_validator("source", "destination", "work_dir", "model_files")
     @classmethod
     def _one_spelling(cls, value: str | None) -> str | None:
         # `ckpt`, `./ckpt` and `/abs/ckpt` are one job: identities use the normalized form.
@@ -136,6 +151,11 @@ class JobConfig(BaseModel):
             keep_work=self.keep_work,
             allow_nonfinite=self.allow_nonfinite,
             check_lowp=self.check_lowp,
+            keep_fp32=tuple(self.keep_fp32),
+            model_files=self.model_files,
+            copy_model_files=self.copy_model_files,
+            select=tuple(self.select),
+            strip_prefix=self.strip_prefix,
         )
 
 

@@ -118,6 +118,8 @@ def convert(
     destination: str | None = None,
     conf: str | None = None,
     tag: str | None = None,
+    select: list[str] | None = None,
+    strip_prefix: str | None = None,
     dtype: str | None = None,
     max_shard_size: str | None = None,
     memory: str | None = None,
@@ -129,6 +131,9 @@ def convert(
     keep_work: bool | None = None,
     allow_nonfinite: bool | None = None,
     check_lowp: bool | None = None,
+    keep_fp32: list[str] | None = None,
+    model_files: str | None = None,
+    copy_model_files: bool | None = None,
     extract_part_size: str | None = None,
     work_dir: str | None = None,
     runner: str | None = None,
@@ -136,7 +141,8 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     timeout_seconds: int | None = None,
 ) -> Any:
-    """Convert one DeepSpeed ZeRO checkpoint tag into verified safetensors.
+    """Convert one checkpoint (a DeepSpeed ZeRO tag or a PyTorch DCP save) into verified
+    safetensors.
 
     The stages run in a subflow, `convert-job`, so this flow can pick its task runner. The
     subflow carries this run's tags; this run's state message and its link artifact name the
@@ -144,7 +150,8 @@ def convert(
     without a traceback.
 
     Args:
-        source: The checkpoint folder (holding `latest`) or a tag folder.
+        source: The checkpoint: DeepSpeed's folder (holding `latest`) or a tag folder, or a
+            PyTorch DCP folder (holding `.metadata`).
         destination: The output folder.
         conf: A YAML job file (see conf/example.yaml); the other parameters override it.
     """
@@ -517,12 +524,20 @@ def _run_stages(
     }
 
 
+def _source_text(cfg: JobConfig, source: dict[str, Any]) -> str:
+    """The summary's `source` row: what the format's manifest block says about it."""
+    if source.get("format") == "dcp":
+        return (
+            f"`{cfg.source}` (PyTorch DCP, {source['num_tensors_selected']} of "
+            f"{source['num_tensors_in_checkpoint']} tensors selected, "
+            f"{source['num_distcp_files']} .distcp files)"
+        )
+    return f"`{cfg.source}` (tag {source['tag']}, ZeRO-{source['stage']}, world size {source['world_size']})"
+
+
 def _summary_artifact(cfg: JobConfig, info: dict[str, Any], r: dict[str, Any]) -> None:
     rows = [
-        (
-            "source",
-            f"`{cfg.source}` (tag {info['source']['tag']}, ZeRO-{info['source']['stage']}, world size {info['source']['world_size']})",
-        ),
+        ("source", _source_text(cfg, info["source"])),
         ("output", f"`{cfg.destination}`: {len(r['files'])} file(s), {r['num_tensors']} tensors"),
         ("mode", r.get("mode_reason") or r["mode"]),
         ("read from source", _source_read_text(r)),
@@ -567,7 +582,7 @@ def _source_read_text(r: dict[str, Any]) -> str:
     if r.get("source_read_ratio"):
         text += (
             f" = {r['source_read_ratio']:.3f} x the {format_bytes(r['source_bytes_needed'])} "
-            "needed (fp32 masters, frozen params and buffers, pickles, zip directories)"
+            "needed (the tensor bytes it copies, plus metadata and headers)"
         )
     return text
 
@@ -602,12 +617,15 @@ def run_convert(
                 "dict[str, Any]",
                 convert(
                     source=ckpt_url, destination=out_url, tag=tag, dtype=dtype,
+                    select=list(options.select) or None, strip_prefix=options.strip_prefix,
                     max_shard_size=str(options.max_shard_size), memory=str(options.memory),
                     max_parallel_tasks=options.max_parallel_tasks,
                     mode=mode or ("direct" if options.direct else "staged"), tied=options.tied,
                     exclude_frozen=options.exclude_frozen, overwrite=options.overwrite,
                     keep_work=options.keep_work, allow_nonfinite=options.allow_nonfinite,
                     check_lowp=options.check_lowp, extract_part_size=str(options.extract_part_size),
+                    keep_fp32=list(options.keep_fp32), model_files=options.model_files,
+                    copy_model_files=options.copy_model_files,
                     work_dir=work_url, storage_options=storage_options,
                 ),
             )  # fmt: skip

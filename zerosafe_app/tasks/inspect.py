@@ -11,6 +11,7 @@ from zerosafe.config import ConvertOptions
 from zerosafe.pipeline import WorkLayout, check_free_space
 from zerosafe.plan.build import plan_checkpoint
 from zerosafe.plan.model import plan_summary, save_plan
+from zerosafe.stages.model_files import model_files_folder
 from zerosafe.stages.output import default_work_url, prepare_output, quick_done
 from zerosafe_app.tasks._common import is_transient
 from zerosafe_app.tasks.credentials import storage_for
@@ -43,7 +44,10 @@ def inspect(
     if done is not None:  # this very conversion is complete: no checkpoint byte is read
         return {"job_key": done, "state": "done"}
     layout, plan = plan_checkpoint(storage, source, tag=tag, options=opts)
-    state = prepare_output(storage, destination, plan.job_key, overwrite=opts.overwrite)
+    state = prepare_output(
+        storage, destination, plan.job_key, overwrite=opts.overwrite,
+        model_files_from=model_files_folder(plan.source, opts),
+    )  # fmt: skip
     work = WorkLayout(work_dir or default_work_url(destination, plan.job_key))
     summary = {**plan_summary(plan), "state": state.kind, "work": work.root}
     if state.kind == "done":

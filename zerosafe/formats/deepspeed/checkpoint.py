@@ -32,6 +32,7 @@ from zerosafe.formats.deepspeed.masters import (
     swap_folder_url,
 )
 from zerosafe.formats.deepspeed.save_identity import check_one_save
+from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_zip import InertObject, TensorRecord, TorchZipFile
 from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
 
@@ -322,7 +323,7 @@ def quick_identities(
 def _load(storage: Storage, url: str, role: str, rank: int) -> LoadedFile:
     identity = storage.identity(url)
     source = storage.open_source(url)
-    zf = TorchZipFile(source)
+    zf = open_torch_file(source)
     obj = zf.load()
     if not isinstance(obj, dict):
         raise CheckpointFormatError(

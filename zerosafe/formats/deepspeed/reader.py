@@ -48,6 +48,7 @@ class DeepSpeedReader:
     name = "deepspeed"
     title = "DeepSpeed ZeRO"
     looks_like = "a folder holding `latest`, or a tag folder holding `*_model_states.pt`"
+    selects = False
 
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)

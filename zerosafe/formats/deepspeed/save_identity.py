@@ -69,7 +69,10 @@ def _base_state(osd: Mapping[str, Any]) -> Mapping[str, Any] | None:
 def _step_fingerprint(f: LoadedFile, value: Any) -> Any:
     if isinstance(value, TensorRecord):
         record = f.zip.storage_record(value.storage.key)
-        return f"a {value.dtype} tensor whose zip record has CRC-32 {record.crc32:08x}"
+        if record.has_crc or value.nbytes > 64:
+            return f"a {value.dtype} tensor whose zip record has CRC-32 {record.crc32:08x}"
+        # A legacy (non-zip) file keeps no CRCs: the step is a few bytes, read them.
+        return f"a {value.dtype} tensor holding {f.zip.read_tensor_bytes(value).hex()}"
     return repr(value)
 
 

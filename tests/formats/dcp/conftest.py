@@ -1,0 +1,81 @@
+"""Real DCP checkpoints, written once per test session by torch itself (4 and 2 CPU ranks, gloo),
+and torch's own consolidation of each (`dcp_to_torch_save`) as the oracle."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="session")
+def dcp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Folder of the generated checkpoints (`make_dcp_checkpoint.py` says what is in it)."""
+    out = tmp_path_factory.mktemp("dcp")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [sys.executable, "-m", "tests.formats.dcp.make_dcp_checkpoint", str(out)],
+        check=True, cwd=REPO, env=env, timeout=600,
+    )  # fmt: skip
+    return out
+
+
+def dcp_status(root: Path) -> dict[str, str]:
+    return dict(json.loads((root / "status.json").read_text()))
+
+
+@pytest.fixture(scope="session")
+def dcp_checkpoint(dcp_root: Path) -> Callable[[str], Path]:
+    """`dcp_checkpoint(name)`: the path of a generated checkpoint; skips, saying why, if torch
+    could not write it here."""
+
+    def get(name: str) -> Path:
+        job = {"safetensors": "flat"}.get(name, name)  # one job writes both
+        status = dcp_status(dcp_root).get(job, "not generated")
+        if status != "ok":
+            pytest.skip(f"torch could not write the '{name}' DCP checkpoint here: {status}")
+        return dcp_root / name
+
+    return get
+
+
+def flatten(state: dict[str, object], prefix: str = "") -> dict[str, object]:
+    """Nested state dict -> DCP's flattened keys (`model.emb.weight`)."""
+    out: dict[str, object] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.fixture(scope="session")
+def dcp_oracle(dcp_root: Path) -> Callable[[str], dict[str, object]]:
+    """`dcp_oracle(name)`: torch's `dcp_to_torch_save` of a checkpoint, flattened."""
+    cache: dict[str, dict[str, object]] = {}
+
+    def get(name: str) -> dict[str, object]:
+        if name not in cache:
+            import torch
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+            out = dcp_root / f"{name}.oracle.pt"
+            dcp_to_torch_save(dcp_root / name, out)
+            cache[name] = flatten(torch.load(out, weights_only=False))
+        return cache[name]
+
+    return get
+
+
+def copy_checkpoint(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest

@@ -1,0 +1,141 @@
+"""Damaged or unusual DCP checkpoints are refused with a message that names the file, what was
+expected, what was found and the fix. The damage is done to real torch-written checkpoints."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from zerosafe.errors import (
+    CheckpointFormatError,
+    LayoutMismatchError,
+    UnsafePickleError,
+    UnsupportedCheckpointError,
+)
+from zerosafe.formats.dcp.reader import read_dcp_layout
+from zerosafe.io.storage import Storage
+
+Checkpoint = Callable[[str], Path]
+
+
+@pytest.fixture
+def flat(dcp_checkpoint: Checkpoint, tmp_path: Path) -> Path:
+    """A writable copy of the 2-rank `flat` checkpoint (w: Shard(0), v: Shard(1), b)."""
+    return Path(shutil.copytree(dcp_checkpoint("flat"), tmp_path / "flat"))
+
+
+def _edit_metadata(path: Path, edit: Callable[[Any], None]) -> None:
+    # Tests may unpickle with torch's classes: they generate and damage fixtures.
+    with open(path / ".metadata", "rb") as f:
+        meta = pickle.load(f)
+    edit(meta)
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+
+
+def _storage_of(meta: Any, fqn: str, offsets: tuple[int, ...]) -> Any:
+    return next(k for k in meta.storage_data if k.fqn == fqn and tuple(k.offset) == offsets)
+
+
+def test_missing_distcp_file(flat: Path) -> None:
+    os.remove(flat / "__1_0.distcp")
+    with pytest.raises(
+        CheckpointFormatError,
+        match=r"__1_0.distcp: .*named in '.metadata' but missing.*Copy the whole folder",
+    ):
+        read_dcp_layout(str(flat), Storage())
+
+
+def test_missing_metadata(flat: Path, tmp_path: Path) -> None:
+    os.remove(flat / ".metadata")
+    with pytest.raises(
+        CheckpointFormatError, match=r"2 .distcp file\(s\) but no '.metadata'.*did not finish"
+    ):
+        read_dcp_layout(str(flat), Storage())
+    with pytest.raises(CheckpointFormatError, match=r"not a PyTorch DCP checkpoint"):
+        read_dcp_layout(str(tmp_path), Storage())
+
+
+def test_truncated_chunk(flat: Path) -> None:
+    data = (flat / "__1_0.distcp").read_bytes()
+    (flat / "__1_0.distcp").write_bytes(data[: len(data) - 700])
+    with pytest.raises(
+        CheckpointFormatError, match=r"__1_0.distcp: chunk of '.*' .*the file is truncated"
+    ):
+        read_dcp_layout(str(flat), Storage())
+
+
+def test_chunk_length_disagrees(flat: Path) -> None:
+    def shorten(meta: Any) -> None:
+        key = _storage_of(meta, "w", (0, 0))
+        meta.storage_data[key].length -= 10
+
+    _edit_metadata(flat, shorten)
+    with pytest.raises(
+        CheckpointFormatError, match=r"chunk of 'w' at offsets \[0, 0\].*length disagrees"
+    ):
+        read_dcp_layout(str(flat), Storage())
+
+
+def test_overlapping_chunks(flat: Path) -> None:
+    def grow(meta: Any) -> None:
+        import torch
+
+        chunk = meta.state_dict_metadata["w"].chunks[0]
+        chunk.sizes = torch.Size([6, 4])
+
+    _edit_metadata(flat, grow)
+    with pytest.raises(LayoutMismatchError, match=r"'w': chunks overlap at element \[5, 0\]"):
+        read_dcp_layout(str(flat), Storage())
+
+
+def test_missing_chunk(flat: Path) -> None:
+    _edit_metadata(flat, lambda meta: meta.state_dict_metadata["v"].chunks.pop())
+    with pytest.raises(
+        LayoutMismatchError, match=r"'v': the chunks hold 16 of the 28 .*\[0, 4\] is in no chunk"
+    ):
+        read_dcp_layout(str(flat), Storage())
+
+
+def test_transform_is_refused_by_name(flat: Path) -> None:
+    def compress(meta: Any) -> None:
+        meta.storage_data[_storage_of(meta, "w", (5, 0))].transform_descriptors = ["zstd"]
+
+    _edit_metadata(flat, compress)
+    with pytest.raises(
+        UnsupportedCheckpointError,
+        match=r"'w' was saved through the stream transform\(s\) \['zstd'\]",
+    ):
+        read_dcp_layout(str(flat), Storage())
+
+
+class _Payload:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.getcwd, ())
+
+
+def test_unsafe_global_is_refused_by_name(flat: Path) -> None:
+    def inject(meta: Any) -> None:
+        meta.planner_data = _Payload()
+
+    _edit_metadata(flat, inject)
+    with pytest.raises(
+        UnsafePickleError, match=r"names the global 'posix.getcwd'.*not on zerosafe's allowlist"
+    ):
+        read_dcp_layout(str(flat), Storage())
+
+
+def test_not_dcp_metadata(flat: Path) -> None:
+    (flat / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
+    with pytest.raises(CheckpointFormatError, match=r"is dict .*expected a 'Metadata'"):
+        read_dcp_layout(str(flat), Storage())
+    data = pickle.dumps([1, 2, 3])
+    (flat / ".metadata").write_bytes(data[:-3])
+    with pytest.raises(CheckpointFormatError, match=r"could not be read .*truncated or corrupt"):
+        read_dcp_layout(str(flat), Storage())

@@ -1,0 +1,169 @@
+"""Model files beside the weights (config, tokenizer), the config checks and `--keep-fp32`,
+on the shipped ZeRO-3 sample (engine driver; the flow and real transformers are in
+`test_transformers_output.py`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from tests.conftest import SAMPLE_CKPT
+from zerosafe.config import ConvertOptions
+from zerosafe.errors import ConfigError
+from zerosafe.pipeline import convert_checkpoint
+from zerosafe.plan.model import job_key_of
+from zerosafe.verify.output import verify_output
+from zerosafe_app.cli import main
+
+CONFIG = {"model_type": "tiny", "tie_word_embeddings": True, "dtype": "float32"}
+
+
+@pytest.fixture
+def hf_ckpt(sample_ckpt: Path) -> Path:
+    """The sample with what `save_pretrained` writes beside `latest`, and what is not copied."""
+    (sample_ckpt / "config.json").write_text(json.dumps(CONFIG))
+    (sample_ckpt / "tokenizer.json").write_text('{"model": {}}')
+    (sample_ckpt / "tokenizer_config.json").write_text("{}")
+    (sample_ckpt / "training_args.bin").write_bytes(b"a pickle")
+    (sample_ckpt / "additional_chat_templates").mkdir()
+    (sample_ckpt / "additional_chat_templates" / "tool.jinja").write_text("{{ x }}")
+    return sample_ckpt
+
+
+def _manifest(out: Path) -> dict:
+    return json.loads((out / "zerosafe-manifest.json").read_text())
+
+
+def test_model_files_are_copied_recorded_and_verified(hf_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    summary = convert_checkpoint(str(hf_ckpt), str(out), ConvertOptions())
+    copied = ["config.json", "tokenizer.json", "tokenizer_config.json",
+              "additional_chat_templates/tool.jinja"]  # fmt: skip
+    assert [e["file"] for e in _manifest(out)["model_files"]] == copied
+    assert _manifest(out)["model_files_from"] == str(hf_ckpt)
+    assert not (out / "training_args.bin").exists() and not (out / "zero_to_fp32.py").exists()
+    for name in copied:
+        assert (out / name).read_bytes() == (hf_ckpt / name).read_bytes()
+    assert any("copies 4 model file(s)" in n for n in summary["notes"])
+    assert not summary["warnings"]  # the sample ties lm_head, as the config says; fp32 both
+    assert verify_output(str(out))["ok"]
+
+    (out / "tokenizer.json").write_text('{"model": {"x": 1}}')
+    report = verify_output(str(out))
+    assert [(f["file"], f["check"]) for f in report["failures"]] == [
+        ("tokenizer.json", "model file")
+    ]
+    # The same command again copies it anew, and only that: every shard is kept.
+    again = convert_checkpoint(str(hf_ckpt), str(out), ConvertOptions())
+    assert again["status"] == "converted" and verify_output(str(out))["ok"]
+    assert (out / "tokenizer.json").read_bytes() == (hf_ckpt / "tokenizer.json").read_bytes()
+    assert convert_checkpoint(str(hf_ckpt), str(out))["status"] == "already-complete"
+
+
+def test_source_changes_are_copied_again(hf_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    convert_checkpoint(str(hf_ckpt), str(out))
+    (hf_ckpt / "generation_config.json").write_text('{"max_length": 9}')
+    (hf_ckpt / "config.json").write_text(json.dumps({**CONFIG, "vocab_size": 97}))
+    assert convert_checkpoint(str(hf_ckpt), str(out))["status"] == "converted"
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 97
+    assert (out / "generation_config.json").exists() and verify_output(str(out))["ok"]
+    # Turned off: the copies go, the weights stay.
+    assert (
+        convert_checkpoint(str(hf_ckpt), str(out), ConvertOptions(copy_model_files=False))["status"]
+        == "converted"
+    )
+    assert not (out / "config.json").exists() and not (out / "additional_chat_templates").exists()
+    assert _manifest(out)["model_files"] == [] and verify_output(str(out))["ok"]
+
+
+def test_model_files_from_another_folder(sample_ckpt: Path, tmp_path: Path) -> None:
+    other = tmp_path / "hf"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(CONFIG))
+    out = tmp_path / "out"
+    summary = convert_checkpoint(str(sample_ckpt), str(out), ConvertOptions())
+    assert any("no config.json or tokenizer files" in n for n in summary["notes"])
+    assert (
+        convert_checkpoint(str(sample_ckpt), str(out), ConvertOptions(model_files=str(other)))[
+            "status"
+        ]
+        == "converted"
+    )  # the same job: only the copies are made
+    assert (out / "config.json").read_text() == json.dumps(CONFIG)
+
+
+def test_model_files_errors_are_one_line(sample_ckpt: Path, tmp_path: Path, capsys) -> None:
+    missing = tmp_path / "nowhere"
+    args = ["convert", "--no-flow", str(sample_ckpt), str(tmp_path / "o")]
+    assert main([*args, "--model-files", str(missing)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and str(missing) in err and "`--model-files`" in err
+    assert main([*args, "--keep-fp32", "norm(", "--dtype", "bf16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "`--keep-fp32` pattern 'norm('" in err
+    with pytest.raises(SystemExit):  # argparse: one or the other
+        main([*args, "--model-files", str(tmp_path), "--no-model-files"])
+    with pytest.raises(ConfigError, match="`model_files`"):
+        ConvertOptions(model_files=str(tmp_path), copy_model_files=False)
+
+
+@pytest.mark.parametrize(
+    ("config", "want"),
+    [
+        ({"tie_word_embeddings": False}, "`tie_word_embeddings` is false but the checkpoint ties"),
+        ({"dtype": "bfloat16"}, "`dtype` is 'bfloat16' but the weights are written in float32"),
+        ({"torch_dtype": "float16"}, "`torch_dtype` is 'float16'"),
+    ],
+)
+def test_config_disagreements_are_warned(
+    sample_ckpt: Path, config: dict, want: str, capsys
+) -> None:
+    (sample_ckpt / "config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(sample_ckpt), "--json"]) == 0
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert len(warnings) == 1 and want in warnings[0], warnings
+
+
+def test_tie_true_without_alias_is_warned(sample_ckpt: Path, capsys) -> None:
+    from zerosafe.stages.model_files import check_model_config
+
+    (warning,) = check_model_config(
+        {"tie_word_embeddings": True}, "c.json", out_dtype="float32", aliases={}
+    )
+    assert "ties no tensors" in warning
+    assert check_model_config({}, "c.json", out_dtype="float32", aliases={"a": "b"}) == []
+
+
+def test_keep_fp32(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    options = ConvertOptions(dtype="bf16", keep_fp32=("norm", r"^side\.bias$"))
+    summary = convert_checkpoint(str(SAMPLE_CKPT), str(out), options)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        dtypes = {k: str(f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118
+    kept = {k for k, d in dtypes.items() if d == "F32"}
+    assert kept == {k for k in dtypes if "norm" in k} | {"side.bias"}
+    assert {d for k, d in dtypes.items() if k not in kept} == {"BF16", "I64"}
+    assert _manifest(out)["options"]["keep_fp32"] == ["norm", r"^side\.bias$"]
+    assert any("kept in float32" in n for n in summary["notes"])
+    assert verify_output(str(out), against=str(SAMPLE_CKPT))["ok"]
+    options = ConvertOptions(dtype="bf16", keep_fp32=("nothing_matches",))
+    assert (
+        "matches no floating tensor"
+        in convert_checkpoint(str(SAMPLE_CKPT), str(tmp_path / "o2"), options)["warnings"][0]
+    )
+
+
+def test_job_keys_without_new_options_do_not_change() -> None:
+    """Outputs converted before these options existed must still count as done."""
+    before = {"dtype": "float32", "max_shard_bytes": 5 * 10**9, "tied": "dedupe",
+              "exclude_frozen": False}  # fmt: skip
+    assert ConvertOptions().identity() == before
+    assert ConvertOptions(model_files="/x", copy_model_files=True).identity() == before
+    assert ConvertOptions(copy_model_files=False).identity() == before
+    key = job_key_of("t", [], ConvertOptions())
+    assert job_key_of("t", [], ConvertOptions(keep_fp32=("norm",))) != key
+    assert ConvertOptions(keep_fp32=["a"]).keep_fp32 == ("a",)  # type: ignore[arg-type]
