@@ -73,32 +73,8 @@ class TinyLM(nn.Module):
         return self.lm_head(self.final_norm(h))
 
 
-def main():
-    spec = json.load(open(sys.argv[1]))
-    ckpt_dir, reference = sys.argv[2], sys.argv[3]
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = int(os.environ.get("RANK", 0))
-    vocab, width, hidden = spec.get("dims", [97, 40, 67])
-    torch.manual_seed(spec.get("seed", 7))
-    model = TinyLM(
-        vocab,
-        width,
-        hidden,
-        spec.get("layers", 2),
-        spec.get("tied", False),
-        spec.get("frozen", False),
-        spec.get("zero_size") and ("used" if spec["stage"] < 3 else "unused"),
-    )
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if spec.get("groups", 1) == 2:
-        matrices = [p for n, p in trainable if p.dim() == 2]
-        vectors = [p for n, p in trainable if p.dim() != 2]
-        params = [
-            {"params": matrices, "weight_decay": 0.05},
-            {"params": vectors, "weight_decay": 0.0},
-        ]
-    else:
-        params = [p for _, p in trainable]
+def make_config(spec):
+    """The DeepSpeed config of a spec (see the module docstring)."""
     zero = {"stage": spec["stage"]}
     if spec["stage"] == 3:
         zero["stage3_param_persistence_threshold"] = spec.get("persistence_threshold", 0)
@@ -148,6 +124,36 @@ def main():
         config["data_types"] = {"grad_accum_dtype": spec["grad_accum_dtype"]}
     if spec.get("legacy_files"):  # torch.save(..., _use_new_zipfile_serialization=False)
         config["checkpoint"] = {"checkpoint_serialization": False}
+    return config
+
+
+def main():
+    spec = json.load(open(sys.argv[1]))
+    ckpt_dir, reference = sys.argv[2], sys.argv[3]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = int(os.environ.get("RANK", 0))
+    vocab, width, hidden = spec.get("dims", [97, 40, 67])
+    torch.manual_seed(spec.get("seed", 7))
+    model = TinyLM(
+        vocab,
+        width,
+        hidden,
+        spec.get("layers", 2),
+        spec.get("tied", False),
+        spec.get("frozen", False),
+        spec.get("zero_size") and ("used" if spec["stage"] < 3 else "unused"),
+    )
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if spec.get("groups", 1) == 2:
+        matrices = [p for n, p in trainable if p.dim() == 2]
+        vectors = [p for n, p in trainable if p.dim() != 2]
+        params = [
+            {"params": matrices, "weight_decay": 0.05},
+            {"params": vectors, "weight_decay": 0.0},
+        ]
+    else:
+        params = [p for _, p in trainable]
+    config = make_config(spec)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
     gen = torch.Generator().manual_seed(31 + rank)
     for _ in range(spec.get("steps", 2)):
