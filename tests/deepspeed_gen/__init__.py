@@ -44,7 +44,7 @@ LIVE_NAME = "live.safetensors"
 CKPT_NAME = "ckpt"
 _FORMAT = "deepspeed_gen/1"  # bump when the layout of what train_checkpoint writes changes
 
-# About 8 checkpoints, combining features; each trains in 10-35 s on a 2-core CPU machine.
+# About 15 checkpoints, combining features; each trains in 10-35 s on a 2-core CPU machine.
 # Dims are odd on purpose so ZeRO's flat partitions need padding and params straddle ranks.
 SPECS: dict[str, dict[str, Any]] = {
     # ZeRO-1 + frozen params: DeepSpeed's converter silently drops the frozen ones.
@@ -84,6 +84,37 @@ SPECS: dict[str, dict[str, Any]] = {
     "z3-bf16-ws4-frozen-groups-subgroups": {
         "world_size": 4, "stage": 3, "precision": "bf16", "frozen": True, "groups": 2,
         "sub_group_size": 1000, "steps": 2, "dims": [71, 36, 59],
+    },
+    # Issue 14 layouts. bf16 masters with bf16 moments run without offload; bf16 masters with
+    # fp32 moments, and fp16 masters always, need offload_optimizer cpu + DeepSpeedCPUAdam
+    # (its C++ op is JIT-built once per machine, minutes on 2 cores).
+    "z1-bf16master-ws2-zerosize-groups": {
+        "world_size": 2, "stage": 1, "precision": "bf16", "master": "bf16",
+        "bf16_optimizer_states": True, "zero_size": True, "groups": 2, "steps": 2,
+    },
+    "z2-fp16master-offload-ws2-zerosize": {
+        "world_size": 2, "stage": 2, "precision": "fp16", "master": "fp16", "offload": "cpu",
+        "cpu_adam": True, "zero_size": True, "steps": 2,
+    },
+    "z3-bf16master-offload-ws2-zerosize-tied": {
+        "world_size": 2, "stage": 3, "precision": "bf16", "master": "bf16", "offload": "cpu",
+        "cpu_adam": True, "zero_size": True, "tied": True, "sub_group_size": 2000, "steps": 2,
+    },
+    "z2-fp32-offload-ws3-frozen": {
+        "world_size": 3, "stage": 2, "precision": "fp32", "offload": "cpu", "frozen": True,
+        "steps": 2,
+    },
+    "z1-muon-bf16-ws2-groups": {
+        "world_size": 2, "stage": 1, "precision": "bf16", "optimizer": "muon", "groups": 2,
+        "steps": 2,
+    },
+    "z2-muon-fp32-ws2-frozen": {
+        "world_size": 2, "stage": 2, "precision": "fp32", "optimizer": "muon", "frozen": True,
+        "steps": 2,
+    },
+    "z3-muon-bf16-ws2-subgroups-tied": {
+        "world_size": 2, "stage": 3, "precision": "bf16", "optimizer": "muon", "tied": True,
+        "sub_group_size": 2000, "steps": 2,
     },
 }  # fmt: skip
 
@@ -144,7 +175,11 @@ def _free_port() -> int:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # Muon's Newton-Schulz step is `torch.compile`d: compiling C++ kernels takes minutes on CPU
+    # machines; TORCHDYNAMO_DISABLE runs it eagerly, with the same results.
+    env.update(
+        DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TORCHDYNAMO_DISABLE="1"
+    )
     return env
 
 

@@ -43,6 +43,12 @@ NAMES = sorted(SPECS)
 # lm_head.weight is embed.weight (DeepSpeed records lm_head.weight as the alias).
 FROZEN_PARAMS = {"side.weight", "side.bias", "side_out.weight"}
 TIED_ALIASES = {"lm_head.weight": "embed.weight"}
+# With `zero_size`: two zero-element params (train_zero.py). ZeRO-1 keeps them out of every
+# group and saves no frozen shapes, so DeepSpeed's converter drops them; DeepSpeed ties empty
+# tensors to each other (equal data_ptr), so at ZeRO-2 its converter gives `empty.mat` the
+# (0,)-shaped tensor of `empty.vec`.
+ZERO_SIZE = {"empty.vec": (0,), "empty.mat": (0, 40)}
+MASTER_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MANIFEST = "zerosafe-manifest.json"
 SMALL_SHARDS = 12_000  # bytes: several shards per output (the largest tensor is ~15 KB)
 
@@ -232,9 +238,15 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
 def expected_extras(gen: Generated, ours: Output) -> set[str]:
     if refused_by_deepspeed(gen.spec):
         return set(ours.tensors)
-    if frozen_dropped_by_deepspeed(gen.spec):
-        return set(FROZEN_PARAMS)
-    return set()
+    extras = set(FROZEN_PARAMS) if frozen_dropped_by_deepspeed(gen.spec) else set()
+    if gen.spec.get("zero_size") and gen.spec["stage"] == 1:
+        extras |= set(ZERO_SIZE)  # not in param_shapes, no frozen shapes at ZeRO-1
+    return extras
+
+
+def wrong_ties(gen: Generated) -> dict[str, str]:
+    """DeepSpeed's ties between zero-element params, which share nothing."""
+    return {a: t for a, t in gen.ds["aliases"].items() if a in ZERO_SIZE}
 
 
 def assert_verified(out: Output, gen: Generated) -> None:
@@ -263,6 +275,10 @@ def test_fp32_matches_deepspeed(name: str, mode: str, checkpoints, convert) -> N
     ds = gen.ds_tensors()
     ds_aliases: dict[str, str] = gen.ds["aliases"]
     assert set(ds) | set(ds_aliases) == set(gen.ds["names"])
+    for alias, target in wrong_ties(gen).items():  # DeepSpeed wrong: zerosafe writes both
+        assert tuple(ds[target].shape) != ZERO_SIZE[alias], "DeepSpeed got the shape right now"
+        assert tuple(ours.tensors[alias].shape) == ZERO_SIZE[alias]
+        ds_aliases = {a: t for a, t in ds_aliases.items() if a != alias}
     for alias, target in ds_aliases.items():
         assert ours.aliases.get(alias) == target, (
             f"DeepSpeed ties {alias} -> {target}; manifest aliases {ours.aliases}"
@@ -275,7 +291,7 @@ def test_fp32_matches_deepspeed(name: str, mode: str, checkpoints, convert) -> N
         )
         assert_same(key, ours.tensors[key], upcast(want))
 
-    extras = set(ours.tensors) - set(ds)
+    extras = set(ours.tensors) - set(ds) - set(wrong_ties(gen))
     print(
         f"\n{name} [{mode}]: {len(ds)} tensors equal DeepSpeed's; beyond DeepSpeed: {sorted(extras)}"
     )
@@ -357,6 +373,85 @@ def test_tied_copy_stores_alias(name: str, checkpoints, convert) -> None:
         assert_same(key, copy.tensors[key], want)
 
 
+LOW_MASTERS = [n for n in NAMES if SPECS[n].get("master")]
+ZERO_SIZED = [n for n in NAMES if SPECS[n].get("zero_size")]
+MUON = [n for n in NAMES if SPECS[n].get("optimizer") == "muon"]
+
+
+def _inspect(gen: Generated) -> dict[str, Any]:
+    from zerosafe.io.storage import Storage
+    from zerosafe.plan.build import plan_checkpoint
+    from zerosafe.plan.describe import describe_plan, render_inspect
+
+    options = ConvertOptions(dtype="float32")
+    storage = Storage()
+    layout, plan = plan_checkpoint(storage, str(gen.ckpt), tag=None, options=options)
+    report = describe_plan(layout, plan, options, metadata_bytes_read=storage.counter.bytes_read)
+    report["text"] = render_inspect(report)
+    return report
+
+
+def saved_master_bytes(ckpt: Path) -> int:
+    """Bytes of the master partitions the optimizer files hold, in their own dtype."""
+    tag = (ckpt / "latest").read_text().strip()
+    total = 0
+    for f in (ckpt / tag).glob("*optim_states.pt"):
+        osd = torch.load(f, weights_only=False)["optimizer_state_dict"]
+        groups = osd.get("fp32_flat_groups") or osd["single_partition_of_fp32_groups"]
+        total += sum(t.numel() * t.element_size() for t in groups)
+    return total
+
+
+@pytest.mark.parametrize("name", LOW_MASTERS)
+def test_low_precision_masters(name: str, checkpoints, convert) -> None:
+    """bf16/fp16 masters: read in their dtype (DeepSpeed's converter returns them so, beside
+    fp32 buffers), stated in the manifest and `inspect`, bytes counted in that dtype."""
+    gen = checkpoints(name)
+    master = MASTER_DTYPES[gen.spec["master"]]
+    master_name = str(master).removeprefix("torch.")
+    ours = convert(name, **FP32_MODES["staged"])
+    assert ours.manifest["source"]["master_dtype"] == master_name
+    ds = gen.ds_tensors()
+    trained = [k for k in ds if k not in ZERO_SIZE and not k.startswith("step_")]
+    assert trained and all(ds[k].dtype == master for k in trained), "DeepSpeed upcasts now"
+    report = _inspect(gen)
+    assert report["master_dtype"] == master_name
+    assert f"master weights in {master_name}" in report["text"]
+    masters = saved_master_bytes(gen.ckpt)  # the real dtype's bytes, padding included
+    assert masters < report["params"]["trained_elements"] * 4
+    assert report["reads"]["fp32_master_bytes"] == masters
+    assert ours.summary["fp32_bytes"] == masters
+    low = convert(name, dtype=master_name)  # the masters' own dtype: their bytes, unchanged
+    for key, want in ours.tensors.items():
+        if want.is_floating_point() and key in ds and ds[key].dtype == master:
+            assert_same(key, low.tensors[key], ds[key])
+
+
+@pytest.mark.parametrize("name", ZERO_SIZED)
+def test_zero_element_params(name: str, checkpoints, convert) -> None:
+    gen = checkpoints(name)
+    ours = convert(name, **FP32_MODES["staged"])
+    lean = convert(name, dtype="float32", exclude_frozen=True)
+    for key, shape in ZERO_SIZE.items():
+        for out in (ours, lean):
+            assert tuple(out.tensors[key].shape) == shape and out.tensors[key].numel() == 0
+        assert key not in ours.aliases
+    report = _inspect(gen)
+    assert sorted(report["zero_element_params"]) == sorted(ZERO_SIZE)
+    assert any("zero-element" in n for n in report["notes"])
+
+
+@pytest.mark.parametrize("name", MUON)
+def test_muon_reads_only_masters(name: str, checkpoints, convert) -> None:
+    gen = checkpoints(name)
+    ours = convert(name, **FP32_MODES["staged"])
+    assert ours.manifest["source"]["optimizer_name"].startswith("Muon")
+    assert "momentum_buffer" in ours.manifest["source"]["optimizer_name"]
+    report = _inspect(gen)
+    assert "optimizer Muon" in report["text"] and "momentum_buffer" in report["text"]
+    assert ours.summary["fp32_bytes"] == saved_master_bytes(gen.ckpt)
+
+
 @pytest.mark.parametrize("name", FROZEN)
 def test_exclude_frozen_leaves_frozen_out(name: str, checkpoints, convert) -> None:
     full = convert(name, **FP32_MODES["staged"])
@@ -391,3 +486,141 @@ VERIFY_CASES = [
 def test_verify_output_passes(name: str, variant: str, checkpoints, convert) -> None:
     """verify_output(out, against=ckpt) accepts every output we made (all policies)."""
     assert_verified(convert(name, **VARIANTS[variant]), checkpoints(name))
+
+
+# ---------------------------------------------------------------------------------------------
+# NVMe offload (ZeRO-3 `offload_optimizer: {device: nvme}`): DeepSpeed needs libaio (its
+# async_io op) to train so, which these machines lack, and swaps only sub-groups of at least
+# 1 MiB of masters. The layout is therefore made from a real ZeRO-3 checkpoint the way
+# DeepSpeed 0.19.8 writes it (engine.py `save_checkpoint`, swap_tensor/optimizer_utils.py):
+# each swapped sub-group's tensor in `fp32_flat_groups` saved empty (`torch.Tensor()`), its
+# masters raw in `<tag>/offloaded_tensors/rank<NN>/<first ds_id>_<last ds_id>.tensor.swp`,
+# padded to 1024 bytes, moments beside them as `exp_avg-<ids>.tensor.swp`.
+
+NVME_SOURCE = "z3-fp32-ws3-subgroups-tied-frozen"
+
+
+def make_nvme_checkpoint(
+    src: Path, dest: Path, *, groups: set[int] | None = None, id_base: int = 0
+) -> list[Path]:
+    """Copy `src` with the masters of `groups` (all by default) moved to swap files, ds_ids
+    counted from `id_base` in `module.parameters()` order. Returns the master swap files."""
+    shutil.copytree(src, dest)
+    tag = (dest / "latest").read_text().strip()
+    model0 = torch.load(
+        dest / tag / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False
+    )
+    skip = set(model0["buffer_names"]) | set(model0["shared_params"] or {})
+    order = [k for k in model0["module"] if k not in skip]
+    ds_id = {name: id_base + i for i, name in enumerate(order)}
+    written = []
+    for optim in sorted((dest / tag).glob("*zero_pp_rank_*_optim_states.pt")):
+        rank = int(optim.name.split("zero_pp_rank_")[1].split("_")[0])
+        sd = torch.load(optim, weights_only=False)
+        flat = sd["optimizer_state_dict"]["fp32_flat_groups"]
+        folder = dest / tag / "offloaded_tensors" / f"rank{rank:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for g in sorted(groups if groups is not None else range(len(flat))):
+            names = list(model0["param_shapes"][g])
+            stem = f"{ds_id[names[0]]}_{ds_id[names[-1]]}"
+            raw = flat[g].contiguous().view(torch.uint8).numpy().tobytes()
+            raw += b"\0" * (-len(raw) % 1024)
+            (folder / f"{stem}.tensor.swp").write_bytes(raw)
+            (folder / f"exp_avg-{stem}.tensor.swp").write_bytes(b"\x7f" * len(raw))
+            written.append(folder / f"{stem}.tensor.swp")
+            flat[g] = torch.Tensor()
+        torch.save(sd, optim)
+    return written
+
+
+def _convert_dir(ckpt: Path, out: Path, **options: Any) -> dict[str, torch.Tensor]:
+    summary = convert_checkpoint(str(ckpt), str(out), ConvertOptions(**options))
+    assert summary["status"] == "converted", summary
+    return _read_output(out, summary)
+
+
+@pytest.mark.parametrize("mode", sorted(FP32_MODES))
+@pytest.mark.parametrize(("groups", "id_base"), [(None, 0), ({0, 2}, 7)], ids=["all", "some"])
+def test_nvme_swapped_masters(mode, groups, id_base, checkpoints, convert, tmp_path) -> None:
+    gen = checkpoints(NVME_SOURCE)
+    ckpt = tmp_path / "nvme"
+    make_nvme_checkpoint(gen.ckpt, ckpt, groups=groups, id_base=id_base)
+    got = _convert_dir(ckpt, tmp_path / "out", **FP32_MODES[mode])
+    want = convert(NVME_SOURCE, **FP32_MODES["staged"]).tensors
+    assert set(got) == set(want)
+    for key, tensor in want.items():
+        assert_same(key, got[key], tensor)
+    live = gen.live_tensors()
+    for key, tensor in got.items():
+        assert_same(key, tensor.to(live[key].dtype), live[key])
+    report = _inspect(Generated(NVME_SOURCE, gen.spec, ckpt, gen.live, gen.ds))
+    assert report["nvme_swap_files"] > 0 and "NVMe swap files" in report["text"]
+    assert report["reads"]["fp32_master_bytes"] == saved_master_bytes(gen.ckpt)
+    assert report_ok(verify_output(str(tmp_path / "out"), against=str(ckpt)))
+
+
+def report_ok(report: dict[str, Any]) -> bool:
+    for failure in report["failures"]:
+        print("verify failure:", failure)
+    return bool(report["ok"])
+
+
+def test_nvme_deepspeed_converter_fails(checkpoints, tmp_path) -> None:
+    """DeepSpeed's zero_to_fp32 reads only the (empty) optimizer-file partitions."""
+    ckpt = tmp_path / "nvme"
+    make_nvme_checkpoint(checkpoints(NVME_SOURCE).ckpt, ckpt)
+    info = deepspeed_fp32_state_dict(ckpt, tmp_path / "ds.safetensors")
+    assert info["error"], "DeepSpeed's converter now reads NVMe swap files"
+
+
+def test_nvme_missing_swap_files_refused(checkpoints, tmp_path) -> None:
+    from zerosafe.errors import UnsupportedCheckpointError
+
+    ckpt = tmp_path / "nvme"
+    swaps = make_nvme_checkpoint(checkpoints(NVME_SOURCE).ckpt, ckpt)
+    swaps[-1].unlink()
+    with pytest.raises(UnsupportedCheckpointError) as err:
+        convert_checkpoint(str(ckpt), str(tmp_path / "out"), ConvertOptions())
+    text = str(err.value)
+    assert "offloaded_tensors/rank" in text and "NVMe" in text and "Nothing was written" in text
+    assert not list((tmp_path / "out").glob("**/*.safetensors")), "wrote weights"
+    shutil.rmtree(ckpt / "global_step2" / "offloaded_tensors")
+    with pytest.raises(UnsupportedCheckpointError, match="swap files are missing"):
+        convert_checkpoint(str(ckpt), str(tmp_path / "out"), ConvertOptions())
+
+
+def test_nvme_truncated_swap_file_refused(checkpoints, tmp_path) -> None:
+    from zerosafe.errors import LayoutMismatchError
+
+    ckpt = tmp_path / "nvme"
+    swaps = make_nvme_checkpoint(checkpoints(NVME_SOURCE).ckpt, ckpt)
+    swaps[0].write_bytes(swaps[0].read_bytes()[:100])
+    with pytest.raises(LayoutMismatchError, match="tensor.swp: expected"):
+        convert_checkpoint(str(ckpt), str(tmp_path / "out"), ConvertOptions())
+
+
+NVME_SPEC: dict[str, Any] = {
+    "world_size": 2, "stage": 3, "precision": "bf16", "offload": "nvme", "cpu_adam": True,
+    "steps": 2, "dims": [1100, 512, 64], "layers": 1,
+}  # fmt: skip
+"""Big enough that each rank's sub-group (597K fp32 masters) passes the 1 MiB swap threshold."""
+
+
+@pytest.mark.skipif(
+    os.environ.get("ZEROSAFE_NVME") != "1",
+    reason="real NVMe offload needs libaio (apt install libaio-dev) and about 7 minutes of "
+    "training on 2 cores; set ZEROSAFE_NVME=1 to run it",
+)
+def test_nvme_real_deepspeed(tmp_path) -> None:
+    """DeepSpeed trains with `offload_optimizer: {device: nvme}` and saves the masters in
+    `offloaded_tensors/`: zerosafe equals the live weights; DeepSpeed's converter fails."""
+    ckpt = train_checkpoint(NVME_SPEC, tmp_path / "train", attempts=1, timeout=1500)
+    tag = (ckpt / "latest").read_text().strip()
+    assert list((ckpt / tag / "offloaded_tensors" / "rank00").glob("*_*.tensor.swp"))
+    got = _convert_dir(ckpt, tmp_path / "out", dtype="float32")
+    live = load_file(tmp_path / "train" / "live.safetensors")
+    assert set(got) == set(live)
+    for key, tensor in got.items():
+        assert_same(key, tensor.to(live[key].dtype), live[key])
+    info = deepspeed_fp32_state_dict(ckpt, tmp_path / "ds.safetensors")
+    assert info["error"] and "numels" in info["error"], info["error"]

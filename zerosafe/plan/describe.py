@@ -113,8 +113,8 @@ def _memory_estimate(plan: Plan, options: ConvertOptions) -> dict[str, int]:
         widest = max(widest, t.numel * size)
     if not options.direct:
         for part in plan.parts:
-            for _, _, numel in part.pieces:
-                widest = max(widest, numel * 4)  # fp32 slot ranges
+            for slot, _, numel in part.pieces:
+                widest = max(widest, numel * plan.slots[slot].itemsize)  # master slot ranges
     buffer_bytes = min(options.chunk_bytes, widest)
     task_bytes = TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * buffer_bytes
     most_tasks = max(len(plan.shards), 0 if options.direct else len(plan.parts), 1)

@@ -22,6 +22,15 @@ from zerosafe.errors import (
     LayoutMismatchError,
     UnsupportedCheckpointError,
 )
+from zerosafe.formats.deepspeed.masters import (
+    MASTER_DTYPES,
+    SWAP_FOLDER,
+    find_swap_files,
+    is_master_swap,
+    master_dtype_of,
+    optimizer_name_of,
+    swap_folder_url,
+)
 from zerosafe.formats.deepspeed.save_identity import check_one_save
 from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_zip import InertObject, TensorRecord, TorchZipFile
@@ -75,6 +84,17 @@ class FrozenParam:
     """`(rank, tensor)` in rank order; concatenated and cut to `numel` they give the param."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SwapFile:
+    """A ZeRO-3 master partition that NVMe offload keeps in a swap file, not the optim file."""
+
+    url: str
+    identity: FileIdentity
+    rank: int
+    numel: int
+    dtype: str
+
+
 @dataclass(kw_only=True)
 class ZeroCheckpoint:
     """Everything the planner needs about one tag of a ZeRO checkpoint."""
@@ -103,6 +123,15 @@ class ZeroCheckpoint:
     shared: dict[str, str]
     """Tied aliases: alias name -> the name of the tensor it shares memory with."""
     module_order: list[str]
+    master_dtype: str = "float32"
+    """The dtype of the master weights (the groups DeepSpeed names `fp32`): bfloat16 or float16
+    with `bf16_master_weights_and_grads` / `fp16_master_weights_and_grads`."""
+    optimizer_name: str = "unknown"
+    """The wrapped torch optimizer, as `inspect` names it (`AdamW`, `Muon`), with its state."""
+    empty_params: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)
+    """Zero-element params `(name, shape, dtype)`: in the output with their shape and no data."""
+    swapped: dict[tuple[int, int], SwapFile] = field(default_factory=dict)
+    """NVMe offload: `(rank, sub-group)` -> the swap file holding that partition's masters."""
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -277,8 +306,17 @@ def quick_identities(
     job key computed from them matches a finished conversion's without opening any file.
     """
     tag, tag_url = find_tag_dir(storage, ckpt_url, tag)
-    optim, model, _ = _scan_files(storage, tag_url)
+    optim, model, names = _scan_files(storage, tag_url)
     urls = [optim[r] for r in sorted(optim)] + [model[r] for r in sorted(model)]
+    if SWAP_FOLDER in names:  # NVMe offload: the masters' swap files, as the reader orders them
+        for r in sorted(optim):
+            folder = swap_folder_url(tag_url, r)
+            if storage.isdir(folder):
+                urls += [
+                    join_url(folder, n)
+                    for n in sorted(storage.listdir(folder))
+                    if is_master_swap(n)
+                ]
     return tag, [storage.identity(u).as_dict() for u in urls]
 
 
@@ -408,10 +446,27 @@ def open_zero_checkpoint(
         fp32_partitions=[], alignment_paddings=[], partition_numels=[], frozen=[],
         buffers=[], shared={}, module_order=[],
     )  # fmt: skip
+    ckpt.optimizer_name = optimizer_name_of(ckpt)
     _version_and_optimizer_notes(ckpt)
-    _read_partitions(ckpt)
+    _read_partitions(ckpt, storage)
     _read_module_side(ckpt)
+    _master_notes(ckpt)
     return ckpt
+
+
+def _master_notes(ckpt: ZeroCheckpoint) -> None:
+    if ckpt.master_dtype != "float32":
+        key = "bf16" if ckpt.master_dtype == "bfloat16" else "fp16"
+        ckpt.notes.append(
+            f"master weights are {ckpt.master_dtype} (`{key}_master_weights_and_grads`): the "
+            "groups DeepSpeed names fp32 hold them, and the output is their exact cast (fp32 "
+            f"output adds no precision; DeepSpeed's zero_to_fp32 returns them as {ckpt.master_dtype})"
+        )
+    if ckpt.empty_params:
+        ckpt.notes.append(
+            f"{len(ckpt.empty_params)} zero-element param(s) are in the output with their shape "
+            "and no data: " + ", ".join(f"{n} {list(s)}" for n, s, _ in ckpt.empty_params)
+        )
 
 
 def _load_files(
@@ -567,7 +622,7 @@ def _check_ranks(
         )
 
 
-def _read_partitions(ckpt: ZeroCheckpoint) -> None:
+def _read_partitions(ckpt: ZeroCheckpoint, storage: Storage) -> None:
     key = "fp32_flat_groups" if ckpt.stage == 3 else "single_partition_of_fp32_groups"
     for f in ckpt.optim_files:
         osd = f.obj["optimizer_state_dict"]
@@ -575,9 +630,10 @@ def _read_partitions(ckpt: ZeroCheckpoint) -> None:
         if not isinstance(groups, (list, tuple)) or not groups:
             raise CheckpointFormatError(f"{f.url}: '{key}' is missing or empty")
         for t in groups:
-            if not isinstance(t, TensorRecord) or t.dtype != "float32" or len(t.shape) != 1:
+            if not isinstance(t, TensorRecord) or t.dtype not in MASTER_DTYPES or len(t.shape) != 1:
                 raise CheckpointFormatError(
-                    f"{f.url}: '{key}' must hold 1-D float32 tensors, found {t!r}"
+                    f"{f.url}: '{key}' must hold 1-D master weights in "
+                    f"{'/'.join(MASTER_DTYPES)}, found {t!r}"
                 )
             if not t.is_contiguous():
                 raise CheckpointFormatError(f"{f.url}: a '{key}' tensor is not contiguous")
@@ -588,8 +644,48 @@ def _read_partitions(ckpt: ZeroCheckpoint) -> None:
             f"{ckpt.tag_url}: ranks hold different numbers of fp32 groups ({sorted(counts)}); "
             "files from different runs are mixed"
         )
+    ckpt.master_dtype = master_dtype_of(ckpt, key)
     if ckpt.stage == 3:
+        _zero3_partitions(ckpt, storage)
         return
+    _zero12_partitions(ckpt)
+
+
+def _zero3_partitions(ckpt: ZeroCheckpoint, storage: Storage) -> None:
+    """Every sub-group partition holds `sum(ceil(numel / world_size))` elements of its params,
+    saved in the optim file or (NVMe offload) saved empty there and kept in a swap file."""
+    if len(ckpt.fp32_partitions[0]) != len(ckpt.param_groups):
+        if all(t.numel for groups in ckpt.fp32_partitions for t in groups):
+            return  # the reader checks the total; sub-groups are only needed to place swaps
+        raise LayoutMismatchError(
+            f"{ckpt.model_files[0].url}: 'param_shapes' has {len(ckpt.param_groups)} sub-groups "
+            f"but {ckpt.optim_files[0].url} has {len(ckpt.fp32_partitions[0])} fp32 partitions; "
+            "was the checkpoint saved with another world size or another model?"
+        )
+    want = [
+        sum(-(-_numel(shape) // ckpt.world_size) for _, shape in group)
+        for group in ckpt.param_groups
+    ]
+    missing: dict[tuple[int, int], int] = {}
+    for f in ckpt.optim_files:
+        for g, t in enumerate(ckpt.fp32_partitions[f.rank]):
+            if t.numel == 0 and want[g] > 0:
+                missing[(f.rank, g)] = want[g]
+            elif t.numel != want[g]:
+                raise LayoutMismatchError(
+                    f"{f.url}: fp32 partition {g} of rank {f.rank} holds {t.numel} elements but "
+                    f"'param_shapes' partitioned over {ckpt.world_size} ranks needs exactly {want[g]}; "
+                    "was the checkpoint saved with another world size or another model?"
+                )
+    if missing:
+        ckpt.swapped = find_swap_files(storage, ckpt, missing)
+        ckpt.notes.append(
+            f"{len(missing)} master partition(s) offloaded to NVMe are read from their swap "
+            f"files in {SWAP_FOLDER}/ (the optimizer files hold them empty)"
+        )
+
+
+def _zero12_partitions(ckpt: ZeroCheckpoint) -> None:
     num_groups = len(ckpt.fp32_partitions[0])
     if num_groups != len(ckpt.param_groups):
         raise LayoutMismatchError(
@@ -628,7 +724,7 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
     module = obj.get("module")
     module = module if isinstance(module, Mapping) else {}
     ckpt.module_order = [k for k in module if isinstance(k, str)]
-    shared = obj.get("shared_params") or {}
+    shared = _real_ties(ckpt, obj, module)
     for alias, target in shared.items():
         seen = {alias}
         while target in shared and target not in seen:  # resolve alias chains to the owner
@@ -646,7 +742,11 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
             )
     frozen_shapes = obj.get("frozen_param_shapes")
     if isinstance(frozen_shapes, Mapping):
-        ckpt.frozen += [_frozen_from_fragments(ckpt, n, s) for n, s in frozen_shapes.items()]
+        for n, shape in frozen_shapes.items():
+            if _numel(tuple(int(x) for x in shape)) == 0:  # "not owned by the optimizer"
+                ckpt.empty_params.append((str(n), tuple(int(x) for x in shape), ckpt.train_dtype))
+            else:
+                ckpt.frozen.append(_frozen_from_fragments(ckpt, n, shape))
     recovered = _frozen_from_module(ckpt, module, buffer_names)
     if recovered:
         why = (
@@ -667,12 +767,50 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
             "the checkpoint, so the output holds only the trained ones and buffers"
         )
     owners = set(ckpt.param_names) | {fp.name for fp in ckpt.frozen}
+    owners |= {n for n, _, _ in ckpt.empty_params}
     for alias, target in ckpt.shared.items():
         if target not in owners:
             raise LayoutMismatchError(
                 f"{model0.url}: tied param '{alias}' shares memory with '{target}', which is "
                 "neither a trained nor a frozen param of this checkpoint"
             )
+
+
+def _shape_of(
+    obj: Mapping[str, Any], module: Mapping[str, Any], name: str, stage: int
+) -> tuple[int, ...] | None:
+    """A param's shape: `frozen_param_shapes` (ZeRO-2/3), `param_shapes`, or the module copy
+    (ZeRO-1/2 only: ZeRO-3 keeps empty placeholders there)."""
+    frozen = obj.get("frozen_param_shapes")
+    if isinstance(frozen, Mapping) and name in frozen:
+        return tuple(int(x) for x in frozen[name])
+    for group in obj.get("param_shapes") or ():
+        if isinstance(group, Mapping) and name in group:
+            return tuple(int(x) for x in group[name])
+    t = module.get(name)
+    return tuple(t.shape) if isinstance(t, TensorRecord) and stage < 3 else None
+
+
+def _real_ties(
+    ckpt: ZeroCheckpoint, obj: Mapping[str, Any], module: Mapping[str, Any]
+) -> dict[str, str]:
+    """`shared_params` without the ties DeepSpeed infers between zero-element params: it
+    compares `data_ptr()`, and every empty tensor has the same one, so `{empty_b: empty_a}`
+    appears though the two share nothing (not even a shape)."""
+    shared = obj.get("shared_params") or {}
+    ties = {}
+    for alias, target in shared.items():
+        shapes = [_shape_of(obj, module, str(n), ckpt.stage) for n in (alias, target)]
+        if any(sh is not None and _numel(sh) == 0 for sh in shapes):
+            ckpt.notes.append(
+                f"DeepSpeed records '{alias}' as tied to '{target}' because both are empty "
+                f"(shapes {[list(sh) if sh is not None else None for sh in shapes]}); they "
+                "share no memory, so each is written with its own shape (DeepSpeed's "
+                "zero_to_fp32 gives the alias the target's tensor, shape included)"
+            )
+            continue
+        ties[str(alias)] = str(target)
+    return ties
 
 
 def _frozen_from_fragments(ckpt: ZeroCheckpoint, name: str, shape: Any) -> FrozenParam:
@@ -710,12 +848,16 @@ def _frozen_from_module(
         set(ckpt.param_names)
         | {n for n, _ in ckpt.buffers}
         | {fp.name for fp in ckpt.frozen}
+        | {n for n, _, _ in ckpt.empty_params}
         | set(ckpt.shared)
     )
     recovered = []
     for name in ckpt.module_order:
         t = module[name]
         if name in known or name in buffer_names or not isinstance(t, TensorRecord):
+            continue
+        if t.numel == 0 and ckpt.stage < 3:  # ZeRO-1/2 leave zero-element params out of groups
+            ckpt.empty_params.append((name, tuple(t.shape), t.dtype))
             continue
         if t.numel == 0 and ckpt.stage == 3:
             raise LayoutMismatchError(

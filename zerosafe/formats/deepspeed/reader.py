@@ -20,6 +20,7 @@ from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
 from zerosafe.formats.base import Fragment, SourceLayout, SourceTensor
 from zerosafe.formats.deepspeed.checkpoint import (
     LoadedFile,
+    SwapFile,
     ZeroCheckpoint,
     open_zero_checkpoint,
     quick_identities,
@@ -31,7 +32,7 @@ from zerosafe.formats.deepspeed.layout import (
 )
 from zerosafe.formats.deepspeed.save_identity import check_module_copy_sample
 from zerosafe.formats.torch_pickle import TensorRecord
-from zerosafe.io.storage import Storage, join_url, normalize_url
+from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
 from zerosafe.plan.model import Slot, SourceFile
 from zerosafe.units import format_bytes
 
@@ -90,7 +91,11 @@ def zero_layout(ckpt: ZeroCheckpoint, options: ConvertOptions) -> SourceLayout:
     builder = _SlotBuilder(ckpt)
     fragments: dict[str, list[Fragment]] = {}
     fp32_slot = {
-        (f.rank, g): builder.add(f, "fp32", f"fp32/group{g}", t)
+        (f.rank, g): (
+            builder.add_swap(ckpt.swapped[(f.rank, g)], f"fp32/group{g}")
+            if (f.rank, g) in ckpt.swapped
+            else builder.add(f, "fp32", f"fp32/group{g}", t)
+        )
         for f in ckpt.optim_files
         for g, t in enumerate(ckpt.fp32_partitions[f.rank])
     }
@@ -102,9 +107,13 @@ def zero_layout(ckpt: ZeroCheckpoint, options: ConvertOptions) -> SourceLayout:
     for group in ckpt.param_groups:
         for name, shape in group:
             tensors[name] = SourceTensor(
-                name=name, shape=shape, dtype="float32", role="param",
+                name=name, shape=shape, dtype=ckpt.master_dtype, role="param",
                 fragments=tuple(fragments.get(name, ())),
             )  # fmt: skip
+    for name, shape, dtype in ckpt.empty_params:  # shape and no data, whatever the options
+        tensors[name] = SourceTensor(
+            name=name, shape=shape, dtype=dtype, role="param", fragments=()
+        )
     if not options.exclude_frozen:  # their slots cost a header read each: skip when unused
         for fp in ckpt.frozen:
             tensors[fp.name] = _frozen_tensor(ckpt, builder, fp.name, fp.shape, fp.dtype, fp.pieces)
@@ -157,7 +166,7 @@ def _zero3_fragments(
     flat = [(name, shape) for group in ckpt.param_groups for name, shape in group]
     pieces, per_rank = zero3_pieces([math.prod(s) for _, s in flat], ckpt.world_size)
     for rank in range(ckpt.world_size):
-        saved_numel = sum(t.numel for t in ckpt.fp32_partitions[rank])
+        saved_numel = sum(_partition_numels(ckpt, rank))
         if saved_numel != per_rank:
             raise LayoutMismatchError(
                 f"{ckpt.optim_files[rank].url}: rank {rank} saved {saved_numel} fp32 elements "
@@ -165,13 +174,21 @@ def _zero3_fragments(
                 f"{per_rank}; was the checkpoint saved with another world size or another model?"
             )
     for piece in pieces:
-        segments = [t.numel for t in ckpt.fp32_partitions[piece.rank]]
+        segments = _partition_numels(ckpt, piece.rank)
         for seg, seg_offset, count, run_offset in split_by_segments(
             piece.src_offset, piece.numel, segments
         ):
             out.setdefault(flat[piece.param][0], []).append(
                 (fp32_slot[(piece.rank, seg)], seg_offset, count, piece.dst_offset + run_offset)
             )
+
+
+def _partition_numels(ckpt: ZeroCheckpoint, rank: int) -> list[int]:
+    """Elements of each of a rank's master partitions, wherever they are kept."""
+    return [
+        ckpt.swapped[(rank, g)].numel if (rank, g) in ckpt.swapped else t.numel
+        for g, t in enumerate(ckpt.fp32_partitions[rank])
+    ]
 
 
 def _frozen_tensor(
@@ -223,25 +240,31 @@ def _source_block(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         "optimizer": ckpt.optimizer_kind,
         "world_size": ckpt.world_size,
         "train_dtype": ckpt.train_dtype,
+        "master_dtype": ckpt.master_dtype,
+        "optimizer_name": ckpt.optimizer_name,
         "ds_version": ckpt.ds_version,
         "num_params": sum(math.prod(s) for g in ckpt.param_groups for _, s in g),
-        "checkpoint_bytes": sum(f.identity.size_bytes for f in ckpt.files),
-        "files": [f.identity.as_dict() for f in ckpt.files],
+        "checkpoint_bytes": sum(i.size_bytes for i in _identities(ckpt)),
+        "files": [i.as_dict() for i in _identities(ckpt)],
         "content_sha256": content_fingerprint(ckpt),
     }
 
 
 def _facts(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     """`inspect`'s DeepSpeed section (its keys predate the format readers: kept as they are)."""
-    total = sum(f.identity.size_bytes for f in ckpt.files)
+    total = sum(i.size_bytes for i in _identities(ckpt))
     about = [
         f"Checkpoint  {ckpt.ckpt_url}  (DeepSpeed ZeRO, tag {ckpt.tag})",
         f"  ZeRO stage {ckpt.stage}"
         + (" (BF16_Optimizer)" if ckpt.optimizer_kind == "bf16_optimizer" else "")
         + f", trained in {ckpt.train_dtype}, data-parallel world size {ckpt.world_size}, "
         f"DeepSpeed {ckpt.ds_version or 'unknown'}",
-        f"  files: {len(ckpt.optim_files)} optimizer + {len(ckpt.model_files)} model states, "
-        f"{format_bytes(total)} in all",
+        f"  master weights in {ckpt.master_dtype}"
+        + (" (low-precision masters)" if ckpt.master_dtype != "float32" else "")
+        + f", optimizer {ckpt.optimizer_name}",
+        f"  files: {len(ckpt.optim_files)} optimizer + {len(ckpt.model_files)} model states"
+        + (f" + {len(ckpt.swapped)} NVMe swap files" if ckpt.swapped else "")
+        + f", {format_bytes(total)} in all",
     ]
     return {
         "checkpoint": ckpt.ckpt_url,
@@ -249,6 +272,10 @@ def _facts(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         "zero_stage": ckpt.stage,
         "optimizer": ckpt.optimizer_kind,
         "train_dtype": ckpt.train_dtype,
+        "master_dtype": ckpt.master_dtype,
+        "optimizer_name": ckpt.optimizer_name,
+        "zero_element_params": [n for n, _, _ in ckpt.empty_params],
+        "nvme_swap_files": len(ckpt.swapped),
         "world_size": ckpt.world_size,
         "deepspeed_version": ckpt.ds_version,
         "files": {
@@ -258,12 +285,33 @@ def _facts(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         },
         "about": about,
         "read_labels": {
-            "main": "fp32 masters",
+            "main": f"{_short(ckpt.master_dtype)} masters",
             "other": "frozen params and buffers",
             "metadata": "pickles and zip directories",
-            "never": "Adam moments are never read",
+            "never": _never_read(ckpt.optimizer_name),
         },
     }
+
+
+def _identities(ckpt: ZeroCheckpoint) -> list[FileIdentity]:
+    """Every file a conversion reads: optimizer and model states, then NVMe swap files."""
+    return [f.identity for f in ckpt.files] + [w.identity for w in _swap_files(ckpt)]
+
+
+def _swap_files(ckpt: ZeroCheckpoint) -> list[SwapFile]:
+    return sorted(ckpt.swapped.values(), key=lambda w: (w.rank, w.url))
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+
+
+def _never_read(optimizer_name: str) -> str:
+    """What `inspect` says is left unread: `AdamW (state exp_avg, exp_avg_sq)` -> Adam moments."""
+    state = optimizer_name.partition("(")[2].rstrip(")").removeprefix("state ")
+    if state in ("exp_avg, exp_avg_sq", "no state saved", ""):
+        return "Adam moments are never read"
+    return f"optimizer state ({state}) is never read"
 
 
 def content_fingerprint(ckpt: ZeroCheckpoint) -> str:
@@ -276,6 +324,9 @@ def content_fingerprint(ckpt: ZeroCheckpoint) -> str:
         for name, record in sorted(f.zip.records.items()):
             short = name.split("/", 1)[-1]  # the archive folder is the save's file stem
             h.update(f"{short}\0{record.size_bytes}\0{record.crc32}\n".encode())
+    for swap in _swap_files(ckpt):  # raw files without a CRC: their names and sizes
+        name = "/".join(swap.url.rsplit("/", 2)[-2:])
+        h.update(f"{name}\0{swap.identity.size_bytes}\n".encode())
     return h.hexdigest()
 
 
@@ -286,7 +337,9 @@ class _SlotBuilder:
     ckpt: ZeroCheckpoint
     files: list[SourceFile] = field(default_factory=list)
     _file_index: dict[str, int] = field(default_factory=dict)
-    _pending: list[tuple[LoadedFile, str, str, TensorRecord]] = field(default_factory=list)
+    _pending: list[tuple[LoadedFile, str, str, TensorRecord] | tuple[SwapFile, str]] = field(
+        default_factory=list
+    )
 
     def __post_init__(self) -> None:
         for f in self.ckpt.files:
@@ -302,12 +355,36 @@ class _SlotBuilder:
         self._pending.append((loaded, kind, name, tensor))
         return len(self._pending) - 1
 
+    def add_swap(self, swap: SwapFile, name: str) -> int:
+        """A master partition in an NVMe swap file: raw elements from byte 0, no CRC."""
+        for w in _swap_files(self.ckpt):  # files in a fixed order, whatever the slot order
+            if w.url not in self._file_index:
+                self._file_index[w.url] = len(self.files)
+                self.files.append(
+                    SourceFile(
+                        index=len(self.files), url=w.url, role="swap", rank=w.rank,
+                        size_bytes=w.identity.size_bytes, version=w.identity.version,
+                    )
+                )  # fmt: skip
+        self._pending.append((swap, name))
+        return len(self._pending) - 1
+
     def resolve(self, max_workers: int = 8) -> list[Slot]:
         """Read the zip local headers of every slot's record (one small read each)."""
         with ThreadPoolExecutor(max_workers=max_workers) as pool:
             return list(pool.map(self._slot, range(len(self._pending)), self._pending))
 
-    def _slot(self, index: int, item: tuple[LoadedFile, str, str, TensorRecord]) -> Slot:
+    def _slot(
+        self, index: int, item: tuple[LoadedFile, str, str, TensorRecord] | tuple[SwapFile, str]
+    ) -> Slot:
+        if len(item) == 2:
+            swap, name = item
+            return Slot(
+                index=index, file=self._file_index[swap.url], rank=swap.rank, kind="fp32",
+                name=name, record=swap.url.rsplit("/", 1)[-1], record_offset=0,
+                record_size_bytes=swap.identity.size_bytes, record_crc32=0,
+                element_offset=0, numel=swap.numel, dtype=swap.dtype,
+            )  # fmt: skip
         loaded, kind, name, t = item
         record = loaded.zip.storage_record(t.storage.key)
         end = (t.storage_offset + t.numel) * t.itemsize

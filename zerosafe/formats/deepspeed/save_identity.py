@@ -196,18 +196,19 @@ def check_module_copy_sample(ckpt: ZeroCheckpoint, plan: Plan) -> None:
         slot_index, src_offset, numel, dst_offset = fragments[0]
         slot = plan.slots[slot_index]
         optim = loaded.get(plan.files[slot.file].url)
-        if optim is None or slot.dtype != "float32":
+        if optim is None or slot.dtype not in ("bfloat16", "float16", "float32"):
             continue
         count = min(numel, SAMPLE_ELEMENTS)
         start = slot.byte_offset + src_offset * slot.itemsize
         master = optim.zip.source.read_range(start, start + count * slot.itemsize)
         begin = model.zip.tensor_offset(copy) + dst_offset * copy.itemsize
         saved = model.zip.source.read_range(begin, begin + count * copy.itemsize)
-        cast = torch.frombuffer(bytearray(master), dtype=torch.float32).to(torch_dtype(copy.dtype))
+        cast = torch.frombuffer(bytearray(master), dtype=torch_dtype(slot.dtype))
+        cast = cast.to(torch_dtype(copy.dtype))
         checked += 1
         if cast.contiguous().view(torch.uint8).numpy().tobytes() != saved:
             raise LayoutMismatchError(
-                f"{model.url}: its {copy.dtype} copy of '{tensor.name}' differs from the fp32 "
+                f"{model.url}: its {copy.dtype} copy of '{tensor.name}' differs from the {slot.dtype} "
                 f"master weights in {optim.url.rsplit('/', 1)[-1]}, which DeepSpeed keeps equal; "
                 "the model states file and the optimizer files come from different saves "
                 "(steps or runs). Copy the whole tag folder of one save again."
