@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.io.s3.support import MotoServer, object_keys, s3_client
 from tests.pt2st.helpers import assert_same
-from tests.s3.support import MotoServer, object_keys, s3_client
 from zerosafe import lazy_torch_load
 from zerosafe.errors import ConfigError, UnsafePickleError
 from zerosafe.io.storage import Storage

@@ -3,4 +3,4 @@
 
 from __future__ import annotations
 
-from tests.s3.conftest import aws_environment, aws_home, bucket, moto  # noqa: F401 - fixtures
+from tests.io.s3.conftest import aws_environment, aws_home, bucket, moto  # noqa: F401 - fixtures

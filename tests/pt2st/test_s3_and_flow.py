@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.io.s3.support import MotoServer, object_keys, s3_client
 from tests.pt2st.helpers import assert_same
-from tests.s3.support import MotoServer, object_keys, s3_client
 from zerosafe.errors import ConfigError
 from zerosafe.io.storage import Storage
 from zerosafe.pt2st import convert_pt, load_pt, load_pt_like, verify_pt

@@ -17,11 +17,11 @@ import pytest
 
 from bench.forge import transformer_shapes
 from bench.forge_dcp import forge_dcp_checkpoint
+from tests.app.flows.conftest import convert_json, journal
 from tests.conftest import REPO
-from tests.flows.conftest import convert_json, journal
 from tests.formats.dcp.test_convert import assert_matches, load_output, model_oracle
-from tests.s3.conftest import aws_environment, aws_home, bucket, moto  # noqa: F401 - fixtures
-from tests.s3.support import MotoServer, assert_same_output, upload_folder
+from tests.io.s3.conftest import aws_environment, aws_home, bucket, moto  # noqa: F401 - fixtures
+from tests.io.s3.support import MotoServer, assert_same_output, upload_folder
 from zerosafe.config import ConvertOptions
 from zerosafe.pipeline import convert_checkpoint
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.s3.conftest import aws_environment, aws_home, bucket, moto  # noqa: F401 - fixtures
-from tests.s3.support import MotoServer, upload_folder
+from tests.io.s3.conftest import aws_environment, aws_home, bucket, moto  # noqa: F401 - fixtures
+from tests.io.s3.support import MotoServer, upload_folder
 from zerosafe.formats.dcp.reader import is_dcp_checkpoint, read_dcp_layout
 from zerosafe.io.storage import Storage
 

@@ -12,7 +12,7 @@ follow `param_shapes` order through its flat sub-groups. Frozen ZeRO-3 params ar
 same way, each rank saving its piece as its own tensor.
 
 Nothing here touches files: the functions take element counts and return `Piece`s, so they
-can be checked against a brute-force simulation of the flat buffers (tests/zerosafe).
+can be checked against a brute-force simulation of the flat buffers (tests/formats/deepspeed/test_layout.py).
 """
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows.conftest import convert_json, run_cli
+from tests.app.flows.conftest import convert_json, run_cli
 from tests.helpers import load_output, same_bytes
-from tests.zerosafe.test_trust import _flip_fp32_bit, _holding_output, _optim
+from tests.stages.test_trust import _flip_fp32_bit, _holding_output, _optim
 
 pytestmark = pytest.mark.slow
 

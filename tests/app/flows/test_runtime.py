@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.app.flows.conftest import convert_json, run_cli
 from tests.conftest import SAMPLE_CKPT
-from tests.flows.conftest import convert_json, run_cli
 from zerosafe_app.flows.runtime import STATE_NAME, stop_local_server
 
 pytestmark = pytest.mark.slow

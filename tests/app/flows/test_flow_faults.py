@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from bench.forge import forge_checkpoint, transformer_shapes
+from tests.app.flows.conftest import convert_json, journal, run_cli
 from tests.conftest import REPO
-from tests.flows.conftest import convert_json, journal, run_cli
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
 from zerosafe.pipeline import convert_checkpoint

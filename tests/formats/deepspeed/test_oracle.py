@@ -33,7 +33,7 @@ from zerosafe.verify.output import verify_output
 try:
     from tests.deepspeed_gen import SPECS, deepspeed_fp32_state_dict, spec_key, train_checkpoint
 except ImportError:  # tests/ not importable as a package: load it from its folder
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from deepspeed_gen import SPECS, deepspeed_fp32_state_dict, spec_key, train_checkpoint
 
 pytestmark = pytest.mark.slow

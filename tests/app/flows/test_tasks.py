@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from prefect.logging import disable_run_logger
 
+from tests.app.flows.conftest import journal
 from tests.conftest import SAMPLE_CKPT
-from tests.flows.conftest import journal
 from zerosafe.config import ConvertOptions
 from zerosafe.pipeline import parts_to_extract
 from zerosafe.stages.results import JobPlan, PublishResult

@@ -2,7 +2,7 @@
 DeepSpeed's own golden consolidation, and against the live training weights where DeepSpeed
 drops (ZeRO-1 frozen params) or refuses (BF16_Optimizer) weights.
 
-Skipped when ../shared is absent: tests/zerosafe/test_deepspeed_oracle.py generates fresh
+Skipped when ../shared is absent: tests/formats/deepspeed/test_oracle.py generates fresh
 checkpoints with DeepSpeed instead.
 """
 

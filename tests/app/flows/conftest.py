@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from tests.s3.support import run_zerosafe
+from tests.io.s3.support import run_zerosafe
 
 
 def run_cli(

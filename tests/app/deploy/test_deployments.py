@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from bench.forge import forge_checkpoint, transformer_shapes
+from tests.app.deploy.conftest import BIN, Stack, params_json
 from tests.conftest import REPO, SAMPLE_CKPT
-from tests.deploy.conftest import BIN, Stack, params_json
 from tests.helpers import load_output, same_bytes
-from tests.s3.support import MotoServer, assert_same_output, download_folder, upload_folder
+from tests.io.s3.support import MotoServer, assert_same_output, download_folder, upload_folder
 from zerosafe.config import ConvertOptions
 from zerosafe.pipeline import convert_checkpoint
 

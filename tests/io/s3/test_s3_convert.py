@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, SAMPLE_CKPT
-from tests.s3.faultproxy import FaultProxy
-from tests.s3.support import (
+from tests.io.s3.faultproxy import FaultProxy
+from tests.io.s3.support import (
     MotoServer,
     assert_same_output,
     download_folder,

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SAMPLE_CKPT
-from tests.s3.faultproxy import FaultProxy
-from tests.s3.support import (
+from tests.io.s3.faultproxy import FaultProxy
+from tests.io.s3.support import (
     MOTO_PART_MIN_BYTES,
     MotoServer,
     aws_env,

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.s3.faultproxy import Fault, FaultProxy
-from tests.s3.support import (
+from tests.io.s3.faultproxy import Fault, FaultProxy
+from tests.io.s3.support import (
     ACCESS_KEY,
     SECRET_KEY,
     MotoServer,

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO
-from tests.s3.conftest import aws_environment, aws_home, bucket, local_reference, moto, sample_s3  # noqa: F401
-from tests.s3.support import aws_env, free_port
+from tests.io.s3.conftest import aws_environment, aws_home, bucket, local_reference, moto, sample_s3  # noqa: F401
+from tests.io.s3.support import aws_env, free_port
 
 BIN = Path(sys.executable).parent
 POSTGRES = "postgresql+asyncpg://postgres@127.0.0.1:5432/{db}"

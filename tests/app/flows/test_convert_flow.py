@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.app.flows.conftest import convert_json, journal, run_cli, work_dir
 from tests.conftest import SAMPLE_CKPT
-from tests.flows.conftest import convert_json, journal, run_cli, work_dir
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
 from zerosafe.pipeline import convert_checkpoint

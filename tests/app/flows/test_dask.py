@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.app.flows.conftest import journal
 from tests.conftest import REPO, SAMPLE_CKPT
-from tests.flows.conftest import journal
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
 from zerosafe.pipeline import convert_checkpoint

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.app.flows.conftest import run_cli
 from tests.conftest import SAMPLE_CKPT
-from tests.flows.conftest import run_cli
 
 
 @pytest.mark.slow

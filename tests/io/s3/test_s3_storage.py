@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, SAMPLE_CKPT
-from tests.s3.faultproxy import Fault, FaultProxy
-from tests.s3.support import (
+from tests.io.s3.faultproxy import Fault, FaultProxy
+from tests.io.s3.support import (
     SECRET_KEY,
     MotoServer,
     incomplete_uploads,
