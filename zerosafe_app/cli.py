@@ -244,6 +244,15 @@ def _parser() -> argparse.ArgumentParser:
     _add_verbosity(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _add_inspect(sub)
+    _add_convert(sub)
+    _add_verify(sub)
+    for module in EXTRA_COMMANDS:
+        importlib.import_module(module).add_parser(sub, _add_verbosity)
+    return parser
+
+
+def _add_inspect(sub: Any) -> None:
     p = sub.add_parser("inspect", help="show what a checkpoint holds and what converting it costs")
     _add_verbosity(p, top=False)
     p.add_argument(
@@ -291,6 +300,8 @@ def _parser() -> argparse.ArgumentParser:
         help="with --simulate: wait per ranged read, e.g. 0.03 for an object store (default 0)",
     )  # fmt: skip
 
+
+def _add_convert(sub: Any) -> None:
     p = sub.add_parser("convert", help="convert a checkpoint tag into safetensors")
     _add_verbosity(p, top=False)
     p.add_argument(
@@ -327,6 +338,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-flow", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
 
+
+def _add_verify(sub: Any) -> None:
     p = sub.add_parser(
         "verify", help="check a safetensors output (exit 0 ok, 1 a check failed, 2 unreadable)"
     )
@@ -341,9 +354,6 @@ def _parser() -> argparse.ArgumentParser:
     _add_storage_option(p)
     p.add_argument("--allow-nonfinite", action="store_true", help="do not fail on NaN/Inf values")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    for module in EXTRA_COMMANDS:
-        importlib.import_module(module).add_parser(sub, _add_verbosity)
-    return parser
 
 
 def _requested_mode(args: argparse.Namespace) -> str:
