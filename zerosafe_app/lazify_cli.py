@@ -14,20 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from zerosafe.errors import ConfigError
-from zerosafe.io.storage import Storage
 from zerosafe.units import format_bytes, size_argument
+from zerosafe_app.pt2st_cli import command_storage
 
 __all__ = ["add_parser"]
-
-
-def _storage(args: argparse.Namespace) -> Storage:
-    factory = getattr(args, "storage_factory", None)
-    if factory is not None:
-        storage: Storage = factory()
-        return storage
-    from zerosafe.io.s3 import parse_option_pairs
-
-    return Storage(parse_option_pairs(args.storage_option or []))
 
 
 def add_parser(subparsers: Any, add_verbosity: Callable[..., None]) -> None:
@@ -77,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
     summary = lazify_checkpoint(
         args.checkpoint,
         tag=args.tag,
-        storage=_storage(args),
+        storage=command_storage(args),
         memory=args.memory,
         max_parallel_files=args.parallel,
         verify=not args.no_verify,

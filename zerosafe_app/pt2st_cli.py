@@ -17,10 +17,10 @@ from zerosafe.errors import ConfigError, VerificationError
 from zerosafe.io.storage import Storage
 from zerosafe.units import format_bytes, size_argument
 
-__all__ = ["add_parser"]
+__all__ = ["add_parser", "command_storage"]
 
 
-def _storage(args: argparse.Namespace) -> Storage:
+def command_storage(args: argparse.Namespace) -> Storage:
     """The command line's storage (it resolves a `credentials` reference), or one of ours."""
     factory = getattr(args, "storage_factory", None)
     if factory is not None:
@@ -75,7 +75,7 @@ def _list_globals(args: argparse.Namespace) -> int:
     from zerosafe.formats.torch_legacy import open_torch_file
     from zerosafe.pt2st.convert import _open_pt, list_pt_globals
 
-    src = _open_pt(_storage(args), args.source)
+    src = _open_pt(command_storage(args), args.source)
     try:
         found = list_pt_globals(open_torch_file(src))
     finally:
@@ -109,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.list_globals:
         return _list_globals(args)
     _check_memory(args.memory)
-    storage = _storage(args)
+    storage = command_storage(args)
     if args.inspect:
         report = inspect_pt(args.source, storage=storage)
         if args.json:

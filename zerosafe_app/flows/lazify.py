@@ -14,10 +14,9 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from zerosafe.errors import ConfigError
-from zerosafe.io.s3 import find_secret_options
 from zerosafe.lazy import file_memory_bytes
-from zerosafe.units import format_bytes, parse_size
+from zerosafe.units import format_bytes
+from zerosafe_app.flows.pt2st import checked_memory
 from zerosafe_app.tasks.lazify import lazify_one, list_files
 
 __all__ = ["lazify"]
@@ -27,18 +26,7 @@ def _checked_options(
     storage_options: dict[str, Any] | None, memory: str, parallel: int
 ) -> tuple[int, int]:
     """`(files at once, budget of each)`, refusing secrets and bad budgets before any I/O."""
-    secrets = find_secret_options(storage_options or {})
-    if secrets:
-        # Parameters are stored in Prefect's database and shown in its UI.
-        raise ConfigError(
-            f"{', '.join(secrets)}: credentials may not be flow parameters; give the workers "
-            "AWS credentials through their environment, profile or instance role"
-        )
-    try:
-        budget = parse_size(memory)
-    except ValueError as e:
-        raise ConfigError(f"`memory`: {e}") from e
-    return file_memory_bytes(budget, parallel)
+    return file_memory_bytes(checked_memory(storage_options, memory), parallel)
 
 
 @flow(name="lazify", log_prints=False, timeout_seconds=24 * 3600)

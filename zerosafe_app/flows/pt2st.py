@@ -22,7 +22,26 @@ from zerosafe.pt2st import safetensors_path_for
 from zerosafe.units import format_bytes, parse_size
 from zerosafe_app.tasks.pt2st import convert, inspect, verify
 
-__all__ = ["pt2st"]
+__all__ = ["checked_memory", "pt2st"]
+
+
+def checked_memory(storage_options: dict[str, Any] | None, memory: str) -> int:
+    """The memory budget in bytes, refusing secrets among the storage options first: flow
+    parameters are stored in Prefect's database and shown in its UI.
+
+    Raises:
+        ConfigError: For a key or secret in `storage_options`, or a budget that is no size.
+    """
+    secrets = find_secret_options(storage_options or {})
+    if secrets:
+        raise ConfigError(
+            f"{', '.join(secrets)}: credentials may not be flow parameters; give the workers "
+            "AWS credentials through their environment, profile or instance role"
+        )
+    try:
+        return parse_size(memory)
+    except ValueError as e:
+        raise ConfigError(f"`memory`: {e}") from e
 
 
 @flow(name="pt2st", log_prints=False, timeout_seconds=24 * 3600)
@@ -45,17 +64,7 @@ def pt2st(
         overwrite: Replace a destination that holds something else.
         verify_output: Re-read the output and compare every entry's checksum.
     """
-    secrets = find_secret_options(storage_options or {})
-    if secrets:
-        # Parameters are stored in Prefect's database and shown in its UI.
-        raise ConfigError(
-            f"{', '.join(secrets)}: credentials may not be flow parameters; give the workers "
-            "AWS credentials through their environment, profile or instance role"
-        )
-    try:
-        budget = parse_size(memory)
-    except ValueError as e:
-        raise ConfigError(f"`memory`: {e}") from e
+    budget = checked_memory(storage_options, memory)
     ConvertOptions(memory=budget)  # validates the budget before any I/O
     destination = destination or safetensors_path_for(source)
     log = get_run_logger()
