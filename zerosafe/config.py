@@ -7,7 +7,7 @@ The flows validate user input (CLI flags, YAML job files, Prefect parameters) in
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import InitVar, asdict, dataclass
 from typing import Any, Literal
 
 from zerosafe.dtypes import ALIASES, DTYPES
@@ -131,7 +131,29 @@ class ConvertOptions:
     """PyTorch DCP: a prefix removed from the output names (`model`); `""` strips nothing;
     None: `model` with the default selection, nothing with `select`."""
 
-    def __post_init__(self) -> None:
+    # The names these options had before 0.2, accepted for one release (`memory_bytes=` is
+    # `memory=`; `check_finite=False` is `allow_nonfinite=True`). Not stored.
+    memory_bytes: InitVar[int | None] = None
+    max_shard_bytes: InitVar[int | None] = None
+    extract_part_bytes: InitVar[int | None] = None
+    check_finite: InitVar[bool | None] = None
+
+    def __post_init__(
+        self,
+        memory_bytes: int | None,
+        max_shard_bytes: int | None,
+        extract_part_bytes: int | None,
+        check_finite: bool | None,
+    ) -> None:
+        renamed = {
+            "memory": memory_bytes,
+            "max_shard_size": max_shard_bytes,
+            "extract_part_size": extract_part_bytes,
+            "allow_nonfinite": None if check_finite is None else not check_finite,
+        }
+        for name, value in renamed.items():
+            if value is not None:
+                object.__setattr__(self, name, value)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if isinstance(self.select, str) or not all(isinstance(p, str) for p in self.select):
             raise ConfigError(f"`select` must be a list of key prefixes (got {self.select!r})")
