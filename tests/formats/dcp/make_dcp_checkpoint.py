@@ -155,11 +155,14 @@ def main(out: str) -> None:
     os.makedirs(out, exist_ok=True)
     status: dict[str, str] = {}
     for name, (worker, world_size) in _JOBS.items():
-        try:
-            mp.spawn(worker, args=(world_size, out, _free_port()), nprocs=world_size, join=True)
-            status[name] = "ok"
-        except Exception:  # report, so the tests can say what did not run
-            status[name] = traceback.format_exc(limit=3)
+        for attempt in range(3):  # a free port can be taken before gloo binds it: retry
+            try:
+                port = _free_port()
+                mp.spawn(worker, args=(world_size, out, port), nprocs=world_size, join=True)
+                status[name] = "ok"
+                break
+            except Exception:  # report, so the tests can say what did not run
+                status[name] = f"attempt {attempt + 1} of 3: " + traceback.format_exc(limit=3)
     with open(os.path.join(out, "status.json"), "w") as f:
         json.dump(status, f, indent=1)
 
