@@ -23,12 +23,11 @@ from typing import Any
 
 import pytest
 import torch
+import transformers  # a test dependency (the `test` extra): a missing one fails, never skips
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.deepspeed_gen import HF_SCRIPT, train_checkpoint
-
-transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
