@@ -9,27 +9,80 @@ The engine is a plain library (no Prefect): read a checkpoint's metadata lazily
 `with lazy_torch_load(): engine.load_checkpoint(...)` resumes from them memory-mapped.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from zerosafe._version import __version__
-from zerosafe.config import ConvertOptions
-from zerosafe.errors import (
-    CheckpointFormatError,
-    ConfigError,
-    ConversionError,
-    IntegrityError,
-    LayoutMismatchError,
-    OutputExistsError,
-    StorageError,
-    UnsafePickleError,
-    UnsupportedCheckpointError,
-)
-from zerosafe.formats.deepspeed.checkpoint import ZeroCheckpoint, open_zero_checkpoint
-from zerosafe.formats.deepspeed.reader import build_plan
-from zerosafe.formats.torch_zip import TensorRecord, TorchZipFile
-from zerosafe.io.storage import Storage
-from zerosafe.lazy import lazify_checkpoint, lazy_torch_load
-from zerosafe.plan.build import plan_checkpoint, plan_layout
-from zerosafe.plan.model import Plan, load_plan, save_plan
-from zerosafe.pt2st import convert_pt, load_pt, load_pt_like
+
+# The names below are imported when first used (PEP 562), so `import zerosafe` (and the
+# `zerosafe` command's start-up) does not import every module of the engine.
+_LAZY = {
+    "ConvertOptions": "zerosafe.config",
+    "CheckpointFormatError": "zerosafe.errors",
+    "ConfigError": "zerosafe.errors",
+    "ConversionError": "zerosafe.errors",
+    "IntegrityError": "zerosafe.errors",
+    "LayoutMismatchError": "zerosafe.errors",
+    "OutputExistsError": "zerosafe.errors",
+    "StorageError": "zerosafe.errors",
+    "UnsafePickleError": "zerosafe.errors",
+    "UnsupportedCheckpointError": "zerosafe.errors",
+    "ZeroCheckpoint": "zerosafe.formats.deepspeed.checkpoint",
+    "open_zero_checkpoint": "zerosafe.formats.deepspeed.checkpoint",
+    "build_plan": "zerosafe.formats.deepspeed.reader",
+    "TensorRecord": "zerosafe.formats.torch_zip",
+    "TorchZipFile": "zerosafe.formats.torch_zip",
+    "Storage": "zerosafe.io.storage",
+    "lazify_checkpoint": "zerosafe.lazy",
+    "lazy_torch_load": "zerosafe.lazy",
+    "plan_checkpoint": "zerosafe.plan.build",
+    "plan_layout": "zerosafe.plan.build",
+    "Plan": "zerosafe.plan.model",
+    "load_plan": "zerosafe.plan.model",
+    "save_plan": "zerosafe.plan.model",
+    "convert_pt": "zerosafe.pt2st",
+    "load_pt": "zerosafe.pt2st",
+    "load_pt_like": "zerosafe.pt2st",
+}
+
+if TYPE_CHECKING:
+    from zerosafe.config import ConvertOptions
+    from zerosafe.errors import (
+        CheckpointFormatError,
+        ConfigError,
+        ConversionError,
+        IntegrityError,
+        LayoutMismatchError,
+        OutputExistsError,
+        StorageError,
+        UnsafePickleError,
+        UnsupportedCheckpointError,
+    )
+    from zerosafe.formats.deepspeed.checkpoint import ZeroCheckpoint, open_zero_checkpoint
+    from zerosafe.formats.deepspeed.reader import build_plan
+    from zerosafe.formats.torch_zip import TensorRecord, TorchZipFile
+    from zerosafe.io.storage import Storage
+    from zerosafe.lazy import lazify_checkpoint, lazy_torch_load
+    from zerosafe.plan.build import plan_checkpoint, plan_layout
+    from zerosafe.plan.model import Plan, load_plan, save_plan
+    from zerosafe.pt2st import convert_pt, load_pt, load_pt_like
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zerosafe' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "CheckpointFormatError",
