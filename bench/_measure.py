@@ -13,6 +13,13 @@ that one read covers the tree. `rchar`/`wchar` count bytes through read/write sy
 (page-cache hits included, mmap page faults not); `read_bytes`/`write_bytes` count what went
 to or came from the block device.
 
+A `zerosafe convert` may be served by the warm process kept beside the local Prefect server
+(`zerosafe_app.warm`): the conversion then runs in a child of that process, outside the
+command's tree. `run_measured` names a stats file in the command's environment
+(`ZEROSAFE_WARM_STATS`); the command writes the child's pid there, the sampler adds that
+child's tree to every sample, and the child's own CPU seconds and I/O counts (which it writes
+to `<stats>.child` as it ends) are added to the command's; `served_warm` says it happened.
+
 The command is started through `/bin/sh -c` without `exec`, so it is a grandchild of this
 process: Linux carries a parent's peak RSS (`ru_maxrss`) across fork and exec, and this keeps
 ours out of the command's own report.
@@ -20,6 +27,7 @@ ours out of the command's own report.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -101,6 +109,25 @@ def _io(pid: int) -> dict[str, int]:
         return {}
 
 
+def _warm_child(stats_path: str) -> list[int]:
+    """The pid of the warm process's child serving the command, once the command wrote it."""
+    try:
+        with open(stats_path) as f:
+            return [int(json.load(f)["pid"])]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def _child_stats(stats_path: str) -> dict[str, Any]:
+    """What the warm child wrote as it ended: its CPU seconds and /proc I/O counts."""
+    try:
+        with open(stats_path + ".child") as f:
+            stats = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return stats if isinstance(stats, dict) else {}
+
+
 @dataclass
 class Measured:
     """What one measured command did."""
@@ -125,6 +152,8 @@ class Measured:
     load_after: float = 0.0
     killed: str | None = None
     """Why the watchdog stopped it, if it did."""
+    served_warm: bool = False
+    """Whether a warm zerosafe process ran it (its child is counted in every figure)."""
     stdout: str = field(default="", repr=False)
     stderr: str = field(default="", repr=False)
 
@@ -148,6 +177,9 @@ def run_measured(
     """Run `argv` (via /bin/sh, in a new session) and measure it; see the module docstring."""
     result = Measured(argv=list(argv))
     out_path = f"/tmp/zerosafe-bench-{os.getpid()}-{time.monotonic_ns()}"
+    stats_path = out_path + ".warm"
+    env = {**(os.environ if env is None else env), "ZEROSAFE_WARM_STATS": stats_path}
+    warm_child: list[int] = []
     result.load_before = os.getloadavg()[0]
     with open(out_path + ".out", "w+b") as out_f, open(out_path + ".err", "w+b") as err_f:
         started = time.perf_counter()
@@ -171,6 +203,10 @@ def run_measured(
         waiter.start()
         while not done.is_set():
             pids = _tree(proc.pid)
+            if not warm_child and os.path.exists(stats_path):
+                warm_child.extend(_warm_child(stats_path))
+            for child in warm_child:
+                pids.extend(_tree(child))
             rss = anon = 0
             for pid in pids:
                 st = _status(pid)
@@ -211,13 +247,16 @@ def run_measured(
             pass
         result.wall_s = (exited_at[0] if exited_at else time.perf_counter()) - started
         result.returncode = proc.returncode
+        child_stats = _child_stats(stats_path) if warm_child else {}
+        result.served_warm = bool(warm_child)
+        result.cpu_s += float(child_stats.get("cpu_s", 0.0))
         for key in ("rchar", "wchar", "read_bytes", "write_bytes"):
-            setattr(result, key, io.get(key, 0))
+            setattr(result, key, io.get(key, 0) + int(child_stats.get("io", {}).get(key, 0)))
         out_f.seek(0)
         err_f.seek(0)
         result.stdout = out_f.read().decode(errors="replace")
         result.stderr = err_f.read().decode(errors="replace")
-    for suffix in (".out", ".err"):
+    for suffix in (".out", ".err", ".warm", ".warm.child"):
         try:
             os.unlink(out_path + suffix)
         except FileNotFoundError:

@@ -29,6 +29,9 @@ __all__ = ["main", "run"]
 log = logging.getLogger("zerosafe")
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+INTERRUPTED = (
+    "\nzerosafe: interrupted; nothing was marked complete. Run the same command again to resume."
+)
 
 EXTRA_COMMANDS: list[str] = [
     "zerosafe_app.pt2st_cli",
@@ -495,7 +498,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         summary = RunSummary.already_complete(args.output, done)
     elif args.no_flow:
         from zerosafe.pipeline import convert_checkpoint
+        from zerosafe.stages.streaming import serial_torch
 
+        serial_torch()  # this process runs its own threads (see serial_torch)
         summary = convert_checkpoint(
             args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
             progress=TerminalProgress() if show_progress else NullProgress(), storage=_storage(args),
@@ -591,15 +596,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"zerosafe: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print(
-            "\nzerosafe: interrupted; nothing was marked complete. Run the same command again to resume.",
-            file=sys.stderr,
-        )
+        print(INTERRUPTED, file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
 def run() -> None:
     """The `zerosafe` command: `main`, then exit.
+
+    A `zerosafe convert` is first offered to the warm process kept beside the local server
+    (`zerosafe_app.warm`), which runs this same `main` in a pre-imported child; otherwise it
+    runs here, and starts a warm process for the next command as it exits.
+    """
+    from zerosafe_app.warm import run_warm, start_warm
+
+    argv = sys.argv[1:]
+    served = run_warm(argv)
+    if served is not None:
+        sys.exit(served)
+    env = dict(os.environ)  # before the command changes it (configure_embedded_prefect)
+    code = main(argv)
+    with contextlib.suppress(Exception):
+        start_warm(argv, env)
+    finish_process(code)
+
+
+def finish_process(code: int) -> NoReturn:
+    """Exit with `code` once a command is done.
 
     After a flow ran, the interpreter's own teardown of Prefect (its threads, loops and
     clients) costs a second or more, and the command has nothing left to do: every file is
@@ -607,7 +629,6 @@ def run() -> None:
     to the server (bounded), flushes its own output and exits at once. `main` stays a plain
     function for callers in a process that goes on (tests, notebooks).
     """
-    code = main()
     prefect_services = sys.modules.get("prefect._internal.concurrency.services")
     if prefect_services is None:
         sys.exit(code)

@@ -40,7 +40,7 @@ from typing import Any
 from zerosafe.errors import ConversionError
 from zerosafe.io.lease import pid_alive
 
-__all__ = ["configure_embedded_prefect", "local_server", "stop_local_server"]
+__all__ = ["configure_embedded_prefect", "local_server", "recorded_server", "stop_local_server"]
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 DEFAULT_IDLE_SECONDS = 600.0
@@ -107,12 +107,18 @@ def _read_state(home: Path) -> dict[str, Any] | None:
     return state if isinstance(state, dict) else None
 
 
-def _running(home: Path) -> str | None:
-    """The URL of this `PREFECT_HOME`'s shared server, if it is up."""
+def recorded_server(home: Path) -> str | None:
+    """The URL this `PREFECT_HOME` records for its shared server, while its keeper lives (no
+    request is made: see `_running`)."""
     state = _read_state(home)
     if not state or not pid_alive(int(state.get("pid", -1))):
         return None
-    url = str(state.get("url", ""))
+    return str(state.get("url", "")) or None
+
+
+def _running(home: Path) -> str | None:
+    """The URL of this `PREFECT_HOME`'s shared server, if it is up."""
+    url = recorded_server(home)
     return url if url and _healthy(url) else None
 
 
