@@ -33,7 +33,12 @@ except ImportError:  # zlib-ng is optional; zlib gives identical values, slower
 
 _READ_AHEAD = 3
 _CAST_STEP = 32768 - 64
-"""Elements per torch call in `_cast`: below torch's parallel grain, a multiple of 64."""
+"""Elements per torch call in `_cast` while torch runs more than one thread of its own: below
+torch's parallel grain, a multiple of 64."""
+_CAST_STEP_SERIAL = 1 << 20
+"""Elements per torch call once `serial_torch()` has run: torch then never fans out, so a call
+can be long; each call takes the GIL once, and with short calls many parallel tasks queued on
+it (16 tasks on 16 cores ran at the speed of 2, measured)."""
 _WRITE_QUEUE = 2
 _CAST_THREADS = max(1, min(2, os.cpu_count() or 1))
 """Threads that cast one chunk (the caller's and helpers); 2 keeps cores for readers/writer."""
@@ -114,6 +119,24 @@ def _read(job: CopyJob, pos: int, n: int, buf: bytearray) -> tuple[int | None, m
     return (_crc32(view) if job.crc_key is not None else None), view
 
 
+_torch: Any = None
+
+
+def serial_torch() -> None:
+    """Make torch run every operation on its calling thread (`torch.set_num_threads(1)`).
+
+    A conversion runs its own threads (tasks, readers, casters, hashers), each on a core; torch's
+    OpenMP pool would add a thread per core per call, spinning between calls. With it off, a cast
+    runs in long calls that release the GIL (see `_CAST_STEP_SERIAL`). The `zerosafe` command,
+    the flows and the warm process call this; a library caller that keeps torch's pool converts
+    at the earlier, shorter steps (correct, and slower when many tasks run at once).
+    """
+    import torch
+
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 def _cast(
     src: memoryview,
     src_dtype: str,
@@ -132,18 +155,23 @@ def _cast(
     (torch releases the GIL while it copies): the cast was the one stage of a merge that ran
     on one core.
     """
-    import torch
+    global _torch
+    torch = _torch
+    if torch is None:  # `import torch` per call takes the import lock: shared by every task
+        import torch
 
+        _torch = torch
     count = len(src) // dtype_info(src_dtype).itemsize
     n_out = count * dtype_info(out_dtype).itemsize
     if count == 0:
         return memoryview(out)[:0]
     src_t = torch.frombuffer(src, dtype=torch_dtype(src_dtype), count=count)
     out_t = torch.frombuffer(out, dtype=torch_dtype(out_dtype), count=count)
+    step = _CAST_STEP_SERIAL if torch.get_num_threads() == 1 else _CAST_STEP
     ways = 1 if helpers is None or count < _PARALLEL_CAST_MIN else _CAST_THREADS
     per = -(-count // ways)
     per += -per % _CAST_STEP
-    runs = [(out_t[i : i + per], src_t[i : i + per]) for i in range(0, count, per)]
+    runs = [(out_t[i : i + per], src_t[i : i + per], step) for i in range(0, count, per)]
     waits = [helpers.submit(_cast_run, *run) for run in runs[1:]] if helpers else []
     _cast_run(*runs[0])
     for wait in waits:
@@ -151,8 +179,11 @@ def _cast(
     return memoryview(out)[:n_out]
 
 
-def _cast_run(dst: Any, src: Any) -> None:
-    for d, s in zip(dst.split(_CAST_STEP), src.split(_CAST_STEP), strict=True):
+def _cast_run(dst: Any, src: Any, step: int) -> None:
+    if len(src) <= step:
+        dst.copy_(src)
+        return
+    for d, s in zip(dst.split(step), src.split(step), strict=True):
         d.copy_(s)
 
 

@@ -167,7 +167,7 @@ _EXPONENT_BITS = {
     "float32": ("uint32", 0x7F800000),
     "float64": ("uint64", 0x7FF0000000000000),
 }
-_MASK_BLOCK_BYTES = 256 * 2**10
+_MASK_BLOCK_BYTES = 2 * 2**20
 _VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Tensors hashed at once (xxhash and hashlib release the GIL); each holds one chunk buffer."""
 

@@ -20,6 +20,7 @@ from zerosafe.io.storage import Storage, join_url
 from zerosafe.pipeline import WorkLayout, peak_rss_bytes
 from zerosafe.plan.model import Plan, load_plan
 from zerosafe.stages.progress import NullProgress, Progress
+from zerosafe.stages.streaming import serial_torch
 from zerosafe.units import format_bytes
 from zerosafe_app.tasks.credentials import storage_for
 
@@ -67,7 +68,11 @@ def _plan(work: str, job_key: str, storage_key: str) -> Plan:
 
 
 def context(job: Job) -> tuple[Plan, Storage, ConvertOptions, WorkLayout]:
-    """The plan (loaded once per process), a storage, the options and the work layout."""
+    """The plan (loaded once per process), a storage, the options and the work layout.
+
+    Every task calls it first; it also makes torch serial in this process (`serial_torch`):
+    the flow runs tasks in parallel itself."""
+    serial_torch()
     key = json.dumps(job.storage_options, sort_keys=True)
     storage = storage_for(job.storage_options)
     return (
