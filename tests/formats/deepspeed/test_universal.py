@@ -24,7 +24,11 @@ from safetensors.torch import load_file
 
 from tests.io.s3.support import run_zerosafe
 from zerosafe.config import ConvertOptions
-from zerosafe.errors import CheckpointFormatError, UnsupportedCheckpointError
+from zerosafe.errors import (
+    CheckpointFormatError,
+    LayoutMismatchError,
+    UnsupportedCheckpointError,
+)
 from zerosafe.pipeline import convert_checkpoint
 from zerosafe.verify.output import verify_output
 from zerosafe_app.cli import main
@@ -247,6 +251,18 @@ def test_non_contiguous_master_is_refused(made, tmp_path: Path) -> None:
     rows, cols = torch.load(target, weights_only=False)["param"].shape
     torch.save({"param": torch.zeros(cols, rows).t(), "cat_dim": 0}, target)
     with pytest.raises(CheckpointFormatError, match="blocks.0.up.weight' are not contiguous"):
+        convert_checkpoint(str(folder), str(tmp_path / "out"))
+
+
+def test_masters_from_another_param_are_caught(made, tmp_path: Path) -> None:
+    """ZeRO-1/2: a sample of the masters must equal the model states' 16-bit copy."""
+    m = made("z1-bf16-ws2-frozen-groups")
+    folder = _copy_universal(m, tmp_path / m.utag)
+    a, b = (folder / "zero" / f"blocks.{i}.up.weight" / "fp32.pt" for i in (0, 1))
+    a_bytes = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(a_bytes)
+    with pytest.raises(LayoutMismatchError, match="master weights of 'blocks.0.up.weight' differ"):
         convert_checkpoint(str(folder), str(tmp_path / "out"))
 
 
