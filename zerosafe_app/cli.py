@@ -464,7 +464,7 @@ def _check_before_starting(args: argparse.Namespace, options: Any) -> str | None
     if source == output:
         raise ConfigError(f"{output}: the output folder must differ from the checkpoint folder")
     storage = _storage(args)
-    reader = detect_format(storage, source)
+    reader = detect_format(storage, source, args.tag)
     check_options(reader, source, options)
     reader.quick_identities(storage, source, args.tag)
     storage.ensure_folder(output)

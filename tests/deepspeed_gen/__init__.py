@@ -8,6 +8,8 @@ process never imports it.
                                             live weights at dest/"live.safetensors"
     deepspeed_fp32_state_dict(ckpt, file)   run `get_fp32_state_dict_from_zero_checkpoint`,
                                             save its state dict to `file`; returns aliases / error
+    ds_to_universal(tag_dir, out_dir)       run DeepSpeed's `ds_to_universal.py` (a universal
+                                            checkpoint of the tag; `latest_universal` beside it)
     spec_key(spec)                          hash of the spec and of train_zero.py (cache key)
 
 fp16 on CPU: DeepSpeed's CPU accelerator reports fp16 as unsupported unless oneDNN has native
@@ -34,6 +36,7 @@ __all__ = [
     "SPECS",
     "TRAIN_SCRIPT",
     "deepspeed_fp32_state_dict",
+    "ds_to_universal",
     "spec_key",
     "train_checkpoint",
 ]
@@ -276,3 +279,31 @@ def deepspeed_fp32_state_dict(
     info["file"] = None if info["error"] else str(out_file)
     info["log"] = proc.stdout[-3000:]
     return info
+
+
+def ds_to_universal(tag_dir: Path, out_dir: Path, *, timeout: float = 600) -> Path:
+    """Run DeepSpeed's `ds_to_universal.py` on the tag folder `tag_dir` in a subprocess.
+
+    It writes `out_dir/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt`, copies the tag's model
+    states into `out_dir` and writes `latest_universal` (naming `out_dir`) into its parent.
+    `--inject_missing_state` supplies the `universal_checkpoint_info` that only Megatron-style
+    clients save; one worker each, in process (no process pool on a 2-core machine).
+
+    Raises:
+        RuntimeError: With the output's tail, when the converter failed.
+    """
+    out_dir = Path(out_dir)
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder", str(tag_dir), "--output_folder", str(out_dir),
+            "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1",
+        ],
+        capture_output=True, text=True, env=_env(), timeout=timeout,
+    )  # fmt: skip
+    if proc.returncode != 0 or not (out_dir / "zero").is_dir():
+        raise RuntimeError(
+            f"ds_to_universal.py failed on {tag_dir} (exit {proc.returncode}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    return out_dir

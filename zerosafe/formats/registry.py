@@ -13,7 +13,8 @@ from zerosafe.errors import CheckpointFormatError, ConfigError
 from zerosafe.formats.base import FormatReader, SourceLayout
 from zerosafe.formats.dcp.reader import DcpReader
 from zerosafe.formats.deepspeed.reader import DeepSpeedReader
-from zerosafe.io.storage import Storage, normalize_url
+from zerosafe.formats.deepspeed.universal import UniversalReader
+from zerosafe.io.storage import Storage, join_url, normalize_url
 
 __all__ = [
     "READERS",
@@ -24,9 +25,10 @@ __all__ = [
     "read_source",
 ]
 
-READERS: tuple[FormatReader, ...] = (DcpReader(), DeepSpeedReader())
+READERS: tuple[FormatReader, ...] = (DcpReader(), UniversalReader(), DeepSpeedReader())
 """Every format, in the order `detect_format` asks them (DCP first: its `.metadata` file is
-unambiguous, while DeepSpeed's detection looks into subfolders)."""
+unambiguous, while DeepSpeed's detection looks into subfolders; universal before ZeRO: a
+universal folder holds the ZeRO tag's model states too)."""
 FALLBACK = "deepspeed"
 """The reader of a folder no reader claims."""
 
@@ -44,13 +46,21 @@ def reader_named(name: str) -> FormatReader:
     raise CheckpointFormatError(f"unknown checkpoint format '{name}'; zerosafe reads {names}")
 
 
-def detect_format(storage: Storage, url: str) -> FormatReader:
-    """The reader of the checkpoint at `url`, from listings only.
+def detect_format(storage: Storage, url: str, tag: str | None = None) -> FormatReader:
+    """The reader of the checkpoint at `url` (and `tag`, a folder inside it), from listings only.
 
+    With a `tag` that names a folder of `url`, that folder decides (a DeepSpeed checkpoint
+    folder may hold both a ZeRO tag and the universal folder ds_to_universal.py made of it).
     A folder no reader claims goes to DeepSpeed's, the original format, whose errors say
     precisely what the folder lacks (and list the formats).
     """
     url = normalize_url(url)
+    if tag and "/" not in tag and tag not in (".", ".."):
+        tag_url = join_url(url, tag)
+        if storage.isdir(tag_url):
+            for reader in READERS:
+                if reader.detect(storage, tag_url):
+                    return reader
     for reader in READERS:
         if reader.detect(storage, url):
             return reader
@@ -87,7 +97,7 @@ def read_source(
     Raises:
         ConfigError: For options the format refuses (`check_options`).
     """
-    reader = detect_format(storage, url)
+    reader = detect_format(storage, url, tag)
     check_options(reader, url, options)
     return reader.read(storage, url, tag=tag, options=options)
 
@@ -96,4 +106,4 @@ def quick_identities(
     storage: Storage, url: str, tag: str | None
 ) -> tuple[str, list[dict[str, Any]]]:
     """`(tag, identities)` of the files converting `url` reads, from listings and stats."""
-    return detect_format(storage, url).quick_identities(storage, url, tag)
+    return detect_format(storage, url, tag).quick_identities(storage, url, tag)

@@ -471,7 +471,7 @@ def _check_against(
             )  # fmt: skip
         )
     sampled = sample_values(storage, out_url, layout, stored, failures)
-    if layout.format == "deepspeed":
+    if layout.format in ("deepspeed", "deepspeed-universal"):  # native: a ZeroCheckpoint
         checked, mismatched, skipped_why = lowp_cross_check(
             storage, out_url, layout.native, stored, failures, chunk_bytes
         )
@@ -560,8 +560,17 @@ def lowp_report(
         job_key: The job whose shards are still pending publish (read them there).
     """
     from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
+    from zerosafe.formats.deepspeed.universal import FORMAT_NAME, open_universal_checkpoint
 
-    ckpt = open_zero_checkpoint(storage, source["checkpoint"], tag=source["tag"])
+    # The tag folder itself: `checkpoint` is that folder already when it was given directly,
+    # where `checkpoint/tag` does not exist.
+    tag_url, tag = source.get("tag_url"), None
+    if not tag_url:
+        tag_url, tag = source["checkpoint"], source["tag"]
+    if source.get("format") == FORMAT_NAME:
+        ckpt = open_universal_checkpoint(storage, tag_url, tag=tag).zero
+    else:
+        ckpt = open_zero_checkpoint(storage, tag_url, tag=tag)
     stored = {name: (m.file, info) for m in merges for name, info in m.tensors.items()}
     failures: list[Failure] = []
     checked, mismatched, why = lowp_cross_check(

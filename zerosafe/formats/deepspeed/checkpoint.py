@@ -246,8 +246,8 @@ def _scan_files(storage: Storage, tag_url: str) -> tuple[dict[int, str], dict[in
     z3_model: dict[int, str] = {}
     if "zero" in names or any(n.startswith("latest_universal") for n in names):
         raise UnsupportedCheckpointError(
-            f"{tag_url}: this is a DeepSpeed universal checkpoint (a 'zero/' folder); "
-            "universal checkpoints are not supported yet. Convert the original ZeRO checkpoint."
+            f"{tag_url}: this is a DeepSpeed universal checkpoint (a 'zero/' folder), not a ZeRO "
+            "tag; give the folder itself, or its parent with --tag, to convert it as one."
         )
     for name in names:
         if _PIPELINE_RE.match(name):
