@@ -410,7 +410,7 @@ def start_warm(argv: list[str], env: dict[str, str]) -> None:
         subprocess.Popen(
             [sys.executable, "-m", "zerosafe_app.warm", "serve", "--url", url],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True, close_fds=True,
+            cwd=Path(__file__).resolve().parents[1], start_new_session=True, close_fds=True,
         )  # fmt: skip
 
 
