@@ -126,7 +126,11 @@ SPECS: dict[str, dict[str, Any]] = {
 # Pipeline parallelism (`train_pipe.py`): a PipelineModule of 7 layers (embedding, a function,
 # 3 blocks, a norm, the LM head) cut into `pipe` stages, ZeRO-1. Each trains in 10-20 s.
 PIPE_SPECS: dict[str, dict[str, Any]] = {
-    "pp2-fp32-tied": {"world_size": 2, "pipe": 2, "stage": 1, "precision": "fp32", "tied": True},
+    # The tied module is the head too: a layer file at both ends, a buffer under tied_modules.
+    "pp2-fp32-tied": {
+        "world_size": 2, "pipe": 2, "stage": 1, "precision": "fp32", "tied": True,
+        "tied_head": "module",
+    },
     "pp2-bf16-tied-frozen": {
         "world_size": 2, "pipe": 2, "stage": 1, "precision": "bf16", "tied": True, "frozen": True,
     },

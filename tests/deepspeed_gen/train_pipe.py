@@ -5,8 +5,11 @@ Run by `tests/deepspeed_gen/__init__.py` (`train_checkpoint(spec, dest, script=P
 SPEC keys: world_size, pipe (stages; world_size // pipe is the data-parallel size), stage
 (0 or 1: the pipeline engine refuses ZeRO-2/3), precision (bf16|fp32), grad_accum_dtype (fp32
 with bf16: DeepSpeed's BF16_Optimizer), tied (the embedding and the LM head are one
-`TiedLayerSpec`, kept on the first and the last stage), frozen (the `up` of the first block
-of every stage never trains), layers (blocks), dims [vocab, width, hidden], steps.
+`TiedLayerSpec`, kept on the first and the last stage; the head is a `forward_fn` on the
+embedding, which DeepSpeed saves no layer file for), tied_head ("module": the tied module is
+its own head too, with a buffer, so both its layer indices write a layer file), frozen (the
+`up` of the first block of every stage never trains), layers (blocks), dims [vocab, width,
+hidden], steps.
 
 LIVE gets, at save time, every stage's fp32 master weights (`safe_get_full_fp32_param`,
 gathered over the stage's data-parallel ranks) and buffers, under the names of the stages'
@@ -44,6 +47,20 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.norm(self.up(x)))) * self.scale.mean()
 
 
+class EmbedOrHead(nn.Module):
+    """One weight for the embedding (token ids in) and the LM head (hidden states in)."""
+
+    def __init__(self, vocab: int, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, width))
+        self.register_buffer("temperature", torch.tensor([1.0, 0.5]))
+
+    def forward(self, x):
+        if x.is_floating_point():
+            return (x @ self.weight.t()) / self.temperature[0]
+        return F.embedding(x, self.weight)
+
+
 def lm_head(embed: nn.Embedding, h):
     """The tied LM head: the embedding matrix, transposed."""
     return h @ embed.weight.t()
@@ -57,15 +74,20 @@ def scale_down(h):
 def layer_specs(spec):
     vocab, width, hidden = spec.get("dims", [97, 40, 67])
     tied = spec.get("tied", False)
+    dual = spec.get("tied_head") == "module"
     layers = []
-    if tied:
+    if tied and dual:
+        layers.append(TiedLayerSpec("embed", EmbedOrHead, vocab, width))
+    elif tied:
         layers.append(TiedLayerSpec("embed", nn.Embedding, vocab, width))
     else:
         layers.append(LayerSpec(nn.Embedding, vocab, width))
     layers.append(scale_down)
     layers += [LayerSpec(Block, width, hidden) for _ in range(spec.get("layers", 3))]
     layers.append(LayerSpec(nn.LayerNorm, width))
-    if tied:
+    if tied and dual:
+        layers.append(TiedLayerSpec("embed", EmbedOrHead, vocab, width))
+    elif tied:
         layers.append(TiedLayerSpec("embed", nn.Embedding, vocab, width, forward_fn=lm_head))
     else:
         layers.append(LayerSpec(nn.Linear, width, vocab, bias=False))

@@ -151,9 +151,6 @@ class PipelineCheckpoint:
     def param_names(self) -> list[str]:
         return [name for group in self.param_groups for name, _ in group]
 
-    def stage_params(self, s: int) -> list[str]:
-        return self.stages[s].param_names
-
 
 def open_pipeline(
     storage: Storage, ckpt_url: str, tag: str, found: TagFiles, max_workers: int = 8
@@ -562,9 +559,13 @@ def _global_ranks(
     for s, z in enumerate(ckpt.stages):
         for f in z.files:
             rank_of[f.url] = s * ckpt.world_size + f.rank
+    on_stage = [
+        set(z.param_names) | {str(n) for n in z.model_files[0].obj.get("buffer_names") or ()}
+        for z in ckpt.stages
+    ]
     stage_of_layer: dict[str, int] = {}
     for lt in (*ckpt.buffers, *ckpt.frozen, *ckpt.module_copies.values()):
-        stage = next((s for s, z in enumerate(ckpt.stages) if lt.name in z.param_names), None)
+        stage = next((s for s, names in enumerate(on_stage) if lt.name in names), None)
         if stage is not None:
             stage_of_layer.setdefault(lt.file.url, stage)
     for f in ckpt.layer_files:
