@@ -1,7 +1,7 @@
 """zerosafe: DeepSpeed ZeRO checkpoints to verified safetensors, streaming, without DeepSpeed.
 
 The engine is a plain library (no Prefect): read a checkpoint's metadata lazily
-(`open_zero_checkpoint`), plan the conversion (`build_plan`), run the stages
+(`open_zero_checkpoint`; a `PipelineCheckpoint` for pipeline parallelism), plan the conversion (`build_plan`), run the stages
 (`extract_part`, `merge_shard`, `verify_shard`, `publish`), or all of them in order
 (`convert_checkpoint`). Any `torch.save` file converts to one safetensors file with
 `convert_pt` and loads back, lazily, with `load_pt_like` (or `load_pt` for resuming).
@@ -30,6 +30,7 @@ _LAZY = {
     "UnsupportedCheckpointError": "zerosafe.errors",
     "ZeroCheckpoint": "zerosafe.formats.deepspeed.checkpoint",
     "open_zero_checkpoint": "zerosafe.formats.deepspeed.checkpoint",
+    "PipelineCheckpoint": "zerosafe.formats.deepspeed.pipeline",
     "build_plan": "zerosafe.formats.deepspeed.reader",
     "TensorRecord": "zerosafe.formats.torch_zip",
     "TorchZipFile": "zerosafe.formats.torch_zip",
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
         UnsupportedCheckpointError,
     )
     from zerosafe.formats.deepspeed.checkpoint import ZeroCheckpoint, open_zero_checkpoint
+    from zerosafe.formats.deepspeed.pipeline import PipelineCheckpoint
     from zerosafe.formats.deepspeed.reader import build_plan
     from zerosafe.formats.torch_zip import TensorRecord, TorchZipFile
     from zerosafe.io.storage import Storage
@@ -92,6 +94,7 @@ __all__ = [
     "IntegrityError",
     "LayoutMismatchError",
     "OutputExistsError",
+    "PipelineCheckpoint",
     "Plan",
     "Storage",
     "StorageError",

@@ -4,13 +4,15 @@ Everything that imports DeepSpeed runs in a subprocess (`DS_ACCELERATOR=cpu`), s
 process never imports it.
 
     SPECS                                   name -> spec (the keys of `train_zero.py`, plus `world_size`)
+    PIPE_SPECS                              name -> spec of `train_pipe.py` (PipelineModule, pipeline parallel)
     train_checkpoint(spec, dest)            train with torchrun; returns the checkpoint folder,
                                             live weights at dest/"live.safetensors"
+                                            (`script=PIPE_SCRIPT` for PIPE_SPECS)
     deepspeed_fp32_state_dict(ckpt, file)   run `get_fp32_state_dict_from_zero_checkpoint`,
                                             save its state dict to `file`; returns aliases / error
     ds_to_universal(tag_dir, out_dir)       run DeepSpeed's `ds_to_universal.py` (a universal
                                             checkpoint of the tag; `latest_universal` beside it)
-    spec_key(spec)                          hash of the spec and of train_zero.py (cache key)
+    spec_key(spec[, script])                hash of the spec and of the training script (cache key)
 
 fp16 on CPU: DeepSpeed's CPU accelerator reports fp16 as unsupported unless oneDNN has native
 fp16 kernels (AVX512-FP16/AMX), and `deepspeed.initialize` then refuses fp16 configs. torch
@@ -33,6 +35,8 @@ from typing import Any
 
 __all__ = [
     "HF_SCRIPT",
+    "PIPE_SCRIPT",
+    "PIPE_SPECS",
     "SPECS",
     "TRAIN_SCRIPT",
     "deepspeed_fp32_state_dict",
@@ -43,6 +47,7 @@ __all__ = [
 
 TRAIN_SCRIPT = Path(__file__).with_name("train_zero.py")
 HF_SCRIPT = Path(__file__).with_name("train_hf.py")
+PIPE_SCRIPT = Path(__file__).with_name("train_pipe.py")
 LIVE_NAME = "live.safetensors"
 CKPT_NAME = "ckpt"
 _FORMAT = "deepspeed_gen/1"  # bump when the layout of what train_checkpoint writes changes
@@ -121,6 +126,34 @@ SPECS: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 
+# Pipeline parallelism (`train_pipe.py`): a PipelineModule of 7 layers (embedding, a function,
+# 3 blocks, a norm, the LM head) cut into `pipe` stages, ZeRO-1. Each trains in 10-20 s.
+PIPE_SPECS: dict[str, dict[str, Any]] = {
+    # The tied module is the head too: a layer file at both ends, a buffer under tied_modules.
+    "pp2-fp32-tied": {
+        "world_size": 2, "pipe": 2, "stage": 1, "precision": "fp32", "tied": True,
+        "tied_head": "module",
+    },
+    "pp2-bf16-tied-frozen": {
+        "world_size": 2, "pipe": 2, "stage": 1, "precision": "bf16", "tied": True, "frozen": True,
+    },
+    # pp=2 x dp=2: each stage's masters partitioned over its two data-parallel ranks.
+    "pp2-dp2-bf16-tied": {
+        "world_size": 4, "pipe": 2, "stage": 1, "precision": "bf16", "tied": True,
+        "dims": [53, 28, 45],
+    },
+    # bf16 + fp32 grad accumulation: BF16_Optimizer on every stage; an untied LM head.
+    "pp2-bf16opt-frozen": {
+        "world_size": 2, "pipe": 2, "stage": 1, "precision": "bf16", "grad_accum_dtype": "fp32",
+        "frozen": True,
+    },
+    # Three stages: the tied embedding lives on stages 0 and 2, not on the middle one.
+    "pp3-bf16-tied-frozen": {
+        "world_size": 3, "pipe": 3, "stage": 1, "precision": "bf16", "tied": True, "frozen": True,
+        "layers": 4,
+    },
+}  # fmt: skip
+
 _LAUNCHER = """\
 import runpy, sys
 import torch
@@ -160,12 +193,12 @@ with open(info_file, "w") as f:
 """
 
 
-def spec_key(spec: dict[str, Any]) -> str:
-    """A stable key for a spec trained by the current `train_zero.py` (for caches)."""
+def spec_key(spec: dict[str, Any], script: Path = TRAIN_SCRIPT) -> str:
+    """A stable key for a spec trained by the current `script` (for caches)."""
     h = hashlib.sha256()
     h.update(_FORMAT.encode())
     h.update(json.dumps(spec, sort_keys=True).encode())
-    h.update(TRAIN_SCRIPT.read_bytes())
+    h.update(Path(script).read_bytes())
     h.update(_LAUNCHER.encode())
     return h.hexdigest()[:20]
 

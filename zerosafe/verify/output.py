@@ -598,21 +598,22 @@ def lowp_cross_check(
     locate: Callable[[str], str] | None = None,
 ) -> tuple[int, int, str | None]:
     """ZeRO-1/2: each output tensor cast to the training dtype must equal the 16-bit weight
-    DeepSpeed saved in the model states, a witness independent of the fp32 partitions.
+    DeepSpeed saved in the model states (pipeline parallel: in the layer files), a witness
+    independent of the fp32 partitions.
 
     Args:
-        ckpt: The source `ZeroCheckpoint`.
+        ckpt: The source `ZeroCheckpoint` (or `PipelineCheckpoint`).
         stored: tensor name -> (file, {"dtype", "shape"}) of the output.
         failures: Receives one `lowp` failure per tensor that differs.
 
     Returns:
         `(checked, mismatched, why_skipped)`; reads the 16-bit weights and the output tensors.
     """
+    from zerosafe.formats.deepspeed.save_identity import module_copies
+
     checked = mismatched = 0
     skipped_why = None
-    model0 = ckpt.model_files[0]
-    raw_module = model0.obj.get("module")
-    module: dict[str, Any] = raw_module if isinstance(raw_module, dict) else {}
+    module = module_copies(ckpt)
     if ckpt.stage == 3:
         return 0, 0, "ZeRO-3 saves no 16-bit copy of trained params"
     if ckpt.train_dtype == "float32":
@@ -623,7 +624,7 @@ def lowp_cross_check(
         for name in lowp_names:
             if name not in stored or name not in module:
                 continue
-            m = module[name]
+            model, m = module[name]
             if m.dtype not in ("bfloat16", "float16"):
                 continue
             out_dtype = stored[name][1]["dtype"]
@@ -637,14 +638,14 @@ def lowp_cross_check(
                 src = storage.open_source(locate(file) if locate else join_url(out_url, file))
                 sources[file] = (src, *parse_safetensors_header(src))
             checked += 1
-            if not _compare_lowp(sources[file], name, out_dtype, model0, m, chunk_bytes):
+            if not _compare_lowp(sources[file], name, out_dtype, model, m, chunk_bytes):
                 mismatched += 1
                 failures.append(
                     Failure(
                         file,
                         name,
                         "lowp",
-                        f"cast to {m.dtype} differs from the {m.dtype} weight in {model0.url.rsplit('/', 1)[-1]}",
+                        f"cast to {m.dtype} differs from the {m.dtype} weight in {model.url.rsplit('/', 1)[-1]}",
                     )
                 )
     finally:

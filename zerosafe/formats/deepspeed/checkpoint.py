@@ -54,7 +54,7 @@ TESTED_DEEPSPEED_VERSIONS = ("0.19.",)
 _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-_PIPELINE_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
+_LAYER_RE = re.compile(r"^layer_(\d+)(-model_(\d+))?-model_states\.pt$")
 _MOE_RE = re.compile(r"(^expp_rank_\d+|expert_\d+)")
 
 
@@ -132,6 +132,10 @@ class ZeroCheckpoint:
     """Zero-element params `(name, shape, dtype)`: in the output with their shape and no data."""
     swapped: dict[tuple[int, int], SwapFile] = field(default_factory=dict)
     """NVMe offload: `(rank, sub-group)` -> the swap file holding that partition's masters."""
+    pipeline_stage: int | None = None
+    """The pipeline stage (`mp_rank_XX`) these files are, in a pipeline-parallel checkpoint
+    (`zerosafe.formats.deepspeed.pipeline`): its buffers and frozen params are in the layer
+    files, not in the model states."""
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -237,64 +241,90 @@ def _tag_from_latest(storage: Storage, ckpt_url: str) -> str:
     return tag
 
 
-def _scan_files(storage: Storage, tag_url: str) -> tuple[dict[int, str], dict[int, str], list[str]]:
-    """Classify the tag folder's files: optim files and model files by rank, and refuse
-    layouts that are not plain data parallelism."""
+@dataclass(kw_only=True)
+class TagFiles:
+    """A tag folder's checkpoint files by model-parallel rank (the `mp_rank_XX` of their names:
+    the pipeline stage, or the tensor-parallel rank), from its listing alone."""
+
+    tag_url: str
+    names: list[str]
+    optim: dict[int, dict[int, str]]
+    """mp rank -> data-parallel rank -> optimizer file."""
+    model: dict[int, dict[int, str]]
+    """mp rank -> rank -> model states file (ZeRO-1/2: rank 0 only, `mp_rank_XX_model_states.pt`)."""
+    layers: dict[int, str]
+    """Pipeline layer index -> `layer_XX-model_states.pt` (written by a `PipelineModule`)."""
+
+    @property
+    def model_parallel(self) -> bool:
+        """Whether the folder holds more than plain data parallelism (mp_rank_00 alone)."""
+        return bool(self.layers) or any(mp != 0 for mp in (*self.optim, *self.model))
+
+
+def _scan_files(storage: Storage, tag_url: str) -> TagFiles:
+    """Classify the tag folder's files by model-parallel rank and rank, and refuse layouts
+    zerosafe does not read by name."""
     names = storage.listdir(tag_url)
-    optim: dict[int, str] = {}
-    model: dict[int, str] = {}
-    z3_model: dict[int, str] = {}
+    optim: dict[int, dict[int, str]] = {}
+    model: dict[int, dict[int, str]] = {}
+    z3_model: dict[int, dict[int, str]] = {}
+    layers: dict[int, str] = {}
     if "zero" in names or any(n.startswith("latest_universal") for n in names):
         raise UnsupportedCheckpointError(
             f"{tag_url}: this is a DeepSpeed universal checkpoint (a 'zero/' folder), not a ZeRO "
             "tag; give the folder itself, or its parent with --tag, to convert it as one."
         )
     for name in names:
-        if _PIPELINE_RE.match(name):
-            raise UnsupportedCheckpointError(
-                f"{tag_url}/{name}: pipeline-parallel layer files are not supported yet; "
-                "zerosafe converts data-parallel ZeRO checkpoints (mp_rank_00 only)."
-            )
+        if m := _LAYER_RE.match(name):
+            if m.group(2):
+                raise UnsupportedCheckpointError(
+                    f"{tag_url}/{name}: pipeline-parallel layer files split over tensor-parallel "
+                    f"ranks ('-model_{m.group(3)}') are not supported yet: the checkpoint does not "
+                    "record along which dimension each parameter is split across the "
+                    "tensor-parallel ranks. zerosafe converts pipeline-parallel checkpoints "
+                    "without tensor parallelism (layer_XX-model_states.pt)."
+                )
+            layers[int(m.group(1))] = join_url(tag_url, name)
+            continue
         if _MOE_RE.search(name) and name.endswith(".pt"):
             raise UnsupportedCheckpointError(
                 f"{tag_url}/{name}: MoE expert files are not supported yet."
             )
-        match = _OPTIM_RE.match(name) or _Z3_MODEL_RE.match(name)
-        mp_rank = None
-        if match:
-            mp_rank = int(match.groups()[-1])
-        elif m := _MODEL_RE.match(name):
-            mp_rank = int(m.group(1))
-        if mp_rank is not None and mp_rank != 0:
-            raise UnsupportedCheckpointError(
-                f"{tag_url}/{name}: tensor-parallel checkpoints (mp_rank_{mp_rank:02d}) are not "
-                "supported yet; zerosafe converts checkpoints with model parallel size 1."
-            )
         if m := _OPTIM_RE.match(name):
-            rank = int(m.group(2))
-            if rank in optim:
+            rank, mp = int(m.group(2)), int(m.group(3))
+            by_rank = optim.setdefault(mp, {})
+            if rank in by_rank:
                 raise CheckpointFormatError(
-                    f"{tag_url}: two optimizer files for rank {rank}: '{optim[rank].rsplit('/', 1)[-1]}' "
-                    f"and '{name}'; files from two runs (bf16 and not) are mixed. Remove the "
-                    "stale one."
+                    f"{tag_url}: two optimizer files for rank {rank}: "
+                    f"'{by_rank[rank].rsplit('/', 1)[-1]}' and '{name}'; files from two runs "
+                    "(bf16 and not) are mixed. Remove the stale one."
                 )
-            optim[rank] = join_url(tag_url, name)
+            by_rank[rank] = join_url(tag_url, name)
         elif m := _Z3_MODEL_RE.match(name):
-            z3_model[int(m.group(1))] = join_url(tag_url, name)
-        elif _MODEL_RE.match(name):
-            model[0] = join_url(tag_url, name)
-    if not optim:
+            z3_model.setdefault(int(m.group(2)), {})[int(m.group(1))] = join_url(tag_url, name)
+        elif m := _MODEL_RE.match(name):
+            model.setdefault(int(m.group(1)), {})[0] = join_url(tag_url, name)
+    if not optim.get(0) and layers:
+        raise UnsupportedCheckpointError(
+            f"{tag_url}: pipeline-parallel layer files but no '*_optim_states.pt' files: a "
+            "PipelineModule trained without ZeRO (stage 0, fp32 or fp16) keeps its weights in "
+            "the layer files and the model states' `optimizer`, which zerosafe does not read "
+            "yet. zerosafe converts pipeline checkpoints trained with ZeRO stage 1, or bf16 "
+            "(BF16_Optimizer, which writes bf16_zero_pp_rank_* files)."
+        )
+    if not optim.get(0):
         raise CheckpointFormatError(
             f"{tag_url}: no '*_optim_states.pt' files; the fp32 master weights of a ZeRO "
             "checkpoint live there. Was the checkpoint saved without optimizer states, or is "
             "the copy incomplete?"
         )
-    if not model and not z3_model:
+    if not model.get(0) and not z3_model.get(0):
         raise CheckpointFormatError(
             f"{tag_url}: no '*_model_states.pt' file; it holds the parameter shapes. The copy "
             "is incomplete: copy the whole tag folder."
         )
-    return optim, z3_model or model, names
+    by_mp = {mp: z3_model.get(mp) or model.get(mp) or {} for mp in {*model, *z3_model}}
+    return TagFiles(tag_url=tag_url, names=names, optim=optim, model=by_mp, layers=layers)
 
 
 def quick_identities(
@@ -306,7 +336,13 @@ def quick_identities(
     job key computed from them matches a finished conversion's without opening any file.
     """
     tag, tag_url = find_tag_dir(storage, ckpt_url, tag)
-    optim, model, names = _scan_files(storage, tag_url)
+    found = _scan_files(storage, tag_url)
+    if found.model_parallel:
+        from zerosafe.formats.deepspeed.model_parallel import model_parallel_urls
+
+        urls = model_parallel_urls(found)
+        return tag, [storage.identity(u).as_dict() for u in urls]
+    optim, model, names = found.optim[0], found.model[0], found.names
     urls = [optim[r] for r in sorted(optim)] + [model[r] for r in sorted(model)]
     if SWAP_FOLDER in names:  # NVMe offload: the masters' swap files, as the reader orders them
         for r in sorted(optim):
@@ -400,7 +436,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def open_zero_checkpoint(
     storage: Storage, ckpt_url: str, *, tag: str | None = None, max_workers: int = 8
-) -> ZeroCheckpoint:
+) -> Any:
     """Read and check the metadata of one ZeRO checkpoint tag. Reads pickles only.
 
     Args:
@@ -409,6 +445,11 @@ def open_zero_checkpoint(
         tag: The tag to read; by default the one `latest` names.
         max_workers: Files read at once (the pickles of all ranks).
 
+    Returns:
+        A `ZeroCheckpoint`; for a pipeline-parallel checkpoint (`layer_XX-model_states.pt`
+        files, one `mp_rank_XX` per stage) a `PipelineCheckpoint`
+        (`zerosafe.formats.deepspeed.pipeline`), which holds one `ZeroCheckpoint` per stage.
+
     Raises:
         CheckpointFormatError: Missing, truncated or foreign files.
         UnsupportedCheckpointError: Layouts zerosafe does not convert yet.
@@ -416,8 +457,30 @@ def open_zero_checkpoint(
     """
     ckpt_url = normalize_url(ckpt_url)
     tag, tag_url = find_tag_dir(storage, ckpt_url, tag)
-    optim_urls, model_urls, _ = _scan_files(storage, tag_url)
-    optim_by_rank, model_by_rank = _load_files(storage, optim_urls, model_urls, max_workers)
+    found = _scan_files(storage, tag_url)
+    if found.model_parallel:
+        from zerosafe.formats.deepspeed.model_parallel import open_model_parallel
+
+        return open_model_parallel(storage, ckpt_url, tag, found, max_workers=max_workers)
+    optim_by_rank, model_by_rank = _load_files(storage, found.optim[0], found.model[0], max_workers)
+    return open_rank_files(ckpt_url, tag, tag_url, storage, optim_by_rank, model_by_rank)
+
+
+def open_rank_files(
+    ckpt_url: str,
+    tag: str,
+    tag_url: str,
+    storage: Storage,
+    optim_by_rank: dict[int, LoadedFile],
+    model_by_rank: dict[int, LoadedFile],
+    *,
+    pipeline_stage: int | None = None,
+    model_parallel: int = 1,
+) -> ZeroCheckpoint:
+    """The `ZeroCheckpoint` of one data-parallel group's loaded files (the whole checkpoint, or
+    one pipeline stage's `mp_rank_XX` files, whose model states record `model_parallel` as
+    `mp_world_size`)."""
+    mp = pipeline_stage or 0
     first_optim = optim_by_rank[min(optim_by_rank)]
     osd0 = first_optim.obj.get("optimizer_state_dict")
     if not isinstance(osd0, Mapping):
@@ -426,11 +489,11 @@ def open_zero_checkpoint(
         )
     stage, optimizer_kind = _stage_of(osd0, first_optim.url)
     world_size = _as_int_world_size(osd0.get("partition_count"), first_optim.url)
-    model0 = _model0(tag_url, stage, model_by_rank, model_urls)
-    _check_world_sizes(model0, first_optim, world_size)
-    _check_ranks(tag_url, "optimizer", optim_by_rank, world_size, stage)
+    model0 = _model0(tag_url, stage, model_by_rank, mp)
+    _check_world_sizes(model0, first_optim, world_size, model_parallel)
+    _check_ranks(tag_url, "optimizer", optim_by_rank, world_size, stage, mp)
     if stage == 3:
-        _check_ranks(tag_url, "model states", model_by_rank, world_size, stage)
+        _check_ranks(tag_url, "model states", model_by_rank, world_size, stage, mp)
     optim_files = [optim_by_rank[r] for r in range(world_size)]
     model_files = [model_by_rank[r] for r in sorted(model_by_rank)]
     check_one_save(tag_url, optim_files, model_files)
@@ -444,7 +507,7 @@ def open_zero_checkpoint(
         ds_version=str(ds_version) if ds_version is not None else None,
         optim_files=optim_files, model_files=model_files, param_groups=param_groups,
         fp32_partitions=[], alignment_paddings=[], partition_numels=[], frozen=[],
-        buffers=[], shared={}, module_order=[],
+        buffers=[], shared={}, module_order=[], pipeline_stage=pipeline_stage,
     )  # fmt: skip
     ckpt.optimizer_name = optimizer_name_of(ckpt)
     _version_and_optimizer_notes(ckpt)
@@ -486,36 +549,39 @@ def _load_files(
 
 
 def _model0(
-    tag_url: str, stage: int, model_by_rank: dict[int, LoadedFile], model_urls: dict[int, str]
+    tag_url: str, stage: int, model_by_rank: dict[int, LoadedFile], mp: int = 0
 ) -> LoadedFile:
     """Rank 0's model states, which hold the shapes; refused when it belongs to another run."""
     if (
         stage == 3
         and len(model_by_rank) == 1
-        and 0 in model_urls
-        and model_urls[0].endswith("/mp_rank_00_model_states.pt")
+        and 0 in model_by_rank
+        and model_by_rank[0].url.endswith(f"/mp_rank_{mp:02d}_model_states.pt")
     ):
         raise CheckpointFormatError(
-            f"{tag_url}: ZeRO-3 optimizer files but a ZeRO-1/2 'mp_rank_00_model_states.pt'; "
+            f"{tag_url}: ZeRO-3 optimizer files but a ZeRO-1/2 'mp_rank_{mp:02d}_model_states.pt'; "
             "files from different runs are mixed"
         )
     model0 = model_by_rank.get(0)
     if model0 is None:
         raise CheckpointFormatError(
             f"{tag_url}: rank 0's model states file is missing "
-            f"({'zero_pp_rank_0_mp_rank_00_model_states.pt' if stage == 3 else 'mp_rank_00_model_states.pt'}); "
+            f"({f'zero_pp_rank_0_mp_rank_{mp:02d}_model_states.pt' if stage == 3 else f'mp_rank_{mp:02d}_model_states.pt'}); "
             "copy the whole tag folder."
         )
     return model0
 
 
-def _check_world_sizes(model0: LoadedFile, first_optim: LoadedFile, world_size: int) -> None:
+def _check_world_sizes(
+    model0: LoadedFile, first_optim: LoadedFile, world_size: int, model_parallel: int = 1
+) -> None:
     dp_world_size = model0.obj.get("dp_world_size")
     mp_world_size = model0.obj.get("mp_world_size")
-    if isinstance(mp_world_size, int) and mp_world_size > 1:
+    if isinstance(mp_world_size, int) and mp_world_size > model_parallel:
         raise UnsupportedCheckpointError(
             f"{model0.url}: mp_world_size={mp_world_size}; tensor-parallel checkpoints are not "
-            "supported yet"
+            "supported yet: the checkpoint does not record how each parameter is split across "
+            "the model-parallel ranks"
         )
     if isinstance(dp_world_size, int) and dp_world_size != world_size:
         raise LayoutMismatchError(
@@ -591,7 +657,12 @@ def _version_and_optimizer_notes(ckpt: ZeroCheckpoint) -> None:
 
 
 def _check_ranks(
-    tag_url: str, what: str, by_rank: Mapping[int, LoadedFile], world_size: int, stage: int
+    tag_url: str,
+    what: str,
+    by_rank: Mapping[int, LoadedFile],
+    world_size: int,
+    stage: int,
+    mp: int = 0,
 ) -> None:
     ranks = set(by_rank)
     missing = sorted(set(range(world_size)) - ranks)
@@ -604,7 +675,7 @@ def _check_ranks(
     )
     pattern = (
         prefix
-        + "zero_pp_rank_{r}_mp_rank_00_"
+        + f"zero_pp_rank_{{r}}_mp_rank_{mp:02d}_"
         + ("optim_states.pt" if what == "optimizer" else "model_states.pt")
     )
     if missing:
@@ -731,6 +802,8 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
             seen.add(target)
             target = shared[target]
         ckpt.shared[str(alias)] = str(target)
+    if ckpt.pipeline_stage is not None:
+        return  # `module` is None: buffers and frozen params are in the layer files
     buffer_names = obj.get("buffer_names") or []
     for name in buffer_names:
         t = module.get(name)

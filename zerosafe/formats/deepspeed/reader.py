@@ -37,6 +37,7 @@ from zerosafe.plan.model import Slot, SourceFile
 from zerosafe.units import format_bytes
 
 if TYPE_CHECKING:
+    from zerosafe.formats.deepspeed.pipeline import PipelineCheckpoint
     from zerosafe.plan.model import Plan
 
 __all__ = ["DeepSpeedReader", "build_plan", "content_fingerprint", "zero_layout"]
@@ -75,19 +76,23 @@ class DeepSpeedReader:
         return zero_layout(open_zero_checkpoint(storage, url, tag=tag), options)
 
 
-def build_plan(ckpt: ZeroCheckpoint, options: ConvertOptions) -> Plan:
+def build_plan(ckpt: ZeroCheckpoint | PipelineCheckpoint, options: ConvertOptions) -> Plan:
     """The plan of converting an opened ZeRO checkpoint (`plan_layout` of its layout)."""
     from zerosafe.plan.build import plan_layout
 
     return plan_layout(zero_layout(ckpt, options), options)
 
 
-def zero_layout(ckpt: ZeroCheckpoint, options: ConvertOptions) -> SourceLayout:
+def zero_layout(ckpt: ZeroCheckpoint | PipelineCheckpoint, options: ConvertOptions) -> SourceLayout:
     """Slots and fragments of every tensor of `ckpt`. Reads only zip local headers.
 
     Raises:
         LayoutMismatchError: If the partitions do not hold exactly the params they should.
     """
+    from zerosafe.formats.deepspeed.pipeline import PipelineCheckpoint, pipeline_layout
+
+    if isinstance(ckpt, PipelineCheckpoint):
+        return pipeline_layout(ckpt, options)
     builder = _SlotBuilder(ckpt)
     fragments: dict[str, list[Fragment]] = {}
     fp32_slot = {

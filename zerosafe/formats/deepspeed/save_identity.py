@@ -35,9 +35,10 @@ from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 
 if TYPE_CHECKING:
     from zerosafe.formats.deepspeed.checkpoint import LoadedFile, ZeroCheckpoint
+    from zerosafe.formats.deepspeed.pipeline import PipelineCheckpoint
     from zerosafe.plan.model import Plan
 
-__all__ = ["check_module_copy_sample", "check_one_save"]
+__all__ = ["check_module_copy_sample", "check_one_save", "module_copies"]
 
 SAMPLE_PARAMS = 8
 """Params the module-copy sample looks at (the first ones of the flat layout)."""
@@ -159,35 +160,45 @@ def check_one_save(
                     )
 
 
-def _module_copy(ckpt: ZeroCheckpoint) -> Mapping[str, Any]:
+def module_copies(
+    ckpt: ZeroCheckpoint | PipelineCheckpoint,
+) -> dict[str, tuple[LoadedFile, TensorRecord]]:
+    """The module's own copy of each tensor (training dtype), and the file holding it: the
+    model states' `module` (ZeRO-1/2), or the layer files of a pipeline-parallel checkpoint."""
+    from zerosafe.formats.deepspeed.pipeline import PipelineCheckpoint
+
+    if isinstance(ckpt, PipelineCheckpoint):  # trained params, in their layer files
+        return {name: (lt.file, lt.tensor) for name, lt in ckpt.module_copies.items()}
     if ckpt.stage == 3 or not ckpt.model_files:
         return {}  # ZeRO-3 keeps no module copy of partitioned params
-    module = ckpt.model_files[0].obj.get("module")
-    return module if isinstance(module, Mapping) else {}
+    model = ckpt.model_files[0]
+    module = model.obj.get("module")
+    if not isinstance(module, Mapping):
+        return {}
+    return {n: (model, t) for n, t in module.items() if isinstance(t, TensorRecord)}
 
 
-def check_module_copy_sample(ckpt: ZeroCheckpoint, plan: Plan) -> None:
+def check_module_copy_sample(ckpt: ZeroCheckpoint | PipelineCheckpoint, plan: Plan) -> None:
     """ZeRO-1/2: the module's copy of the first params must equal their fp32 masters, cast.
 
     Raises:
         LayoutMismatchError: Naming the model states file, the param and the optimizer file.
     """
-    module = _module_copy(ckpt)
+    module = module_copies(ckpt)
     if not module:
         return
     import torch
 
     from zerosafe.dtypes import torch_dtype
 
-    model = ckpt.model_files[0]
     loaded = {f.url: f for f in ckpt.optim_files}
     checked = 0
     for tensor in plan.tensors:
         if checked >= SAMPLE_PARAMS:
             break
-        copy = module.get(tensor.name)
+        model, copy = module.get(tensor.name, (None, None))
         fragments = plan.fragments.for_tensor(tensor.index)
-        if tensor.role != "param" or not isinstance(copy, TensorRecord) or not fragments:
+        if tensor.role != "param" or model is None or copy is None or not fragments:
             continue
         if copy.numel != tensor.numel or not copy.is_contiguous():
             continue
