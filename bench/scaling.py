@@ -29,6 +29,8 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+if "--src" in sys.argv:  # measure another checkout's engine (its `zerosafe` comes first)
+    sys.path.insert(0, os.path.abspath(sys.argv[sys.argv.index("--src") + 1]))
 
 from bench._check import check_output  # noqa: E402
 from bench._iolimit import fp32_ranges, measure_limit, warm_cache  # noqa: E402
@@ -49,9 +51,13 @@ def run_once(ckpt: str, out: str, tasks: int, shard_bytes: int, dtype: str) -> d
         run_stats,
         verify_unit,
     )
-    from zerosafe.stages.streaming import serial_torch
 
-    serial_torch()  # as the command and the flow's tasks do
+    try:
+        from zerosafe.stages.streaming import serial_torch
+    except ImportError:  # a checkout from before it existed
+        pass
+    else:
+        serial_torch()  # as the command and the flow's tasks do
     shutil.rmtree(out, ignore_errors=True)
     storage = Storage()
     options = ConvertOptions(
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--repeat", type=int, default=2, help="runs per N (the best is kept)")
     ap.add_argument("--check", default="sample", choices=("full", "sample"))
+    ap.add_argument("--src", help="a checkout whose engine to measure (default: this one)")
     ap.add_argument("--out-dir", help="where outputs go (default: in --work-dir)")
     ap.add_argument("--json", help="write the results here")
     cfg = ap.parse_args(argv)
