@@ -346,7 +346,7 @@ def serve(url: str, *, check_seconds: float = 1.0) -> int:
             if selected.fileobj is listener:
                 conn, _ = listener.accept()
                 _sweep(served, selector)
-                entry = _accept(conn, key, listener, served)
+                entry = _accept(conn, key, url, listener, served)
                 if entry is not None:
                     served[entry.pidfd] = entry
                     selector.register(entry.pidfd, selectors.EVENT_READ, entry)
@@ -440,7 +440,7 @@ def _finish(entry: _Served, served: dict[int, _Served], selector: Any) -> None:
 
 
 def _accept(
-    conn: socket.socket, key: str, listener: socket.socket, served: dict[int, _Served]
+    conn: socket.socket, key: str, url: str, listener: socket.socket, served: dict[int, _Served]
 ) -> _Served | None:
     fds: list[int] = []
     try:
@@ -455,6 +455,12 @@ def _accept(
             return None
         if len(os.listdir("/proc/self/task")) > _THREADS_AT_START:  # none of ours may run
             _send(conn, {"refused": "threads"})
+            conn.close()
+            return None
+        from zerosafe_app.flows.runtime import server_healthy
+
+        if not server_healthy(url):  # Prefect here talks to `url` only (read at import)
+            _send(conn, {"refused": "server down"})
             conn.close()
             return None
         sys.stdout.flush()

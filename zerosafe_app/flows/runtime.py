@@ -40,7 +40,13 @@ from typing import Any
 from zerosafe.errors import ConversionError
 from zerosafe.io.lease import pid_alive
 
-__all__ = ["configure_embedded_prefect", "local_server", "recorded_server", "stop_local_server"]
+__all__ = [
+    "configure_embedded_prefect",
+    "local_server",
+    "recorded_server",
+    "server_healthy",
+    "stop_local_server",
+]
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 DEFAULT_IDLE_SECONDS = 600.0
@@ -91,7 +97,7 @@ def _idle_seconds() -> float:
         return DEFAULT_IDLE_SECONDS
 
 
-def _healthy(url: str, timeout: float = 2.0) -> bool:
+def server_healthy(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url + "/api/health", timeout=timeout) as response:
             return bool(response.status == 200)
@@ -119,7 +125,7 @@ def recorded_server(home: Path) -> str | None:
 def _running(home: Path) -> str | None:
     """The URL of this `PREFECT_HOME`'s shared server, if it is up."""
     url = recorded_server(home)
-    return url if url and _healthy(url) else None
+    return url if url and server_healthy(url) else None
 
 
 @contextlib.contextmanager
@@ -135,7 +141,7 @@ def _locked(home: Path) -> Iterator[None]:
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while not _healthy(url):
+    while not server_healthy(url):
         if proc.poll() is not None or time.monotonic() > deadline:
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
             raise ConversionError(f"the local Prefect server did not start (log {log}):\n{tail}")
@@ -318,7 +324,7 @@ def keep(port: int) -> int:
     state = home / STATE_NAME
     state.write_text(json.dumps({"url": url, "pid": os.getpid(), "server_pid": proc.pid}))
     try:
-        while not stopping and proc.poll() is None and not _healthy(url):
+        while not stopping and proc.poll() is None and not server_healthy(url):
             time.sleep(0.2)  # idle time counts from when the server is up
         last_used = time.monotonic()
         while not stopping and proc.poll() is None and home.is_dir():
