@@ -25,7 +25,9 @@ What stays true of a command served this way:
 - Only the same code and settings are served: a command sends a key of its interpreter, the
   installed packages, zerosafe's source files and the environment variables read at import
   (`PREFECT_*`, `PYTHON*`, `OMP_*`/`MKL_*`/`TORCH_*`, `ZEROSAFE_*`); a warm process started
-  with another key refuses, and the command runs in-process. So does a command with `-v`
+  with another key refuses, and the command runs in-process (one whose own code changed since
+  it started, after an upgrade or an edit, then ends, so that command starts a fresh one as it
+  exits). So does a command with `-v`
   (Prefect's log level is read at import), `--no-flow`, a `PREFECT_API_URL` of its own, or
   `ZEROSAFE_WARM=0`.
 - Only the same user: the warm process checks its peer's uid (SO_PEERCRED).
@@ -83,6 +85,9 @@ PRELOAD = (
 allocator starts a thread at import; the warm process forks, so it runs none of its own)."""
 LOCK_NAME = "zerosafe-warm.lock"
 _THREADS_AT_START = 1
+_STALE = False
+"""Set once the installed code no longer matches what this warm process imported: it stops
+serving (its children finish) and releases the lock, so the next command starts a new one."""
 _LOCK_FD: int | None = None
 """The warm process's hold on `LOCK_NAME` (its children close their copy)."""
 _LIMITS = ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_NOFILE", "RLIMIT_CORE")
@@ -341,7 +346,7 @@ def serve(url: str, *, check_seconds: float = 1.0) -> int:
     served: dict[int, _Served] = {}  # by pidfd
     sys.stdout.flush()
     sys.stderr.flush()
-    while served or recorded_server(home) == url:
+    while served or (recorded_server(home) == url and not _STALE):
         for selected, _events in selector.select(timeout=check_seconds):
             if selected.fileobj is listener:
                 conn, _ = listener.accept()
@@ -452,6 +457,9 @@ def _accept(
         if request.get("key") != key or len(fds) != 3:
             _send(conn, {"refused": "another key"})
             conn.close()
+            if environment_key() != key:  # our own code changed (an upgrade, an edit): make way
+                global _STALE
+                _STALE = True
             return None
         if len(os.listdir("/proc/self/task")) > _THREADS_AT_START:  # none of ours may run
             _send(conn, {"refused": "threads"})

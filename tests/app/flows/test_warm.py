@@ -158,3 +158,22 @@ def test_a_killed_command_takes_its_child_along(warm_env: dict[str, str], tmp_pa
         warm_env, tmp_path, "convert", "--json", str(SAMPLE_CKPT), str(tmp_path / "out")
     )
     assert served is not None and json.loads(again.stdout)["status"] == "converted"
+
+
+def test_a_warm_process_whose_code_changed_makes_way_for_a_new_one(
+    warm_env: dict[str, str], tmp_path: Path
+) -> None:
+    import zerosafe_app.warm as warm
+
+    source = Path(warm.__file__)
+    st = source.stat()
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # as an upgrade would
+    try:
+        proc, child = _served(warm_env, tmp_path, "convert", str(SAMPLE_CKPT), str(tmp_path / "a"))
+        assert proc.returncode == 0 and child is None  # the old one refused: other code
+        home = Path(warm_env["PREFECT_HOME"])
+        _wait(lambda: _accepting(home), "a warm process of the new code")
+        proc, child = _served(warm_env, tmp_path, "convert", str(SAMPLE_CKPT), str(tmp_path / "b"))
+        assert proc.returncode == 0 and child is not None
+    finally:
+        os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
