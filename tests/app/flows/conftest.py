@@ -8,6 +8,7 @@ to the first."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -38,3 +39,13 @@ def journal(work: Path) -> list[dict[str, Any]]:
 def work_dir(out: Path) -> Path:
     (work,) = (out / ".zerosafe-work").iterdir()
     return work
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (ProcessLookupError, OSError):
+        return False
+    return state != "Z"

@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.app.flows.conftest import convert_json, run_cli
+from tests.app.flows.conftest import alive, convert_json, run_cli
 from tests.conftest import SAMPLE_CKPT
 from zerosafe_app.flows.runtime import STATE_NAME, stop_local_server
 
 pytestmark = pytest.mark.slow
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_commands_share_one_server_that_stops_when_idle(
@@ -32,14 +23,14 @@ def test_commands_share_one_server_that_stops_when_idle(
     first = convert_json(env, str(SAMPLE_CKPT), str(tmp_path / "a"))
     assert first["status"] == "converted"
     state = json.loads((home / STATE_NAME).read_text())
-    assert _alive(state["pid"]) and _alive(state["server_pid"])
+    assert alive(state["pid"]) and alive(state["server_pid"])
     second = convert_json(env, str(SAMPLE_CKPT), str(tmp_path / "b"), "--dtype", "bf16")
     assert second["status"] == "converted"
     assert json.loads((home / STATE_NAME).read_text())["pid"] == state["pid"]  # reused
     deadline = time.monotonic() + 60
-    while _alive(state["pid"]) and time.monotonic() < deadline:
+    while alive(state["pid"]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _alive(state["pid"]) and not _alive(state["server_pid"]), "idle server kept"
+    assert not alive(state["pid"]) and not alive(state["server_pid"]), "idle server kept"
     assert not (home / STATE_NAME).exists()
     # the next command starts a new one; stop_local_server ends it at once
     assert convert_json(env, str(SAMPLE_CKPT), str(tmp_path / "c"))["status"] == "converted"

@@ -16,23 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.flows.conftest import run_cli
+from tests.app.flows.conftest import alive, run_cli
 from tests.conftest import REPO, SAMPLE_CKPT
 from zerosafe_app.flows.runtime import stop_local_server
 from zerosafe_app.warm import socket_address
 
 pytestmark = pytest.mark.slow
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is not alive
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _wait(condition: object, what: str, timeout: float = 60.0) -> None:
@@ -145,14 +134,14 @@ def test_sigint_reaches_the_child_which_stops_as_an_interrupted_run(
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err
-    assert not _alive(child)
+    assert not alive(child)
 
 
 def test_a_killed_command_takes_its_child_along(warm_env: dict[str, str], tmp_path: Path) -> None:
     proc, child = _start_served(warm_env, tmp_path)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
-    _wait(lambda: not _alive(child), "the orphaned child to be killed", 10)
+    _wait(lambda: not alive(child), "the orphaned child to be killed", 10)
     # and the next command is served, and converts (resumes) the same output
     again, served = _served(
         warm_env, tmp_path, "convert", "--json", str(SAMPLE_CKPT), str(tmp_path / "out")
