@@ -276,7 +276,7 @@ def _wait_child(sock: socket.socket, child: int) -> int:
                 "the same command again to resume (ZEROSAFE_WARM=0 runs it in this process).",
                 file=sys.stderr,
             )
-            return 1
+            return 2
     sock.close()
     if "signal" in reply:  # killed by a signal: end the same way, as an in-process run would
         number = int(reply["signal"])
