@@ -296,3 +296,16 @@ def test_check_lowp_stops_publishing_when_16bit_weights_disagree(tmp_path: Path)
         convert_checkpoint(str(ckpt), str(out), ConvertOptions(check_lowp=True))
     assert not (out / "zerosafe-complete.json").exists()
     convert_checkpoint(str(ckpt), str(tmp_path / "unchecked"))  # the masters alone convert fine
+
+
+def test_optimizer_without_param_groups_is_not_taken_for_moe(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """MoE is detected from the optimizer's `moe` param groups among other signs; a checkpoint
+    without MoE whose optimizer saved no readable `param_groups` still converts."""
+    for rank in range(3):
+        sd = torch.load(_optim(sample_ckpt, rank), weights_only=False)
+        sd["optimizer_state_dict"]["optimizer_state_dict"].pop("param_groups")
+        torch.save(sd, _optim(sample_ckpt, rank))
+    summary = convert_checkpoint(str(sample_ckpt), str(tmp_path / "out"))
+    assert summary["status"] == "converted"

@@ -186,6 +186,15 @@ def _base_groups(f: LoadedFile) -> list[Mapping[str, Any]]:
     return list(groups)
 
 
+def _marked_moe(f: LoadedFile) -> bool:
+    """Whether the optimizer's param groups mark one `moe`; False when they are unreadable
+    (some optimizers save no `param_groups`, and a checkpoint without MoE needs none)."""
+    try:
+        return any(g.get("moe") for g in _base_groups(f))
+    except CheckpointFormatError:
+        return False
+
+
 def _group_keys(f: LoadedFile) -> list[tuple[str, bool, int]]:
     """`(name, is MoE, occurrence)` of each param group: DeepSpeed orders the expert groups of
     several expert-parallel sizes by iterating a set, so two ranks can order them differently,
@@ -254,7 +263,7 @@ def read_moe_layout(
     partition_groups = [
         f.obj["optimizer_state_dict"].get(PARTITION_GROUPS_KEY) for f in optim_files
     ]
-    moe_groups = any(k[1] for k in _group_keys(optim_files[0])) if optim_files else False
+    moe_groups = any(_marked_moe(f) for f in optim_files[:1])
     has_moe = (
         "num_experts" in model0.obj or autoep or expert_files or moe_groups
         or any(p is not None for p in partition_groups)
