@@ -92,7 +92,8 @@ class FrozenParam:
     shape: tuple[int, ...]
     dtype: str
     source: str
-    """`fragments` (ZeRO-2/3 `frozen_param_fragments`) or `module` (the 16-bit module copy)."""
+    """`fragments` (ZeRO-2/3 `frozen_param_fragments`), `module` (the 16-bit module copy) or
+    `expert file` (an MoE expert's file)."""
     pieces: tuple[tuple[int, TensorRecord], ...]
     """`(rank, tensor)` in rank order; concatenated and cut to `numel` they give the param."""
     url: str = ""
@@ -349,9 +350,8 @@ def quick_identities(
     optim, model = listing.optim, listing.model
     urls = [optim[r] for r in sorted(optim)] + [model[r] for r in sorted(model)]
     urls += [listing.experts[k] for k in sorted(listing.experts)]
-    if (
-        SWAP_FOLDER in listing.names
-    ):  # NVMe offload: the masters' swap files, as the reader orders them
+    # NVMe offload: the masters' swap files, as the reader orders them
+    if SWAP_FOLDER in listing.names:
         for r in sorted(optim):
             folder = swap_folder_url(tag_url, r)
             if storage.isdir(folder):
