@@ -598,8 +598,8 @@ def lowp_cross_check(
     locate: Callable[[str], str] | None = None,
 ) -> tuple[int, int, str | None]:
     """ZeRO-1/2: each output tensor cast to the training dtype must equal the 16-bit weight
-    DeepSpeed saved in the model states (pipeline parallel: in the layer files), a witness
-    independent of the fp32 partitions.
+    DeepSpeed saved in the model states (pipeline parallel: in the layer files; MoE experts: in
+    the expert files), a witness independent of the fp32 partitions.
 
     Args:
         ckpt: The source `ZeroCheckpoint` (or `PipelineCheckpoint`).
@@ -613,41 +613,47 @@ def lowp_cross_check(
 
     checked = mismatched = 0
     skipped_why = None
-    module = module_copies(ckpt)
+    copies = module_copies(ckpt)
     if ckpt.stage == 3:
         return 0, 0, "ZeRO-3 saves no 16-bit copy of trained params"
     if ckpt.train_dtype == "float32":
         return 0, 0, "trained in fp32: the module copy is the same fp32 data"
     sources: dict[str, Any] = {}
     try:
-        lowp_names = [n for g in ckpt.param_groups for n, _ in g] + [fp.name for fp in ckpt.frozen]
+        lowp_names = ckpt.param_names + [fp.name for fp in ckpt.frozen]
         for name in lowp_names:
-            if name not in stored or name not in module:
-                continue
-            model, m = module[name]
-            if m.dtype not in ("bfloat16", "float16"):
+            if name not in stored:
                 continue
             out_dtype = stored[name][1]["dtype"]
-            if m.numel != _numel(stored[name][1]["shape"]) or m.numel == 0:
-                continue
-            if out_dtype not in ("float32", m.dtype):
-                skipped_why = f"output dtype {out_dtype} cannot be compared with {m.dtype} weights"
-                continue
-            file = stored[name][0]
-            if file not in sources:
-                src = storage.open_source(locate(file) if locate else join_url(out_url, file))
-                sources[file] = (src, *parse_safetensors_header(src))
-            checked += 1
-            if not _compare_lowp(sources[file], name, out_dtype, model, m, chunk_bytes):
-                mismatched += 1
-                failures.append(
-                    Failure(
-                        file,
-                        name,
-                        "lowp",
-                        f"cast to {m.dtype} differs from the {m.dtype} weight in {model.url.rsplit('/', 1)[-1]}",
+            out_numel = _numel(stored[name][1]["shape"])
+            for model, m, offset in copies.get(name, ()):
+                if m.dtype not in ("bfloat16", "float16"):
+                    continue
+                if m.numel == 0 or offset + m.numel > out_numel:
+                    continue
+                if m.numel != out_numel and model.role != "expert":
+                    continue
+                if out_dtype not in ("float32", m.dtype):
+                    skipped_why = (
+                        f"output dtype {out_dtype} cannot be compared with {m.dtype} weights"
                     )
-                )
+                    continue
+                file = stored[name][0]
+                if file not in sources:
+                    src = storage.open_source(locate(file) if locate else join_url(out_url, file))
+                    sources[file] = (src, *parse_safetensors_header(src))
+                checked += 1
+                if not _compare_lowp(sources[file], name, out_dtype, model, m, offset, chunk_bytes):
+                    mismatched += 1
+                    failures.append(
+                        Failure(
+                            file,
+                            name,
+                            "lowp",
+                            f"cast to {m.dtype} differs from the {m.dtype} weight in "
+                            f"{model.url.rsplit('/', 1)[-1]}",
+                        )
+                    )
     finally:
         for src, *_ in sources.values():
             src.close()
@@ -655,12 +661,19 @@ def lowp_cross_check(
 
 
 def _compare_lowp(
-    src_info: Any, name: str, out_dtype: str, model: Any, module_tensor: Any, chunk_bytes: int
+    src_info: Any,
+    name: str,
+    out_dtype: str,
+    model: Any,
+    module_tensor: Any,
+    offset: int,
+    chunk_bytes: int,
 ) -> bool:
+    """Output elements `[offset, offset + numel)` of `name`, cast, against a 16-bit copy."""
     import torch
 
     src, header, _, data_start = src_info
-    begin, _ = header[name]["data_offsets"]
+    begin = header[name]["data_offsets"][0] + offset * dtype_info(out_dtype).itemsize
     lowp = module_tensor.dtype
     out_size = dtype_info(out_dtype).itemsize
     low_size = dtype_info(lowp).itemsize

@@ -176,9 +176,14 @@ def test_pickle_that_would_run_code_is_refused_and_nothing_runs(
 @pytest.mark.parametrize(
     ("name", "match"),
     [
-        ("zero_pp_rank_0_mp_rank_01_model_states.pt", "tensor-parallel .*mp_rank_01"),
-        ("layer_01-model_00-model_states.pt", "pipeline-parallel"),
-        ("expp_rank_0_mp_rank_00_optim_states.pt", "MoE expert"),
+        (
+            "zero_pp_rank_0_mp_rank_01_model_states.pt",
+            "tensor-parallel .*mp_rank_01.*not supported yet",
+        ),
+        ("layer_01-model_00-model_states.pt", "pipeline-parallel.*not supported yet"),
+        ("expp_rank_0_mp_rank_00_optim_states.pt", "MoE trained without ZeRO .stage 0."),
+        ("expert_3_mp_rank_00_model_states.pt", "expert file without a layer id"),
+        ("layer_0_expert_1_mp_rank_01_model_states.pt", "expert tensor parallelism"),
     ],
 )
 def test_unsupported_layouts_are_named(
@@ -187,7 +192,68 @@ def test_unsupported_layouts_are_named(
     shutil.copy(_model(sample_ckpt, 0), sample_ckpt / TAG / name)
     with pytest.raises(UnsupportedCheckpointError, match=match) as e:
         convert_checkpoint(str(sample_ckpt), str(tmp_path / "out"))
-    assert name in str(e.value) and "not supported yet" in str(e.value)
+    assert name in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "what"),
+    [
+        ("layer_00-model_states.pt", "pipeline-parallel layer files"),
+        ("zero_pp_rank_0_mp_rank_01_model_states.pt", r"model-parallel rank files \(mp_rank_01\)"),
+        (
+            "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+            r"model-parallel rank files \(mp_rank_01\)",
+        ),
+    ],
+)
+def test_moe_with_pipeline_or_tensor_parallelism_is_refused(
+    sample_ckpt: Path, tmp_path: Path, capsys, extra: str, what: str
+) -> None:
+    """Expert files beside pipeline layer files or mp_rank_01+ files: refused from the listing
+    (before any file is read), naming an expert file and the model-parallel one."""
+    expert = "layer_0_expert_0_mp_rank_00_model_states.pt"
+    for name in (expert, "layer_0_expert_1_mp_rank_00_model_states.pt", extra):
+        shutil.copy(_model(sample_ckpt, 0), sample_ckpt / TAG / name)
+    match = f"MoE expert files .*beside {what}.*MoE combined with pipeline or tensor parallelism"
+    with pytest.raises(UnsupportedCheckpointError, match=match) as e:
+        convert_checkpoint(str(sample_ckpt), str(tmp_path / "out"))
+    assert expert in str(e.value) and "and 1 more" in str(e.value) and extra in str(e.value)
+    from zerosafe.formats.registry import quick_identities
+    from zerosafe.io.storage import Storage
+
+    with pytest.raises(UnsupportedCheckpointError, match=match):  # the job key's listing too
+        quick_identities(Storage(), str(sample_ckpt), None)
+    err = _convert_fails(sample_ckpt, tmp_path / "out2", capsys)
+    assert "MoE combined with pipeline or tensor parallelism" in err and extra in err
+
+
+def test_moe_layout_in_model_parallel_files_is_refused() -> None:
+    """An MoE layout (AutoEP ZeRO-3 writes no expert files) read from a pipeline stage or from
+    mp_rank_01+ files is refused too; plain mp_rank_00 files pass."""
+    from types import SimpleNamespace
+
+    from zerosafe.formats.deepspeed.checkpoint import _refuse_moe_in_model_parallel_files
+
+    def files(*names: str) -> list:
+        return [SimpleNamespace(url=f"/c/{TAG}/{n}") for n in names]
+
+    plain = files("zero_pp_rank_0_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt")
+    _refuse_moe_in_model_parallel_files(plain, None, 1)
+    match = "MoE combined with pipeline or tensor parallelism is not supported"
+    with pytest.raises(UnsupportedCheckpointError, match=match + ".*") as e:
+        _refuse_moe_in_model_parallel_files(
+            files(
+                "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                "zero_pp_rank_0_mp_rank_01_optim_states.pt",
+            ),
+            None,
+            1,
+        )
+    assert "zero_pp_rank_0_mp_rank_01_optim_states.pt" in str(e.value)
+    with pytest.raises(UnsupportedCheckpointError, match="pipeline stage 1"):
+        _refuse_moe_in_model_parallel_files(plain, 1, 2)
+    with pytest.raises(UnsupportedCheckpointError, match=match):
+        _refuse_moe_in_model_parallel_files(plain, None, 2)  # replicated mp ranks
 
 
 def test_not_a_checkpoint_folder(tmp_path: Path, capsys) -> None:
@@ -291,3 +357,16 @@ def test_check_lowp_stops_publishing_when_16bit_weights_disagree(tmp_path: Path)
         convert_checkpoint(str(ckpt), str(out), ConvertOptions(check_lowp=True))
     assert not (out / "zerosafe-complete.json").exists()
     convert_checkpoint(str(ckpt), str(tmp_path / "unchecked"))  # the masters alone convert fine
+
+
+def test_optimizer_without_param_groups_is_not_taken_for_moe(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """MoE is detected from the optimizer's `moe` param groups among other signs; a checkpoint
+    without MoE whose optimizer saved no readable `param_groups` still converts."""
+    for rank in range(3):
+        sd = torch.load(_optim(sample_ckpt, rank), weights_only=False)
+        sd["optimizer_state_dict"]["optimizer_state_dict"].pop("param_groups")
+        torch.save(sd, _optim(sample_ckpt, rank))
+    summary = convert_checkpoint(str(sample_ckpt), str(tmp_path / "out"))
+    assert summary["status"] == "converted"

@@ -14,11 +14,13 @@ from hypothesis import strategies as st
 
 from zerosafe.errors import LayoutMismatchError
 from zerosafe.formats.deepspeed.layout import (
+    map_runs,
     split_by_segments,
     zero3_partition_numel,
     zero3_pieces,
     zero12_partition_pieces,
 )
+from zerosafe.formats.deepspeed.moe import expert_group_ranks
 
 PAD = -1
 
@@ -132,3 +134,53 @@ def test_split_by_segments_refuses_overrun():
 )
 def test_zero3_partition_numel(numel, world_size, want):
     assert zero3_partition_numel(numel, world_size) == want
+
+
+# MoE: AutoEP fused expert weights land at the rows their placement names; native experts are
+# renamed, their elements stay where they are.
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_local=st.integers(1, 4),
+    per=st.integers(1, 7),
+    num_experts=st.integers(4, 9),
+    seed=st.integers(0, 10**6),
+    cuts=st.lists(st.integers(0, 60), max_size=4),
+)
+def test_map_runs_places_experts(num_local, per, num_experts, seed, cuts):
+    """A rank's local `[L, ...]` tensor, read in arbitrary runs (partition boundaries), lands
+    at the logical rows of its experts, element for element."""
+    experts = np.random.default_rng(seed).permutation(num_experts)[:num_local].tolist()
+    runs = tuple((i * per, x * per, per) for i, x in enumerate(experts))
+    local = np.arange(num_local * per)
+    logical = np.full(num_experts * per, -1)
+    bounds = sorted({0, num_local * per, *(c % (num_local * per + 1) for c in cuts)})
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        for dst, delta, count in map_runs(runs, start, end - start):
+            assert np.all(logical[dst : dst + count] == -1), "written twice"
+            logical[dst : dst + count] = local[start + delta : start + delta + count]
+    for i, x in enumerate(experts):
+        assert logical[x * per : (x + 1) * per].tolist() == local[i * per : (i + 1) * per].tolist()
+    assert (logical >= 0).sum() == num_local * per
+
+
+def test_map_runs_identity_and_replicas():
+    assert map_runs((), 5, 3) == [(5, 0, 3)]
+    # an expert held by two ranks is taken from one: the other's run is left out
+    assert map_runs(((0, 8, 4),), 0, 8) == [(8, 0, 4)]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "ep_size", "data_before", "want"),
+    [
+        # DeepSpeed's own example (utils/groups.py): world 16, expert-parallel size 2
+        (16, 2, False, ((0, 2, 4, 6, 8, 10, 12, 14), (1, 3, 5, 7, 9, 11, 13, 15))),
+        (4, 2, True, ((0, 1), (2, 3))),
+        (4, 4, False, ((0,), (1,), (2,), (3,))),
+        (4, 1, True, ((0, 1, 2, 3),)),
+        (6, 3, True, ((0, 1), (2, 3), (4, 5))),
+    ],
+)
+def test_expert_group_ranks(world_size, ep_size, data_before, want):
+    assert expert_group_ranks(world_size, ep_size, data_before_expert=data_before) == want

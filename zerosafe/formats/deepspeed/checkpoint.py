@@ -3,14 +3,18 @@
 Folder layout (DeepSpeed `runtime/engine.py`, `save_checkpoint`): `CKPT_DIR/latest` holds the
 tag; `CKPT_DIR/<tag>/` holds, per data-parallel rank r, `[bf16_]zero_pp_rank_{r}_mp_rank_00_
 optim_states.pt`, plus `mp_rank_00_model_states.pt` (ZeRO-1/2) or one
-`zero_pp_rank_{r}_mp_rank_00_model_states.pt` per rank (ZeRO-3). The keys each file holds are
-described in docs/formats.md ("DeepSpeed ZeRO"); this module checks them, refuses what
-it does not support by name, and returns a `ZeroCheckpoint` the planner turns into a plan.
+`zero_pp_rank_{r}_mp_rank_00_model_states.pt` per rank (ZeRO-3), plus, for MoE models,
+`layer_<L>_expert_<E>_mp_rank_00_model_states.pt` per expert (`zerosafe.formats.deepspeed.moe`).
+The keys each file holds are described in docs/formats.md ("DeepSpeed ZeRO"); this module
+checks them, refuses what it does not support by name, and returns a `ZeroCheckpoint` the
+planner turns into a plan.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +26,7 @@ from zerosafe.errors import (
     LayoutMismatchError,
     UnsupportedCheckpointError,
 )
+from zerosafe.formats.deepspeed.layout import FlatGroup, GroupParam
 from zerosafe.formats.deepspeed.masters import (
     MASTER_DTYPES,
     SWAP_FOLDER,
@@ -30,6 +35,14 @@ from zerosafe.formats.deepspeed.masters import (
     master_dtype_of,
     optimizer_name_of,
     swap_folder_url,
+)
+from zerosafe.formats.deepspeed.moe import (
+    EXPERTS_INFIX,
+    MoELayout,
+    autoep_aliases,
+    autoep_layer_of,
+    check_moe_file_name,
+    read_moe_layout,
 )
 from zerosafe.formats.deepspeed.save_identity import check_one_save
 from zerosafe.formats.torch_legacy import open_torch_file
@@ -55,7 +68,6 @@ _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\
 _Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
 _LAYER_RE = re.compile(r"^layer_(\d+)(-model_(\d+))?-model_states\.pt$")
-_MOE_RE = re.compile(r"(^expp_rank_\d+|expert_\d+)")
 
 
 @dataclass(kw_only=True)
@@ -64,8 +76,9 @@ class LoadedFile:
 
     url: str
     role: str
-    """`optim` or `model`."""
+    """`optim`, `model` or `expert` (an MoE expert file)."""
     rank: int
+    """The data-parallel rank that wrote it (an expert file: the first rank holding its expert)."""
     identity: FileIdentity
     zip: TorchZipFile
     obj: dict[str, Any]
@@ -79,9 +92,12 @@ class FrozenParam:
     shape: tuple[int, ...]
     dtype: str
     source: str
-    """`fragments` (ZeRO-2/3 `frozen_param_fragments`) or `module` (the 16-bit module copy)."""
+    """`fragments` (ZeRO-2/3 `frozen_param_fragments`), `module` (the 16-bit module copy) or
+    `expert file` (an MoE expert's file)."""
     pieces: tuple[tuple[int, TensorRecord], ...]
     """`(rank, tensor)` in rank order; concatenated and cut to `numel` they give the param."""
+    url: str = ""
+    """The file holding the pieces when it is not their rank's model states (an expert file)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,13 +127,10 @@ class ZeroCheckpoint:
     optim_files: list[LoadedFile]
     model_files: list[LoadedFile]
     param_groups: list[list[tuple[str, tuple[int, ...]]]]
-    """Per flat group (ZeRO-3: per sub-group), the params in flat order with their shapes."""
+    """Per flat group (ZeRO-3: per sub-group), the params in flat order with their shapes, as
+    rank 0's `param_shapes` names them (MoE: rank 0's local experts)."""
     fp32_partitions: list[list[TensorRecord]]
-    """Per rank, per flat group, the saved fp32 partition."""
-    alignment_paddings: list[list[int]]
-    """ZeRO-1/2: per group, padding after each param."""
-    partition_numels: list[int]
-    """ZeRO-1/2: per group, elements per rank partition."""
+    """Per rank, per flat group of that rank's optimizer file, the saved fp32 partition."""
     frozen: list[FrozenParam]
     buffers: list[tuple[str, TensorRecord]]
     shared: dict[str, str]
@@ -136,16 +149,31 @@ class ZeroCheckpoint:
     """The pipeline stage (`mp_rank_XX`) these files are, in a pipeline-parallel checkpoint
     (`zerosafe.formats.deepspeed.pipeline`): its buffers and frozen params are in the layer
     files, not in the model states."""
+    flat_groups: list[FlatGroup] = field(default_factory=list)
+    """ZeRO-1/2: every flat group, where its partitions are and their sizes. ZeRO-3: only for
+    MoE, whose sub-groups are partitioned over different ranks (otherwise `param_groups`
+    over all ranks)."""
+    expert_files: list[LoadedFile] = field(default_factory=list)
+    """MoE expert files, by layer and expert."""
+    moe: MoELayout | None = None
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     @property
     def files(self) -> list[LoadedFile]:
-        return [*self.optim_files, *self.model_files]
+        return [*self.optim_files, *self.model_files, *self.expert_files]
+
+    @property
+    def trained_params(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every param with fp32 masters: output name and shape (MoE: every expert, by its
+        global name or, for AutoEP, as one logical tensor)."""
+        if self.moe is not None:
+            return list(self.moe.params.items())
+        return [(name, shape) for group in self.param_groups for name, shape in group]
 
     @property
     def param_names(self) -> list[str]:
-        return [name for group in self.param_groups for name, _ in group]
+        return [name for name, _ in self.trained_params]
 
 
 def _file_not_folder(url: str) -> str:
@@ -254,6 +282,8 @@ class TagFiles:
     """mp rank -> rank -> model states file (ZeRO-1/2: rank 0 only, `mp_rank_XX_model_states.pt`)."""
     layers: dict[int, str]
     """Pipeline layer index -> `layer_XX-model_states.pt` (written by a `PipelineModule`)."""
+    experts: dict[tuple[int, int], str] = field(default_factory=dict)
+    """MoE expert files (`layer_<L>_expert_<E>_mp_rank_00_model_states.pt`) by `(layer, expert)`."""
 
     @property
     def model_parallel(self) -> bool:
@@ -262,13 +292,15 @@ class TagFiles:
 
 
 def _scan_files(storage: Storage, tag_url: str) -> TagFiles:
-    """Classify the tag folder's files by model-parallel rank and rank, and refuse layouts
-    zerosafe does not read by name."""
+    """Classify the tag folder's files by model-parallel rank and rank, MoE expert files by
+    layer and expert, and refuse layouts zerosafe does not read by name (MoE combined with
+    pipeline or tensor parallelism among them)."""
     names = storage.listdir(tag_url)
     optim: dict[int, dict[int, str]] = {}
     model: dict[int, dict[int, str]] = {}
     z3_model: dict[int, dict[int, str]] = {}
     layers: dict[int, str] = {}
+    experts: dict[tuple[int, int], str] = {}
     if "zero" in names or any(n.startswith("latest_universal") for n in names):
         raise UnsupportedCheckpointError(
             f"{tag_url}: this is a DeepSpeed universal checkpoint (a 'zero/' folder), not a ZeRO "
@@ -286,10 +318,10 @@ def _scan_files(storage: Storage, tag_url: str) -> TagFiles:
                 )
             layers[int(m.group(1))] = join_url(tag_url, name)
             continue
-        if _MOE_RE.search(name) and name.endswith(".pt"):
-            raise UnsupportedCheckpointError(
-                f"{tag_url}/{name}: MoE expert files are not supported yet."
-            )
+        expert = check_moe_file_name(tag_url, name)
+        if expert is not None:
+            experts[expert] = join_url(tag_url, name)
+            continue
         if m := _OPTIM_RE.match(name):
             rank, mp = int(m.group(2)), int(m.group(3))
             by_rank = optim.setdefault(mp, {})
@@ -324,7 +356,58 @@ def _scan_files(storage: Storage, tag_url: str) -> TagFiles:
             "is incomplete: copy the whole tag folder."
         )
     by_mp = {mp: z3_model.get(mp) or model.get(mp) or {} for mp in {*model, *z3_model}}
-    return TagFiles(tag_url=tag_url, names=names, optim=optim, model=by_mp, layers=layers)
+    found = TagFiles(
+        tag_url=tag_url, names=names, optim=optim, model=by_mp, layers=layers, experts=experts
+    )
+    if experts and found.model_parallel:
+        _refuse_moe_with_model_parallel(found)
+    return found
+
+
+def _refuse_moe_with_model_parallel(found: TagFiles) -> None:
+    """MoE expert files beside pipeline layer files or `mp_rank_01`+ files: refused, naming
+    both kinds of files."""
+    expert = found.experts[min(found.experts)].rsplit("/", 1)[-1]
+    more = len(found.experts) - 1
+    experts = f"{expert} and {more} more" if more else expert
+    if found.layers:
+        other = found.layers[min(found.layers)].rsplit("/", 1)[-1]
+        what = "pipeline-parallel layer files"
+    else:
+        mp = min(m for m in (*found.optim, *found.model) if m != 0)
+        by_rank = found.optim.get(mp) or found.model[mp]
+        other = by_rank[min(by_rank)].rsplit("/", 1)[-1]
+        what = f"model-parallel rank files (mp_rank_{mp:02d})"
+    raise UnsupportedCheckpointError(
+        f"{found.tag_url}: MoE expert files ({experts}) beside "
+        f"{what} ({other}): MoE combined with pipeline or tensor parallelism is not supported; "
+        "zerosafe converts MoE checkpoints with data and expert parallelism only (mp_rank_00 "
+        "files, no layer_XX-model_states.pt), and pipeline-parallel checkpoints without experts."
+    )
+
+
+def _refuse_moe_in_model_parallel_files(
+    files: list[LoadedFile], pipeline_stage: int | None, model_parallel: int
+) -> None:
+    """An MoE layout read from a pipeline stage or model-parallel rank files (AutoEP ZeRO-3
+    writes no expert files, so `_scan_files` cannot tell from the listing): refused."""
+    names = [f.url.rsplit("/", 1)[-1] for f in files]
+    mp_named = [
+        n
+        for n in names
+        if (m := _OPTIM_RE.match(n) or _Z3_MODEL_RE.match(n) or _MODEL_RE.match(n))
+        and int(m.groups()[-1]) != 0
+    ]
+    if pipeline_stage is None and model_parallel == 1 and not mp_named:
+        return
+    shown = mp_named[0] if mp_named else names[0]
+    raise UnsupportedCheckpointError(
+        f"{files[0].url.rsplit('/', 1)[0]}: an MoE checkpoint (expert param groups or AutoEP "
+        f"metadata) whose files are model-parallel ({shown}"
+        + (f", pipeline stage {pipeline_stage}" if pipeline_stage is not None else "")
+        + "): MoE combined with pipeline or tensor parallelism is not supported; zerosafe "
+        "converts MoE checkpoints with data and expert parallelism only (mp_rank_00 files)."
+    )
 
 
 def quick_identities(
@@ -342,9 +425,11 @@ def quick_identities(
 
         urls = model_parallel_urls(found)
         return tag, [storage.identity(u).as_dict() for u in urls]
-    optim, model, names = found.optim[0], found.model[0], found.names
+    optim, model = found.optim[0], found.model[0]
     urls = [optim[r] for r in sorted(optim)] + [model[r] for r in sorted(model)]
-    if SWAP_FOLDER in names:  # NVMe offload: the masters' swap files, as the reader orders them
+    urls += [found.experts[k] for k in sorted(found.experts)]
+    # NVMe offload: the masters' swap files, as the reader orders them
+    if SWAP_FOLDER in found.names:
         for r in sorted(optim):
             folder = swap_folder_url(tag_url, r)
             if storage.isdir(folder):
@@ -386,18 +471,40 @@ def _stage_of(osd: Mapping[str, Any], url: str) -> tuple[int, str]:
     return int(stage), "zero"
 
 
-def _as_int_world_size(partition_count: Any, url: str) -> int:
+def _world_size_of(f: LoadedFile, dp_world_size: Any) -> int:
+    """The data-parallel world size an optimizer file was partitioned over: its
+    `partition_count` (ZeRO-1/2: per param group). MoE expert groups are partitioned over fewer
+    ranks (their expert-data-parallel group), so only the dense groups' count is the world
+    size; with expert groups alone it is the model states' `dp_world_size`."""
+    osd = f.obj["optimizer_state_dict"]
+    partition_count = osd.get("partition_count")
     if isinstance(partition_count, int):
         return partition_count
-    if isinstance(partition_count, (list, tuple)) and partition_count:
-        counts = set(partition_count)
-        if len(counts) != 1:
-            raise UnsupportedCheckpointError(
-                f"{url}: param groups are partitioned over different world sizes "
-                f"({list(partition_count)}); MoE or expert-parallel groups are not supported yet."
-            )
-        return int(partition_count[0])
-    raise CheckpointFormatError(f"{url}: unreadable 'partition_count' {partition_count!r}")
+    if not isinstance(partition_count, (list, tuple)) or not partition_count:
+        raise CheckpointFormatError(f"{f.url}: unreadable 'partition_count' {partition_count!r}")
+    counts = [int(c) for c in partition_count]
+    if len(set(counts)) == 1:
+        return counts[0]
+    base = osd.get("base_optimizer_state")
+    groups = base.get("param_groups") if isinstance(base, Mapping) else None
+    moe = [bool(g.get("moe")) for g in groups] if isinstance(groups, (list, tuple)) else []
+    if len(moe) != len(counts) or not any(moe):
+        raise UnsupportedCheckpointError(
+            f"{f.url}: param groups are partitioned over different world sizes ({counts}) and "
+            "none is an MoE expert group (`moe: True` in the optimizer's param groups); this "
+            "layout is not supported"
+        )
+    dense = {c for c, m in zip(counts, moe, strict=True) if not m}
+    if len(dense) > 1:
+        raise LayoutMismatchError(
+            f"{f.url}: the dense param groups are partitioned over different world sizes "
+            f"({sorted(dense)}); the file is not understood"
+        )
+    if dense:
+        return dense.pop()
+    if isinstance(dp_world_size, int):
+        return dp_world_size
+    return max(counts)
 
 
 def _train_dtype(model: Mapping[str, Any], param_names: list[str]) -> str:
@@ -462,8 +569,10 @@ def open_zero_checkpoint(
         from zerosafe.formats.deepspeed.model_parallel import open_model_parallel
 
         return open_model_parallel(storage, ckpt_url, tag, found, max_workers=max_workers)
-    optim_by_rank, model_by_rank = _load_files(storage, found.optim[0], found.model[0], max_workers)
-    return open_rank_files(ckpt_url, tag, tag_url, storage, optim_by_rank, model_by_rank)
+    optim_by_rank, model_by_rank, expert_files = _load_files(storage, found, max_workers)
+    return open_rank_files(
+        ckpt_url, tag, tag_url, storage, optim_by_rank, model_by_rank, expert_files=expert_files
+    )
 
 
 def open_rank_files(
@@ -474,13 +583,16 @@ def open_rank_files(
     optim_by_rank: dict[int, LoadedFile],
     model_by_rank: dict[int, LoadedFile],
     *,
+    expert_files: Mapping[tuple[int, int], LoadedFile] | None = None,
     pipeline_stage: int | None = None,
     model_parallel: int = 1,
 ) -> ZeroCheckpoint:
     """The `ZeroCheckpoint` of one data-parallel group's loaded files (the whole checkpoint, or
     one pipeline stage's `mp_rank_XX` files, whose model states record `model_parallel` as
-    `mp_world_size`)."""
+    `mp_world_size`), with its MoE expert files by `(layer, expert)` (plain data parallelism
+    only: `_scan_files` refuses experts beside model-parallel files)."""
     mp = pipeline_stage or 0
+    expert_files = dict(expert_files or {})
     first_optim = optim_by_rank[min(optim_by_rank)]
     osd0 = first_optim.obj.get("optimizer_state_dict")
     if not isinstance(osd0, Mapping):
@@ -488,8 +600,8 @@ def open_rank_files(
             f"{first_optim.url}: no 'optimizer_state_dict'; not a DeepSpeed optimizer file"
         )
     stage, optimizer_kind = _stage_of(osd0, first_optim.url)
-    world_size = _as_int_world_size(osd0.get("partition_count"), first_optim.url)
     model0 = _model0(tag_url, stage, model_by_rank, mp)
+    world_size = _world_size_of(first_optim, model0.obj.get("dp_world_size"))
     _check_world_sizes(model0, first_optim, world_size, model_parallel)
     _check_ranks(tag_url, "optimizer", optim_by_rank, world_size, stage, mp)
     if stage == 3:
@@ -499,6 +611,14 @@ def open_rank_files(
     check_one_save(tag_url, optim_files, model_files)
     _check_optim_files_agree(optim_files, first_optim, stage, optimizer_kind, world_size)
     param_groups = _param_groups(model_files, stage)
+    moe = read_moe_layout(
+        tag_url=tag_url, stage=stage, world_size=world_size, optim_files=optim_files,
+        model_files=model_files, param_groups=param_groups, expert_files=expert_files,
+    )  # fmt: skip
+    if moe is not None:
+        _refuse_moe_in_model_parallel_files(
+            [*optim_files, *model_files], pipeline_stage, model_parallel
+        )
     ds_version = model0.obj.get("ds_version") or osd0.get("ds_version")
     ckpt = ZeroCheckpoint(
         ckpt_url=ckpt_url, tag=tag, tag_url=tag_url, stage=stage,
@@ -506,9 +626,12 @@ def open_rank_files(
         train_dtype=_train_dtype(model0.obj, [n for g in param_groups for n, _ in g]),
         ds_version=str(ds_version) if ds_version is not None else None,
         optim_files=optim_files, model_files=model_files, param_groups=param_groups,
-        fp32_partitions=[], alignment_paddings=[], partition_numels=[], frozen=[],
-        buffers=[], shared={}, module_order=[], pipeline_stage=pipeline_stage,
+        fp32_partitions=[], frozen=[], buffers=[], shared={}, module_order=[], moe=moe,
+        expert_files=[expert_files[k] for k in sorted(expert_files)],
+        pipeline_stage=pipeline_stage,
     )  # fmt: skip
+    if moe is not None:
+        ckpt.notes += moe.notes
     ckpt.optimizer_name = optimizer_name_of(ckpt)
     _version_and_optimizer_notes(ckpt)
     _read_partitions(ckpt, storage)
@@ -533,19 +656,24 @@ def _master_notes(ckpt: ZeroCheckpoint) -> None:
 
 
 def _load_files(
-    storage: Storage, optim_urls: dict[int, str], model_urls: dict[int, str], max_workers: int
-) -> tuple[dict[int, LoadedFile], dict[int, LoadedFile]]:
-    """Every rank's files, their pickles read at once: `(optimizer, model states)` by rank."""
+    storage: Storage, found: TagFiles, max_workers: int
+) -> tuple[dict[int, LoadedFile], dict[int, LoadedFile], dict[tuple[int, int], LoadedFile]]:
+    """Every file of a plain data-parallel folder (mp_rank_00), its pickle read at once:
+    optimizer and model states by rank, MoE expert files by `(layer, expert)`."""
     with ThreadPoolExecutor(max_workers=max_workers) as pool:
         model_futures = {
-            r: pool.submit(_load, storage, u, "model", r) for r, u in model_urls.items()
+            r: pool.submit(_load, storage, u, "model", r) for r, u in found.model[0].items()
         }
         optim_futures = {
-            r: pool.submit(_load, storage, u, "optim", r) for r, u in optim_urls.items()
+            r: pool.submit(_load, storage, u, "optim", r) for r, u in found.optim[0].items()
+        }
+        expert_futures = {
+            k: pool.submit(_load, storage, u, "expert", 0) for k, u in found.experts.items()
         }
         model_by_rank = {r: f.result() for r, f in sorted(model_futures.items())}
         optim_by_rank = {r: f.result() for r, f in sorted(optim_futures.items())}
-    return optim_by_rank, model_by_rank
+        experts = {k: f.result() for k, f in sorted(expert_futures.items())}
+    return optim_by_rank, model_by_rank, experts
 
 
 def _model0(
@@ -609,7 +737,7 @@ def _check_optim_files_agree(
                 f"{f.url}: ZeRO stage {f_stage} ({f_kind}) but {first_optim.url} says stage "
                 f"{stage} ({optimizer_kind}); files from different runs are mixed"
             )
-        f_ws = _as_int_world_size(osd.get("partition_count"), f.url)
+        f_ws = _world_size_of(f, world_size)
         if f_ws != world_size:
             raise LayoutMismatchError(
                 f"{f.url}: partitioned over {f_ws} ranks, but {first_optim.url} over "
@@ -716,10 +844,30 @@ def _read_partitions(ckpt: ZeroCheckpoint, storage: Storage) -> None:
             "files from different runs are mixed"
         )
     ckpt.master_dtype = master_dtype_of(ckpt, key)
-    if ckpt.stage == 3:
+    if ckpt.stage == 3 and ckpt.moe is not None:
+        _zero3_moe_partitions(ckpt, ckpt.moe)
+    elif ckpt.stage == 3:
         _zero3_partitions(ckpt, storage)
-        return
-    _zero12_partitions(ckpt)
+    else:
+        _zero12_partitions(ckpt)
+
+
+def _zero3_moe_partitions(ckpt: ZeroCheckpoint, moe: MoELayout) -> None:
+    """AutoEP ZeRO-3: each sub-group partitioned over its own ranks, `ceil(numel / count)`
+    elements of each param per rank; a partition saved empty (NVMe) is refused, as DeepSpeed
+    refuses to save AutoEP ZeRO-3 with NVMe offload."""
+    for group in moe.groups:
+        count = len(group.parts)
+        want = sum(-(-p.numel // count) for p in group.params)
+        for r, h in group.parts:
+            got = ckpt.fp32_partitions[r][h].numel
+            if got != want:
+                raise LayoutMismatchError(
+                    f"{ckpt.optim_files[r].url}: fp32 sub-group {h} holds {got} elements but "
+                    f"{group.label}, partitioned over {count} rank(s), needs exactly {want}; "
+                    "was the checkpoint saved with another world size or another model?"
+                )
+    ckpt.flat_groups = list(moe.groups)
 
 
 def _zero3_partitions(ckpt: ZeroCheckpoint, storage: Storage) -> None:
@@ -757,35 +905,51 @@ def _zero3_partitions(ckpt: ZeroCheckpoint, storage: Storage) -> None:
 
 
 def _zero12_partitions(ckpt: ZeroCheckpoint) -> None:
+    """Every flat group with its partition size and alignment paddings. Without MoE a group's
+    partitions are its index in every rank's file; MoE groups come from `ckpt.moe`."""
     num_groups = len(ckpt.fp32_partitions[0])
     if num_groups != len(ckpt.param_groups):
         raise LayoutMismatchError(
             f"{ckpt.model_files[0].url}: 'param_shapes' has {len(ckpt.param_groups)} groups but "
             f"{ckpt.optim_files[0].url} has {num_groups} fp32 partitions"
         )
-    osd0 = ckpt.optim_files[0].obj["optimizer_state_dict"]
-    raw_paddings = osd0.get("param_alignment_paddings")
-    for g, group in enumerate(ckpt.param_groups):
-        if raw_paddings is not None:
-            pads = [int(p) for p in raw_paddings[g]]
-        else:
-            pads = [0] * len(group)
-        ckpt.alignment_paddings.append(pads)
-        saved = [ckpt.fp32_partitions[r][g].numel for r in range(ckpt.world_size)]
-        gpads = []
-        for f in ckpt.optim_files:
-            gp = f.obj["optimizer_state_dict"].get("group_paddings")
-            gpads.append(int(gp[g]) if isinstance(gp, (list, tuple)) and len(gp) > g else 0)
-        if ckpt.optimizer_kind == "zero":
-            sizes = {s + p for s, p in zip(saved, gpads, strict=True)}
-        else:  # BF16_Optimizer saves whole partitions, padding included
-            sizes = set(saved)
-        if len(sizes) != 1:
-            raise LayoutMismatchError(
-                f"{ckpt.tag_url}: group {g} partitions disagree (saved {saved}, paddings "
-                f"{gpads}); files from different runs are mixed"
+    if ckpt.moe is not None:
+        groups = ckpt.moe.groups
+    else:
+        groups = [
+            FlatGroup(
+                label=f"param group {g}", parts=tuple((r, g) for r in range(ckpt.world_size)),
+                params=tuple(GroupParam(name=n, numel=math.prod(s)) for n, s in group),
             )
-        ckpt.partition_numels.append(sizes.pop())
+            for g, group in enumerate(ckpt.param_groups)
+        ]  # fmt: skip
+    ckpt.flat_groups = [_sized_group(ckpt, group) for group in groups]
+
+
+def _sized_group(ckpt: ZeroCheckpoint, group: FlatGroup) -> FlatGroup:
+    """`group` with its partition size (every partition but the last holds it; the last less
+    its `group_paddings`) and the alignment padding after each param."""
+    r0, h0 = group.parts[0]
+    raw_paddings = ckpt.optim_files[r0].obj["optimizer_state_dict"].get("param_alignment_paddings")
+    if raw_paddings is not None:
+        pads = tuple(int(p) for p in raw_paddings[h0])
+    else:
+        pads = (0,) * len(group.params)
+    saved = [ckpt.fp32_partitions[r][h].numel for r, h in group.parts]
+    gpads = []
+    for r, h in group.parts:
+        gp = ckpt.optim_files[r].obj["optimizer_state_dict"].get("group_paddings")
+        gpads.append(int(gp[h]) if isinstance(gp, (list, tuple)) and len(gp) > h else 0)
+    if ckpt.optimizer_kind == "zero":
+        sizes = {s + p for s, p in zip(saved, gpads, strict=True)}
+    else:  # BF16_Optimizer saves whole partitions, padding included
+        sizes = set(saved)
+    if len(sizes) != 1:
+        raise LayoutMismatchError(
+            f"{ckpt.tag_url}: {group.label} partitions disagree (saved {saved}, paddings "
+            f"{gpads}); files from different runs are mixed"
+        )
+    return dataclasses.replace(group, partition_numel=sizes.pop(), alignment_paddings=pads)
 
 
 def _read_module_side(ckpt: ZeroCheckpoint) -> None:
@@ -796,6 +960,19 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
     module = module if isinstance(module, Mapping) else {}
     ckpt.module_order = [k for k in module if isinstance(k, str)]
     shared = _real_ties(ckpt, obj, module)
+    if ckpt.moe is not None:
+        ckpt.module_order = _with_experts(ckpt.module_order, ckpt.moe)
+        known = set(ckpt.param_names) | set(obj.get("buffer_names") or ()) | set(shared)
+        ckpt.moe.aliases = autoep_aliases(ckpt.moe, ckpt.module_order, known)
+        if ckpt.moe.aliases:
+            ckpt.notes.append(
+                f"{len(ckpt.moe.aliases)} module key(s) name an AutoEP router a second time "
+                "(AutoEP registers it under the Hugging Face block's name too; DeepSpeed records "
+                "no tie): written as tied aliases: "
+                + ", ".join(f"{a} -> {t}" for a, t in list(ckpt.moe.aliases.items())[:4])
+                + (" ..." if len(ckpt.moe.aliases) > 4 else "")
+            )
+        shared = {**shared, **ckpt.moe.aliases}
     for alias, target in shared.items():
         seen = {alias}
         while target in shared and target not in seen:  # resolve alias chains to the owner
@@ -816,10 +993,26 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
     frozen_shapes = obj.get("frozen_param_shapes")
     if isinstance(frozen_shapes, Mapping):
         for n, shape in frozen_shapes.items():
+            if ckpt.moe is not None and EXPERTS_INFIX in str(n):
+                continue  # rank 0's experts only, by local id: all are read from expert files
+            if ckpt.moe is not None and autoep_layer_of(ckpt.moe.layers, str(n)):
+                raise UnsupportedCheckpointError(
+                    f"{model0.url}: AutoEP expert weight '{n}' is frozen; frozen AutoEP experts "
+                    "are not supported (DeepSpeed itself refuses to save them at ZeRO-3)"
+                )
             if _numel(tuple(int(x) for x in shape)) == 0:  # "not owned by the optimizer"
                 ckpt.empty_params.append((str(n), tuple(int(x) for x in shape), ckpt.train_dtype))
             else:
                 ckpt.frozen.append(_frozen_from_fragments(ckpt, n, shape))
+    for name, rank, f, t in ckpt.moe.frozen if ckpt.moe is not None else ():
+        if not t.is_contiguous():
+            raise CheckpointFormatError(f"{f.url}: frozen expert param '{name}' is not contiguous")
+        ckpt.frozen.append(
+            FrozenParam(
+                name=name, shape=tuple(t.shape), dtype=t.dtype, source="expert file",
+                pieces=((rank, t),), url=f.url,
+            )
+        )  # fmt: skip
     recovered = _frozen_from_module(ckpt, module, buffer_names)
     if recovered:
         why = (
@@ -847,6 +1040,18 @@ def _read_module_side(ckpt: ZeroCheckpoint) -> None:
                 f"{model0.url}: tied param '{alias}' shares memory with '{target}', which is "
                 "neither a trained nor a frozen param of this checkpoint"
             )
+
+
+def _with_experts(order: list[str], moe: MoELayout) -> list[str]:
+    """The module order with the expert params (which `module` leaves out) after the last key
+    of their MoE layer, where a model's `state_dict()` has them."""
+    out = list(order)
+    for layer in moe.layers:
+        head = layer.prefix + "."
+        mine = [n for n in moe.expert_order if n.startswith(head)]
+        at = max((i + 1 for i, k in enumerate(out) if k.startswith(head)), default=len(out))
+        out[at:at] = mine
+    return out
 
 
 def _shape_of(
@@ -926,7 +1131,7 @@ def _frozen_from_module(
     )
     recovered = []
     for name in ckpt.module_order:
-        t = module[name]
+        t = module.get(name)  # expert params are in the order, not in `module`
         if name in known or name in buffer_names or not isinstance(t, TensorRecord):
             continue
         if t.numel == 0 and ckpt.stage < 3:  # ZeRO-1/2 leave zero-element params out of groups

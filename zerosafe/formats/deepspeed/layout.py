@@ -11,6 +11,13 @@ ZeRO-3 (`runtime/zero/partition_parameters.py`): each param is split on its own 
 follow `param_shapes` order through its flat sub-groups. Frozen ZeRO-3 params are split the
 same way, each rank saving its piece as its own tensor.
 
+MoE (DeepSpeed-MoE and AutoEP, `zerosafe.formats.deepspeed.moe`): a flat group of expert params
+is partitioned over the expert-data-parallel group of one expert-parallel rank, not over all
+ranks, and the rank files holding it may keep it at different group indices. A `FlatGroup`
+names its partitions by `(rank, group index)` in partition order; a `GroupParam` says which
+output tensor a param's elements go to, and where (`runs`, for AutoEP's fused expert weights,
+of which each expert-parallel rank holds some experts).
+
 Nothing here touches files: the functions take element counts and return `Piece`s, so they
 can be checked against a brute-force simulation of the flat buffers (tests/formats/deepspeed/test_layout.py).
 """
@@ -23,7 +30,10 @@ from dataclasses import dataclass
 from zerosafe.errors import LayoutMismatchError
 
 __all__ = [
+    "FlatGroup",
+    "GroupParam",
     "Piece",
+    "map_runs",
     "split_by_segments",
     "zero12_partition_pieces",
     "zero3_partition_numel",
@@ -43,6 +53,60 @@ class Piece:
     numel: int
     dst_offset: int
     """Element offset of the run inside the parameter (row-major)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupParam:
+    """One param of a flat group: how many elements it has there and where they go."""
+
+    name: str
+    """The output tensor its elements go to."""
+    numel: int
+    """Elements in the flat group (for an AutoEP expert weight: the local experts' only)."""
+    runs: tuple[tuple[int, int, int], ...] = ()
+    """`(offset in the param, offset in the output tensor, count)`, covering the param; empty
+    when element i of the param is element i of the output tensor."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FlatGroup:
+    """One flat group and where its partitions are saved."""
+
+    label: str
+    """Names the group in messages: `param group 1` or `param group 2 (ep_size_2, expert-parallel
+    rank 1)`."""
+    parts: tuple[tuple[int, int], ...]
+    """`(rank, index of the group in that rank's optimizer file)`, in partition order."""
+    params: tuple[GroupParam, ...]
+    partition_numel: int = 0
+    """ZeRO-1/2: elements per partition (`P`)."""
+    alignment_paddings: tuple[int, ...] = ()
+    """ZeRO-1/2: padding after each param."""
+
+
+def map_runs(
+    runs: Sequence[tuple[int, int, int]], offset: int, numel: int
+) -> list[tuple[int, int, int]]:
+    """Where elements `[offset, offset + numel)` of a param go in its output tensor.
+
+    Args:
+        runs: `GroupParam.runs`, sorted by offset in the param. Elements no run covers go
+            nowhere: an AutoEP expert that two expert-parallel ranks hold is taken from the
+            first one only.
+
+    Returns:
+        `(offset in the output tensor, offset from `offset`, count)` tuples in param order;
+        `[(offset, 0, numel)]` when `runs` is empty (the identity).
+    """
+    if not runs:
+        return [(offset, 0, numel)]
+    out = []
+    end = offset + numel
+    for start, dst, count in runs:
+        lo, hi = max(start, offset), min(start + count, end)
+        if lo < hi:
+            out.append((dst + lo - start, lo - offset, hi - lo))
+    return out
 
 
 def zero12_partition_pieces(

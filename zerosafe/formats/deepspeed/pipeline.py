@@ -151,6 +151,19 @@ class PipelineCheckpoint:
     def param_names(self) -> list[str]:
         return [name for group in self.param_groups for name, _ in group]
 
+    @property
+    def trained_params(self) -> list[tuple[str, tuple[int, ...]]]:
+        return [(name, shape) for group in self.param_groups for name, shape in group]
+
+    @property
+    def moe(self) -> None:
+        """No MoE layout: expert files beside pipeline layer files are refused (`_scan_files`)."""
+        return None
+
+    @property
+    def expert_files(self) -> list[LoadedFile]:
+        return []
+
 
 def open_pipeline(
     storage: Storage, ckpt_url: str, tag: str, found: TagFiles, max_workers: int = 8

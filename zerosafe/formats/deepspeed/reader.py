@@ -1,8 +1,10 @@
 """DeepSpeed ZeRO (stages 1, 2, 3) as a format reader: a `ZeroCheckpoint` -> `SourceLayout`.
 
 Where each param's elements sit: the fp32 master partitions of every rank
-(`zerosafe.formats.deepspeed.layout` does the integer math), frozen params in the model states
-(ZeRO-3: one fragment per rank), buffers in rank 0's model states. See docs/formats.md.
+(`zerosafe.formats.deepspeed.layout` does the integer math; MoE expert groups are partitioned
+over expert-data-parallel groups, `zerosafe.formats.deepspeed.moe`), frozen params in the model
+states (ZeRO-3: one fragment per rank; frozen MoE experts in their expert files), buffers in
+rank 0's model states. See docs/formats.md.
 """
 
 from __future__ import annotations
@@ -26,10 +28,14 @@ from zerosafe.formats.deepspeed.checkpoint import (
     quick_identities,
 )
 from zerosafe.formats.deepspeed.layout import (
+    GroupParam,
+    Piece,
+    map_runs,
     split_by_segments,
     zero3_pieces,
     zero12_partition_pieces,
 )
+from zerosafe.formats.deepspeed.moe import describe_moe
 from zerosafe.formats.deepspeed.save_identity import check_module_copy_sample
 from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
@@ -106,22 +112,25 @@ def zero_layout(ckpt: ZeroCheckpoint | PipelineCheckpoint, options: ConvertOptio
     }
     if ckpt.stage in (1, 2):
         _zero12_fragments(ckpt, fp32_slot, fragments)
+    elif ckpt.flat_groups:
+        _zero3_group_fragments(ckpt, fp32_slot, fragments)
     else:
         _zero3_fragments(ckpt, fp32_slot, fragments)
     tensors: dict[str, SourceTensor] = {}
-    for group in ckpt.param_groups:
-        for name, shape in group:
-            tensors[name] = SourceTensor(
-                name=name, shape=shape, dtype=ckpt.master_dtype, role="param",
-                fragments=tuple(fragments.get(name, ())),
-            )  # fmt: skip
+    for name, shape in ckpt.trained_params:
+        tensors[name] = SourceTensor(
+            name=name, shape=shape, dtype=ckpt.master_dtype, role="param",
+            fragments=tuple(fragments.get(name, ())),
+        )  # fmt: skip
     for name, shape, dtype in ckpt.empty_params:  # shape and no data, whatever the options
         tensors[name] = SourceTensor(
             name=name, shape=shape, dtype=dtype, role="param", fragments=()
         )
     if not options.exclude_frozen:  # their slots cost a header read each: skip when unused
         for fp in ckpt.frozen:
-            tensors[fp.name] = _frozen_tensor(ckpt, builder, fp.name, fp.shape, fp.dtype, fp.pieces)
+            tensors[fp.name] = _frozen_tensor(
+                ckpt, builder, fp.name, fp.shape, fp.dtype, fp.pieces, fp.url
+            )
     for name, t in ckpt.buffers:
         tensors[name] = _buffer_tensor(ckpt, builder, name, t)
     layout = SourceLayout(
@@ -149,18 +158,33 @@ def _zero12_fragments(
     ckpt: ZeroCheckpoint, fp32_slot: dict[tuple[int, int], int], out: dict[str, list[Fragment]]
 ) -> None:
     """ZeRO-1/2: each group's params laid end to end (with alignment padding) and cut into
-    equal rank partitions."""
-    for g, group in enumerate(ckpt.param_groups):
-        numels = [math.prod(shape) for _, shape in group]
-        saved = [ckpt.fp32_partitions[r][g].numel for r in range(ckpt.world_size)]
+    equal partitions, one per rank of the group (all ranks; an MoE expert group: the ranks of
+    one expert-data-parallel group)."""
+    for group in ckpt.flat_groups:
+        saved = [ckpt.fp32_partitions[r][h].numel for r, h in group.parts]
         pieces = zero12_partition_pieces(
-            numels, ckpt.alignment_paddings[g], ckpt.partition_numels[g], saved,
-            where=f"{ckpt.tag_url}: param group {g}",
+            [p.numel for p in group.params], group.alignment_paddings, group.partition_numel,
+            saved, where=f"{ckpt.tag_url}: {group.label}",
         )  # fmt: skip
         for piece in pieces:
-            out.setdefault(group[piece.param][0], []).append(
-                (fp32_slot[(piece.rank, g)], piece.src_offset, piece.numel, piece.dst_offset)
-            )
+            _add_piece(out, group.params[piece.param], fp32_slot[group.parts[piece.rank]], piece)
+
+
+def _add_piece(out: dict[str, list[Fragment]], param: GroupParam, slot: int, piece: Piece) -> None:
+    """A piece of `param`'s elements from `slot`, placed where they go in its output tensor."""
+    for dst, delta, count in map_runs(param.runs, piece.dst_offset, piece.numel):
+        out.setdefault(param.name, []).append((slot, piece.src_offset + delta, count, dst))
+
+
+def _zero3_group_fragments(
+    ckpt: ZeroCheckpoint, fp32_slot: dict[tuple[int, int], int], out: dict[str, list[Fragment]]
+) -> None:
+    """ZeRO-3 with MoE: each sub-group partitioned on its own over its ranks,
+    `ceil(numel / count)` elements of each param per rank, laid end to end."""
+    for group in ckpt.flat_groups:
+        pieces, _ = zero3_pieces([p.numel for p in group.params], len(group.parts))
+        for piece in pieces:
+            _add_piece(out, group.params[piece.param], fp32_slot[group.parts[piece.rank]], piece)
 
 
 def _zero3_fragments(
@@ -203,13 +227,18 @@ def _frozen_tensor(
     shape: tuple[int, ...],
     dtype: str,
     pieces: Sequence[tuple[int, TensorRecord]],
+    url: str = "",
 ) -> SourceTensor:
-    """A frozen param: whole in the model states (ZeRO-1/2), or one piece per rank (ZeRO-3)."""
+    """A frozen param: whole in the model states (ZeRO-1/2) or an expert file (`url`), or one
+    piece per rank (ZeRO-3)."""
     numel = math.prod(shape)
     fragments: list[Fragment] = []
     dst = 0
     for rank, t in pieces:
-        loaded = next(f for f in ckpt.model_files if f.rank == rank)
+        if url:
+            loaded = next(f for f in ckpt.files if f.url == url)
+        else:
+            loaded = next(f for f in ckpt.model_files if f.rank == rank)
         slot = builder.add(loaded, "frozen", f"frozen/{name}", t)
         count = min(t.numel, numel - dst)
         if count > 0:
@@ -248,10 +277,11 @@ def _source_block(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         "master_dtype": ckpt.master_dtype,
         "optimizer_name": ckpt.optimizer_name,
         "ds_version": ckpt.ds_version,
-        "num_params": sum(math.prod(s) for g in ckpt.param_groups for _, s in g),
+        "num_params": sum(math.prod(s) for _, s in ckpt.trained_params),
         "checkpoint_bytes": sum(i.size_bytes for i in _identities(ckpt)),
         "files": [i.as_dict() for i in _identities(ckpt)],
         "content_sha256": content_fingerprint(ckpt),
+        **({"moe": describe_moe(ckpt.moe)[1]} if ckpt.moe is not None else {}),
     }
 
 
@@ -268,9 +298,13 @@ def _facts(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         + (" (low-precision masters)" if ckpt.master_dtype != "float32" else "")
         + f", optimizer {ckpt.optimizer_name}",
         f"  files: {len(ckpt.optim_files)} optimizer + {len(ckpt.model_files)} model states"
+        + (f" + {len(ckpt.expert_files)} MoE expert" if ckpt.expert_files else "")
         + (f" + {len(ckpt.swapped)} NVMe swap files" if ckpt.swapped else "")
         + f", {format_bytes(total)} in all",
     ]
+    moe = describe_moe(ckpt.moe) if ckpt.moe is not None else None
+    if moe is not None:
+        about.append(moe[0])
     return {
         "checkpoint": ckpt.ckpt_url,
         "tag": ckpt.tag,
@@ -283,9 +317,11 @@ def _facts(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         "nvme_swap_files": len(ckpt.swapped),
         "world_size": ckpt.world_size,
         "deepspeed_version": ckpt.ds_version,
+        "moe": moe[1] if moe is not None else None,
         "files": {
             "optimizer": len(ckpt.optim_files),
             "model_states": len(ckpt.model_files),
+            "experts": len(ckpt.expert_files),
             "total_bytes": total,
         },
         "about": about,

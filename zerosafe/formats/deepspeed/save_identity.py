@@ -20,7 +20,9 @@ ZeRO-1/2 keep one model states file for all ranks, so a model states file copied
 step agrees with itself. But it holds the module's own copy of every trained weight (16-bit,
 or fp32 in fp32 training), which DeepSpeed refreshes from the fp32 masters after each step:
 `check_module_copy_sample` compares a few elements of a few params, cast as DeepSpeed casts,
-with the masters (a few hundred bytes read), and refuses a mismatch.
+with the masters (a few hundred bytes read), and refuses a mismatch. MoE expert files hold
+the same copy of each expert's weights; one expert of every expert-parallel rank is sampled
+too, which also checks that zerosafe read the expert-parallel topology the model trained with.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ SAMPLE_PARAMS = 8
 """Params the module-copy sample looks at (the first ones of the flat layout)."""
 SAMPLE_ELEMENTS = 16
 """Elements of each."""
+SAMPLE_EXPERTS = 16
+"""MoE: expert files the sample looks at (the first expert of each expert-parallel rank)."""
 
 _MODEL_FIELDS = ("global_steps", "global_samples", "skipped_steps", "ds_version", "ds_config")
 
@@ -97,10 +101,15 @@ def _optim_fields(f: LoadedFile) -> dict[str, Any]:
         fields["optimizer step count"] = sorted(set(steps)) if len(set(steps)) == 1 else steps
     groups = base.get("param_groups")
     if isinstance(groups, Sequence):
-        fields["optimizer hyperparameters (lr schedule)"] = [
+        rows = [
             {k: v for k, v in g.items() if k != "params"} if isinstance(g, Mapping) else g
             for g in groups
         ]
+        if any(isinstance(g, Mapping) and g.get("moe") for g in groups):
+            # DeepSpeed orders the expert groups of several expert-parallel sizes by iterating
+            # a set of names, so ranks of one save can list them in different orders.
+            rows.sort(key=_canonical)
+        fields["optimizer hyperparameters (lr schedule)"] = rows
     return fields
 
 
@@ -162,65 +171,127 @@ def check_one_save(
 
 def module_copies(
     ckpt: ZeroCheckpoint | PipelineCheckpoint,
-) -> dict[str, tuple[LoadedFile, TensorRecord]]:
-    """The module's own copy of each tensor (training dtype), and the file holding it: the
-    model states' `module` (ZeRO-1/2), or the layer files of a pipeline-parallel checkpoint."""
+) -> dict[str, list[tuple[LoadedFile, TensorRecord, int]]]:
+    """The training-dtype copies ZeRO-1/2 saves of each param beside its master: name ->
+    `(file, tensor, element offset in the param)`: the model states' `module`, the MoE expert
+    files (an AutoEP expert file holds one expert's rows of a fused weight), or the layer
+    files of a pipeline-parallel checkpoint."""
     from zerosafe.formats.deepspeed.pipeline import PipelineCheckpoint
 
     if isinstance(ckpt, PipelineCheckpoint):  # trained params, in their layer files
-        return {name: (lt.file, lt.tensor) for name, lt in ckpt.module_copies.items()}
+        return {name: [(lt.file, lt.tensor, 0)] for name, lt in ckpt.module_copies.items()}
     if ckpt.stage == 3 or not ckpt.model_files:
         return {}  # ZeRO-3 keeps no module copy of partitioned params
     model = ckpt.model_files[0]
     module = model.obj.get("module")
-    if not isinstance(module, Mapping):
-        return {}
-    return {n: (model, t) for n, t in module.items() if isinstance(t, TensorRecord)}
+    out: dict[str, list[tuple[LoadedFile, TensorRecord, int]]] = {
+        str(name): [(model, t, 0)]
+        for name, t in (module.items() if isinstance(module, Mapping) else ())
+        if isinstance(t, TensorRecord)
+    }
+    if ckpt.moe is not None:
+        for name, copies in ckpt.moe.copies.items():
+            out.setdefault(name, []).extend(copies)
+    return out
+
+
+def _expert_samples(
+    ckpt: ZeroCheckpoint | PipelineCheckpoint,
+) -> list[tuple[str, LoadedFile, TensorRecord, int]]:
+    """`(param, expert file, tensor, offset)` of the first expert of every expert-parallel
+    rank of every MoE layer, at most `SAMPLE_EXPERTS`, expert-parallel ranks first."""
+    moe = ckpt.moe  # None for a PipelineCheckpoint: MoE with pipelines is refused
+    if moe is None or ckpt.stage == 3:
+        return []
+    by_file: dict[str, tuple[str, LoadedFile, TensorRecord, int]] = {}
+    for name, copies in moe.copies.items():
+        for f, t, offset in copies:
+            by_file.setdefault(f.url.rsplit("/", 1)[-1], (name, f, t, offset))
+    wanted = []
+    width = max((x.ep_size for x in moe.layers), default=0)
+    for e in range(width):
+        for layer in moe.layers:
+            if e < layer.ep_size and layer.experts_of[e]:
+                wanted.append(f"layer_{layer.layer_id}_expert_{layer.experts_of[e][0]}_")
+    out = []
+    for prefix in wanted[:SAMPLE_EXPERTS]:
+        found = next((v for k, v in by_file.items() if k.startswith(prefix)), None)
+        if found is not None:
+            out.append(found)
+    return out
+
+
+_COPY_FILES = {"model": "model states file", "layer": "layer file", "expert": "expert file"}
+"""What holds a module copy, by `LoadedFile.role`, in messages."""
 
 
 def check_module_copy_sample(ckpt: ZeroCheckpoint | PipelineCheckpoint, plan: Plan) -> None:
-    """ZeRO-1/2: the module's copy of the first params must equal their fp32 masters, cast.
+    """ZeRO-1/2: the module's copy of the first params (in the model states, or a pipeline's
+    layer files; and, with MoE, one expert file of every expert-parallel rank) must equal
+    their fp32 masters, cast.
 
     Raises:
-        LayoutMismatchError: Naming the model states file, the param and the optimizer file.
+        LayoutMismatchError: Naming the model states (or layer, or expert) file, the param and
+            the optimizer file.
     """
-    module = module_copies(ckpt)
-    if not module:
+    copies = module_copies(ckpt)
+    if not copies:
         return
-    import torch
-
-    from zerosafe.dtypes import torch_dtype
-
-    loaded = {f.url: f for f in ckpt.optim_files}
-    checked = 0
+    by_name = {t.name: t for t in plan.tensors if t.role == "param"}
+    samples: list[tuple[str, LoadedFile, TensorRecord, int]] = []
     for tensor in plan.tensors:
-        if checked >= SAMPLE_PARAMS:
+        if len(samples) >= SAMPLE_PARAMS:
             break
-        model, copy = module.get(tensor.name, (None, None))
-        fragments = plan.fragments.for_tensor(tensor.index)
-        if tensor.role != "param" or model is None or copy is None or not fragments:
-            continue
-        if copy.numel != tensor.numel or not copy.is_contiguous():
+        if tensor.role == "param" and copies.get(tensor.name):
+            f, t, offset = copies[tensor.name][0]
+            if f.role != "expert":  # experts: `_expert_samples`, one per expert-parallel rank
+                samples.append((tensor.name, f, t, offset))
+    samples += _expert_samples(ckpt)
+    loaded = {f.url: f for f in ckpt.optim_files}
+    for name, model, copy, offset in samples:
+        spec = by_name.get(name)
+        if spec is None or not copy.is_contiguous() or copy.numel == 0:
             continue
         if copy.dtype not in ("bfloat16", "float16", "float32"):
             continue
-        slot_index, src_offset, numel, dst_offset = fragments[0]
+        fragment = next(
+            (x for x in plan.fragments.for_tensor(spec.index) if x[3] <= offset < x[3] + x[2]),
+            None,
+        )
+        if fragment is None:
+            continue
+        slot_index, src_offset, numel, dst_offset = fragment
         slot = plan.slots[slot_index]
         optim = loaded.get(plan.files[slot.file].url)
         if optim is None or slot.dtype not in ("bfloat16", "float16", "float32"):
             continue
-        count = min(numel, SAMPLE_ELEMENTS)
-        start = slot.byte_offset + src_offset * slot.itemsize
+        skip = offset - dst_offset
+        count = min(numel - skip, SAMPLE_ELEMENTS, copy.numel)
+        start = slot.byte_offset + (src_offset + skip) * slot.itemsize
         master = optim.zip.source.read_range(start, start + count * slot.itemsize)
-        begin = model.zip.tensor_offset(copy) + dst_offset * copy.itemsize
+        begin = model.zip.tensor_offset(copy)  # the copy starts at element `offset`
         saved = model.zip.source.read_range(begin, begin + count * copy.itemsize)
-        cast = torch.frombuffer(bytearray(master), dtype=torch_dtype(slot.dtype))
-        cast = cast.to(torch_dtype(copy.dtype))
-        checked += 1
-        if cast.contiguous().view(torch.uint8).numpy().tobytes() != saved:
-            raise LayoutMismatchError(
-                f"{model.url}: its {copy.dtype} copy of '{tensor.name}' differs from the {slot.dtype} "
-                f"master weights in {optim.url.rsplit('/', 1)[-1]}, which DeepSpeed keeps equal; "
-                "the model states file and the optimizer files come from different saves "
-                "(steps or runs). Copy the whole tag folder of one save again."
+        if not _equal_cast(master, slot.dtype, saved, copy.dtype):
+            what = _COPY_FILES.get(model.role, "model states file")
+            hint = (
+                ""
+                if model.role != "expert"
+                else ", or `use_data_before_expert_parallelism` in its ds_config is not the "
+                "expert-parallel topology the model trained with"
             )
+            raise LayoutMismatchError(
+                f"{model.url}: its {copy.dtype} copy of '{name}' differs from the {slot.dtype} "
+                f"master weights in {optim.url.rsplit('/', 1)[-1]}, which DeepSpeed keeps equal; "
+                f"the {what} and the optimizer files come from different saves (steps or "
+                f"runs){hint}. Copy the whole tag folder of one save again."
+            )
+
+
+def _equal_cast(master: bytes, master_dtype: str, saved: bytes, saved_dtype: str) -> bool:
+    import torch
+
+    from zerosafe.dtypes import torch_dtype
+
+    cast = torch.frombuffer(bytearray(master), dtype=torch_dtype(master_dtype))
+    cast = cast.to(torch_dtype(saved_dtype))
+    return bool(cast.contiguous().view(torch.uint8).numpy().tobytes() == saved)

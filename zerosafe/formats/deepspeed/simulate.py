@@ -290,8 +290,6 @@ def simulated_checkpoint(spec: SimulatedSpec) -> ZeroCheckpoint:
         model_files=model_files,
         param_groups=sub_groups,
         fp32_partitions=fp32,
-        alignment_paddings=[],
-        partition_numels=[],
         frozen=[],
         buffers=[],
         shared=dict(spec.tied),

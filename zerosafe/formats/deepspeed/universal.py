@@ -339,8 +339,7 @@ def open_universal_checkpoint(
         world_size=world_size, train_dtype=_train_dtype(model0.obj, param_names),
         ds_version=str(ds_version) if ds_version is not None else None,
         optim_files=[f for f, _ in loaded], model_files=model_files, param_groups=param_groups,
-        fp32_partitions=[], alignment_paddings=[], partition_numels=[], frozen=[], buffers=[],
-        shared={}, module_order=[],
+        fp32_partitions=[], frozen=[], buffers=[], shared={}, module_order=[],
     )  # fmt: skip
     zero.master_dtype = _master_dtype(masters)
     zero.optimizer_name = _optimizer_name(model0)
