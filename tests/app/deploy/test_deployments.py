@@ -451,6 +451,11 @@ def test_resumes_a_partially_converted_tag(
 # refuse the upgrade at once, whatever the busy timeout. The server logs it and the worker
 # reconnects and heartbeats again; no run or task state is involved.
 _PREFECT_HEARTBEAT = "Worker channel heartbeat persistence failed"
+_RETRIED_FLUSH = re.compile(
+    r"task_run_recorder - Error flushing \d+ events \(\d+ to retry, 0 dropped\)"
+)
+"""Prefect's task-run recorder meeting a locked SQLite database: it keeps the events and writes
+them again (nothing dropped); the test still requires every task run's final state."""
 
 
 def _wait_heartbeat_after(stack: Stack, when: datetime, timeout: float = 120) -> None:
@@ -470,7 +475,8 @@ def test_hundreds_of_tasks_on_one_server(
     request: pytest.FixtureRequest, stack_name: str, tmp_path: Path
 ) -> None:
     """About 360 shards, so 700+ task runs, on one server: none lost, no lock errors on any
-    write the conversion makes (on PostgreSQL none at all)."""
+    write the conversion makes (on SQLite, Prefect may retry a worker heartbeat or a task-run
+    event flush that met the lock, dropping nothing; on PostgreSQL no lock error at all)."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     stack: Stack = request.getfixturevalue(stack_name)
@@ -531,13 +537,17 @@ def test_hundreds_of_tasks_on_one_server(
         f"({len(tasks) / seconds:.1f} tasks/s): {states}; "
         f"{len(heartbeats)} worker heartbeat(s) refused by a locked database"
     )
+    retried_count = sum(1 for r in locked if _RETRIED_FLUSH.search(r))
+    if retried_count:
+        print(f"{retried_count} task-run event flush(es) retried after a locked database")
     assert shards >= 250
     assert len(tasks) >= 2 * shards + 2
     assert set(states) <= {"Completed", "Cached"}, states
-    others = [r for r in locked if r not in heartbeats]
+    retried = [r for r in locked if r not in heartbeats and _RETRIED_FLUSH.search(r)]
+    others = [r for r in locked if r not in heartbeats and r not in retried]
     assert not others, others[0][-3000:]
     if stack_name == "postgres_stack":
-        assert not heartbeats, heartbeats[0][-3000:]
+        assert not heartbeats and not retried, (heartbeats + retried)[0][-3000:]
     if heartbeats:  # the worker must heartbeat again after the load: a refusal costs nothing
         _wait_heartbeat_after(stack, ended_utc)
     ref = tmp_path / "ref"
