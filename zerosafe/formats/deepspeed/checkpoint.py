@@ -189,6 +189,19 @@ def _file_not_folder(url: str) -> str:
     )
 
 
+def checkpoint_folder_names(storage: Storage, ckpt_url: str) -> list[str]:
+    """The listing of the checkpoint folder `ckpt_url` (normalized).
+
+    Raises:
+        CheckpointFormatError: If it is a file, or not there.
+    """
+    if not storage.isdir(ckpt_url):
+        if storage.exists(ckpt_url):
+            raise CheckpointFormatError(_file_not_folder(ckpt_url))
+        raise CheckpointFormatError(f"{ckpt_url}: no such checkpoint folder")
+    return storage.listdir(ckpt_url)
+
+
 def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str, str]:
     """Resolve `CKPT_DIR [--tag T]` to `(tag, tag folder URL)`.
 
@@ -198,11 +211,7 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
         CheckpointFormatError: If no tag can be found, with what the folder does hold.
     """
     ckpt_url = normalize_url(ckpt_url)
-    if not storage.isdir(ckpt_url):
-        if storage.exists(ckpt_url):
-            raise CheckpointFormatError(_file_not_folder(ckpt_url))
-        raise CheckpointFormatError(f"{ckpt_url}: no such checkpoint folder")
-    names = storage.listdir(ckpt_url)
+    names = checkpoint_folder_names(storage, ckpt_url)
     if tag is not None:
         _check_tag_name(ckpt_url, tag, "`--tag`")
         tag_url = join_url(ckpt_url, tag)

@@ -496,6 +496,7 @@ def pipeline_layout(ckpt: PipelineCheckpoint, options: ConvertOptions) -> Source
         _SlotBuilder,
         _source_block,
         _zero12_fragments,
+        metadata_bytes_of,
     )
     from zerosafe.formats.deepspeed.save_identity import check_module_copy_sample
 
@@ -542,10 +543,7 @@ def pipeline_layout(ckpt: PipelineCheckpoint, options: ConvertOptions) -> Source
         format="deepspeed", where=ckpt.tag_url, tag=ckpt.tag, files=files, slots=slots,
         tensors=tensors, order=list(ckpt.order), aliases=dict(ckpt.shared),
         source=source, facts=facts,
-        metadata_bytes=sum(
-            f.zip.records[f.zip.prefix + "data.pkl"].size_bytes + f.zip.directory_bytes
-            for f in ckpt.files
-        ),
+        metadata_bytes=metadata_bytes_of(ckpt.files),
         notes=list(ckpt.notes), warnings=list(ckpt.warnings),
         checks=(
             functools.partial(check_module_copy_sample, ckpt),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -82,6 +82,14 @@ class DeepSpeedReader:
         return zero_layout(open_zero_checkpoint(storage, url, tag=tag), options)
 
 
+def metadata_bytes_of(files: Iterable[LoadedFile]) -> int:
+    """What reading `files`' metadata costs, each pickle and zip directory
+    (`SourceLayout.metadata_bytes`)."""
+    return sum(
+        f.zip.records[f.zip.prefix + "data.pkl"].size_bytes + f.zip.directory_bytes for f in files
+    )
+
+
 def build_plan(ckpt: ZeroCheckpoint | PipelineCheckpoint, options: ConvertOptions) -> Plan:
     """The plan of converting an opened ZeRO checkpoint (`plan_layout` of its layout)."""
     from zerosafe.plan.build import plan_layout
@@ -138,10 +146,7 @@ def zero_layout(ckpt: ZeroCheckpoint | PipelineCheckpoint, options: ConvertOptio
         files=builder.files, slots=builder.resolve(), tensors=tensors,
         order=list(ckpt.module_order), aliases=dict(ckpt.shared),
         source=_source_block(ckpt), facts=_facts(ckpt),
-        metadata_bytes=sum(
-            f.zip.records[f.zip.prefix + "data.pkl"].size_bytes + f.zip.directory_bytes
-            for f in ckpt.files
-        ),
+        metadata_bytes=metadata_bytes_of(ckpt.files),
         notes=list(ckpt.notes), warnings=list(ckpt.warnings),
         checks=(functools.partial(check_module_copy_sample, ckpt),),
         native=ckpt,

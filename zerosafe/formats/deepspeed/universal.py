@@ -43,15 +43,20 @@ from zerosafe.formats.deepspeed.checkpoint import (
     ZeroCheckpoint,
     _check_ranks,
     _check_tag_name,
-    _file_not_folder,
     _load,
     _master_notes,
     _param_groups,
     _read_module_side,
     _train_dtype,
+    checkpoint_folder_names,
 )
 from zerosafe.formats.deepspeed.masters import MASTER_DTYPES
-from zerosafe.formats.deepspeed.reader import _buffer_tensor, _frozen_tensor, _SlotBuilder
+from zerosafe.formats.deepspeed.reader import (
+    _buffer_tensor,
+    _frozen_tensor,
+    _SlotBuilder,
+    metadata_bytes_of,
+)
 from zerosafe.formats.deepspeed.save_identity import SAMPLE_ELEMENTS, SAMPLE_PARAMS, check_one_save
 from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_pickle import TensorRecord
@@ -138,11 +143,7 @@ def find_universal_tag(storage: Storage, ckpt_url: str, tag: str | None) -> tupl
         CheckpointFormatError: If no universal folder can be found, saying what is there.
     """
     ckpt_url = normalize_url(ckpt_url)
-    if not storage.isdir(ckpt_url):
-        if storage.exists(ckpt_url):
-            raise CheckpointFormatError(_file_not_folder(ckpt_url))
-        raise CheckpointFormatError(f"{ckpt_url}: no such checkpoint folder")
-    names = storage.listdir(ckpt_url)
+    names = checkpoint_folder_names(storage, ckpt_url)
     if tag is not None:
         _check_tag_name(ckpt_url, tag, "`--tag`")
         tag_url = join_url(ckpt_url, tag)
@@ -544,10 +545,7 @@ def universal_layout(uckpt: UniversalCheckpoint, options: ConvertOptions) -> Sou
         format=FORMAT_NAME, where=ckpt.tag_url, tag=ckpt.tag, files=builder.files,
         slots=builder.resolve(), tensors=tensors, order=list(ckpt.module_order),
         aliases=dict(ckpt.shared), source=_source_block(uckpt), facts=_facts(uckpt),
-        metadata_bytes=sum(
-            f.zip.records[f.zip.prefix + "data.pkl"].size_bytes + f.zip.directory_bytes
-            for f in ckpt.files
-        ),
+        metadata_bytes=metadata_bytes_of(ckpt.files),
         notes=list(ckpt.notes), warnings=list(ckpt.warnings),
         checks=(functools.partial(check_masters_sample, uckpt),),
         native=ckpt,
