@@ -23,6 +23,7 @@ import os
 import resource
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from zerosafe.config import ConvertOptions
@@ -659,7 +660,13 @@ def _run_units(
     progress: Progress,
 ) -> tuple[list[ExtractResult], list[MergeResult], list[VerifyResult]]:
     """Every unit of work in an order the flow could take: a shard is merged as soon as its
-    parts are extracted, and verified as soon as it is merged."""
+    parts are extracted, and verified as soon as it is merged.
+
+    A shard's verify runs in a second thread while the next unit runs, as the flow's two
+    parallel tasks would (when the memory budget holds two tasks, `parallel_tasks`): it
+    re-reads what the merge just wrote, mostly from the page cache and on the other core,
+    while the next merge waits on the disk. At most one verify runs beside that unit.
+    """
     reused = reusable_shards(storage, job.destination, plan)
     parts = parts_to_extract(job, direct=options.direct, reused=reused)
     readiness = MergeReadiness(job.shards, direct=options.direct, reused=reused)
@@ -669,6 +676,23 @@ def _run_units(
     merges: dict[int, MergeResult] = {}
     verifies: dict[int, VerifyResult] = {}
     locator = open_locator(plan, storage, work, options)
+    beside = (
+        ThreadPoolExecutor(1, thread_name_prefix="zerosafe-verify")
+        if options.parallel_tasks > 1
+        else None
+    )
+    running: list[tuple[int, Future[VerifyResult]]] = []
+
+    def verify(shard: int) -> VerifyResult:
+        return verify_unit(
+            plan, shard, storage, job.destination, options, expected=merges[shard].tensors,
+            on_bytes=lambda n: progress.advance(n, "verify"),
+        )  # fmt: skip
+
+    def collect() -> None:
+        while running:
+            shard, future = running.pop()
+            verifies[shard] = future.result()
 
     def merge_and_verify(shards: list[int]) -> None:
         for shard in shards:
@@ -676,10 +700,11 @@ def _run_units(
                 plan, shard, storage, job.destination, work, options, locator=locator,
                 on_bytes=lambda n: progress.advance(n, "merge"),
             )  # fmt: skip
-            verifies[shard] = verify_unit(
-                plan, shard, storage, job.destination, options, expected=merges[shard].tensors,
-                on_bytes=lambda n: progress.advance(n, "verify"),
-            )  # fmt: skip
+            collect()
+            if beside is None:
+                verifies[shard] = verify(shard)
+            else:
+                running.append((shard, beside.submit(verify, shard)))
 
     try:
         merge_and_verify(readiness.ready())
@@ -695,8 +720,11 @@ def _run_units(
                 )  # fmt: skip
             )
             merge_and_verify(readiness.part_done(part.index))
+        collect()
     finally:
         locator.close()
+        if beside is not None:
+            beside.shutdown(wait=True, cancel_futures=True)
     progress.finish()
     assert not readiness.waiting, f"shards never became ready: {readiness.waiting}"
     return extracts, [merges[i] for i in sorted(merges)], [verifies[i] for i in sorted(verifies)]
