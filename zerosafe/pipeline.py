@@ -231,6 +231,7 @@ def plan_job_and_load(
     state = prepare_output(
         storage, destination, plan.job_key, overwrite=options.overwrite,
         model_files_from=model_files_folder(plan.source, options),
+        file_sha256=options.file_sha256,
     )  # fmt: skip
     work = WorkLayout(work_url or default_work_url(destination, plan.job_key))
     if state.kind != "done":
@@ -390,17 +391,20 @@ def verify_unit(
     expected: TensorRecords,
     on_bytes: OnBytes = None,
 ) -> VerifyResult:
-    """Check shard `shard` with the independent reader against what its merge recorded."""
+    """Check shard `shard` with the independent reader against what its merge recorded;
+    with `options.file_sha256`, the same re-read also hashes the whole file (the only time
+    a conversion computes it)."""
     started = time.monotonic()
     url = shard_location(storage, destination, plan.job_key, plan.shards[shard].file_name)
     report = verify_shard(
         storage, url, expected=expected, allow_nonfinite=options.allow_nonfinite,
-        chunk_bytes=options.chunk_bytes, on_bytes=on_bytes,
+        chunk_bytes=options.chunk_bytes, on_bytes=on_bytes, file_sha256=options.file_sha256,
     )  # fmt: skip
     return VerifyResult(
         shard=shard, file=report.file, num_tensors=len(report.tensors), tensors=report.tensors,
         metadata=report.metadata, failures=tuple(f.as_dict() for f in report.failures),
         bytes_read=report.bytes_read, seconds=round(time.monotonic() - started, 3),
+        sha256=report.sha256,
     )  # fmt: skip
 
 
