@@ -163,15 +163,33 @@ def _same_device(a: str, b: str) -> bool:
 
 
 def check_free_space(
-    storage: Storage, plan: Plan, out_url: str, work_url: str, *, direct: bool
+    storage: Storage,
+    plan: Plan,
+    out_url: str,
+    work_url: str,
+    *,
+    direct: bool,
+    kept: Collection[int] = (),
 ) -> None:
     """Refuse to start when the output (and, staged, the intermediates) cannot fit.
+
+    Args:
+        kept: Shards a repair keeps as published (`reusable_shards`): they need no new space,
+            nor do the extract parts only they read.
 
     Raises:
         StorageError: Naming the path, the bytes needed and the bytes free.
     """
-    out_bytes = sum(s.data_bytes for s in plan.shards)
+    out_bytes = sum(s.data_bytes for s in plan.shards if s.index not in kept)
     work_bytes = 0 if direct else plan.slot_bytes
+    if kept and not direct:
+        parts = {
+            p
+            for s, shard_parts in zip(plan.shards, plan.shard_parts(), strict=True)
+            if s.index not in kept
+            for p in shard_parts
+        }
+        work_bytes = sum(plan.part_bytes(p) for p in parts)
     needs = [(out_url, out_bytes), (work_url, work_bytes)]
     if _same_device(out_url, work_url):
         needs = [(out_url, out_bytes + work_bytes)]
@@ -235,7 +253,8 @@ def plan_job_and_load(
     )  # fmt: skip
     work = WorkLayout(work_url or default_work_url(destination, plan.job_key))
     if state.kind != "done":
-        check_free_space(storage, plan, destination, work.root, direct=options.direct)
+        kept = reusable_shards(storage, destination, plan)  # a repair: published, intact
+        check_free_space(storage, plan, destination, work.root, direct=options.direct, kept=kept)
         save_plan(plan, storage, work.plan)
     job = JobPlan(
         state=state.kind, job_key=plan.job_key, destination=destination, work_url=work.root,
