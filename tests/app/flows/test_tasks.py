@@ -124,7 +124,7 @@ def test_verify_task_hashes_the_file_and_publish_records_it(tmp_path: Path) -> N
              "bytes_written": 0, "fp32_bytes": 0}  # fmt: skip
     publish.fn(task_job, [], merges, verifies, stats)
     files = json.loads((out / "zerosafe-manifest.json").read_text())["files"]
-    assert len(files) == 2
+    assert len(files) == len(job.shards) > 1
     for entry in files:
         assert entry["sha256"] == hashlib.sha256((out / entry["file"]).read_bytes()).hexdigest()
 
