@@ -114,6 +114,11 @@ class ConvertOptions:
     check_lowp: bool = False
     """ZeRO-1/2: before publishing, check each tensor cast to the training dtype equals the
     16-bit weight in the model states (reads those weights: 2 more bytes per parameter)."""
+    file_sha256: bool = False
+    """Record each output file's SHA-256 (what the Hugging Face Hub shows for an uploaded
+    file) in the manifest, computed once, by verify's re-read of the file. Not part of the
+    job's identity: the bytes do not change, so an output converted without it is re-verified
+    to add the sums, never converted again."""
     keep_fp32: tuple[str, ...] = ()
     """Regular expressions on tensor names (`re.search`): matching floating tensors stay
     float32 whatever `dtype` says (router and norm weights a model needs in full precision)."""

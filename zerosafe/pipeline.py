@@ -164,15 +164,33 @@ def _same_device(a: str, b: str) -> bool:
 
 
 def check_free_space(
-    storage: Storage, plan: Plan, out_url: str, work_url: str, *, direct: bool
+    storage: Storage,
+    plan: Plan,
+    out_url: str,
+    work_url: str,
+    *,
+    direct: bool,
+    kept: Collection[int] = (),
 ) -> None:
     """Refuse to start when the output (and, staged, the intermediates) cannot fit.
+
+    Args:
+        kept: Shards a repair keeps as published (`reusable_shards`): they need no new space,
+            nor do the extract parts only they read.
 
     Raises:
         StorageError: Naming the path, the bytes needed and the bytes free.
     """
-    out_bytes = sum(s.data_bytes for s in plan.shards)
+    out_bytes = sum(s.data_bytes for s in plan.shards if s.index not in kept)
     work_bytes = 0 if direct else plan.slot_bytes
+    if kept and not direct:
+        parts = {
+            p
+            for s, shard_parts in zip(plan.shards, plan.shard_parts(), strict=True)
+            if s.index not in kept
+            for p in shard_parts
+        }
+        work_bytes = sum(plan.part_bytes(p) for p in parts)
     needs = [(out_url, out_bytes), (work_url, work_bytes)]
     if _same_device(out_url, work_url):
         needs = [(out_url, out_bytes + work_bytes)]
@@ -232,10 +250,12 @@ def plan_job_and_load(
     state = prepare_output(
         storage, destination, plan.job_key, overwrite=options.overwrite,
         model_files_from=model_files_folder(plan.source, options),
+        file_sha256=options.file_sha256,
     )  # fmt: skip
     work = WorkLayout(work_url or default_work_url(destination, plan.job_key))
     if state.kind != "done":
-        check_free_space(storage, plan, destination, work.root, direct=options.direct)
+        kept = reusable_shards(storage, destination, plan)  # a repair: published, intact
+        check_free_space(storage, plan, destination, work.root, direct=options.direct, kept=kept)
         save_plan(plan, storage, work.plan)
     job = JobPlan(
         state=state.kind, job_key=plan.job_key, destination=destination, work_url=work.root,
@@ -391,17 +411,20 @@ def verify_unit(
     expected: TensorRecords,
     on_bytes: OnBytes = None,
 ) -> VerifyResult:
-    """Check shard `shard` with the independent reader against what its merge recorded."""
+    """Check shard `shard` with the independent reader against what its merge recorded;
+    with `options.file_sha256`, the same re-read also hashes the whole file (the only time
+    a conversion computes it)."""
     started = time.monotonic()
     url = shard_location(storage, destination, plan.job_key, plan.shards[shard].file_name)
     report = verify_shard(
         storage, url, expected=expected, allow_nonfinite=options.allow_nonfinite,
-        chunk_bytes=options.chunk_bytes, on_bytes=on_bytes,
+        chunk_bytes=options.chunk_bytes, on_bytes=on_bytes, file_sha256=options.file_sha256,
     )  # fmt: skip
     return VerifyResult(
         shard=shard, file=report.file, num_tensors=len(report.tensors), tensors=report.tensors,
         metadata=report.metadata, failures=tuple(f.as_dict() for f in report.failures),
         bytes_read=report.bytes_read, seconds=round(time.monotonic() - started, 3),
+        sha256=report.sha256,
     )  # fmt: skip
 
 

@@ -332,6 +332,13 @@ def _add_convert(sub: Any) -> None:
         help="ZeRO-1/2: also check the output against the 16-bit weights saved beside the fp32 ones",
     )
     p.add_argument(
+        "--file-sha256",
+        action="store_true",
+        help="record each weight file's SHA-256 (as the Hugging Face Hub shows it) in the "
+        "manifest, hashed by verify's re-read; on a complete output without them, verify it "
+        "again to add them",
+    )
+    p.add_argument(
         "--parallel",
         type=_int_at_least(1),
         default=2,
@@ -384,6 +391,7 @@ def _options(args: argparse.Namespace) -> Any:
             keep_work=getattr(args, "keep_work", False),
             allow_nonfinite=getattr(args, "allow_nonfinite", False),
             check_lowp=getattr(args, "check_lowp", False),
+            file_sha256=getattr(args, "file_sha256", False),
             keep_fp32=tuple(args.keep_fp32),
             model_files=args.model_files,
             copy_model_files=args.copy_model_files,

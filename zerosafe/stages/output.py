@@ -4,7 +4,7 @@ An output folder holds `model.safetensors` or `model-0000K-of-0000N.safetensors`
 `model.safetensors.index.json` (transformers' sharded layout), the model files copied from
 the checkpoint folder (`config.json`, tokenizer files: `zerosafe.stages.model_files`),
 `zerosafe-manifest.json` (source identity, options, per-tensor checksums, each copied file's
-SHA-256) and `zerosafe-complete.json`, the completion marker, written last. Without the marker an output is not complete, whatever else is there.
+SHA-256, and with `file_sha256` each weight file's SHA-256) and `zerosafe-complete.json`, the completion marker, written last. Without the marker an output is not complete, whatever else is there.
 Work files (plan, intermediates) live in `.zerosafe-work/<job>/` unless placed elsewhere.
 """
 
@@ -43,6 +43,7 @@ __all__ = [
     "shard_location",
     "default_work_url",
     "inspect_output",
+    "lacks_file_sha256",
     "prepare_output",
     "publish",
     "read_complete_manifest",
@@ -324,7 +325,22 @@ def quick_done(
     if changed:  # not a no-op: the full path repairs these shards
         log.warning("%s: published files changed: %s", out_url, changed)
         return None
+    if options.file_sha256 and lacks_file_sha256(manifest):  # the full path re-verifies
+        return None
     return key
+
+
+def lacks_file_sha256(manifest: dict[str, Any]) -> bool:
+    """Whether a manifest lacks the whole-file SHA-256 of some weight file (converted without
+    `file_sha256`, or by a version before it)."""
+    files = manifest.get("files") or []
+    return any(not isinstance(f, dict) or not isinstance(f.get("sha256"), str) for f in files)
+
+
+_NO_FILE_SHA256 = (
+    "no whole-file SHA-256 recorded; verifying the published files again to record it "
+    "(nothing is converted again)"
+)
 
 
 def inspect_output(
@@ -333,9 +349,12 @@ def inspect_output(
     job_key: str,
     *,
     model_files_from: str | None | _Recorded = RECORDED,
+    file_sha256: bool = False,
 ) -> OutputState:
     """Classify what `out_url` holds relative to the job `job_key`, which copies model files
-    from `model_files_from` (`model_files_folder`; by default as the output records)."""
+    from `model_files_from` (`model_files_folder`; by default as the output records) and,
+    with `file_sha256`, records each weight file's SHA-256: a complete output of this job
+    without them is a repair that keeps every shard and only verifies it again."""
     names = storage.listdir(out_url)
     if MARKER_NAME in names:
         try:
@@ -350,6 +369,8 @@ def inspect_output(
                 if changed:
                     detail = ", ".join(f"{f} ({why})" for f, why in sorted(changed.items()))
                     return OutputState("repair", detail, manifest)
+                if file_sha256 and lacks_file_sha256(manifest):
+                    return OutputState("repair", _NO_FILE_SHA256, manifest)
                 return OutputState("done", manifest=manifest)
             src = manifest.get("source", {})
             return OutputState(
@@ -403,10 +424,12 @@ def prepare_output(
     *,
     overwrite: bool,
     model_files_from: str | None | _Recorded = RECORDED,
+    file_sha256: bool = False,
 ) -> OutputState:
     """Decide whether to convert into `out_url`; clears it when `overwrite` says to. A
     complete output of this job whose model files are not those of `model_files_from` (see
-    `inspect_output`) is repaired: only the copies are redone.
+    `inspect_output`) is repaired: only the copies are redone. So is one lacking the
+    whole-file SHA-256 when `file_sha256` asks for it: every shard is kept and verified again.
 
     Returns:
         The state found: `done` means there is nothing to do.
@@ -414,7 +437,9 @@ def prepare_output(
     Raises:
         OutputExistsError: If the folder holds another conversion and `overwrite` is off.
     """
-    state = inspect_output(storage, out_url, job_key, model_files_from=model_files_from)
+    state = inspect_output(
+        storage, out_url, job_key, model_files_from=model_files_from, file_sha256=file_sha256
+    )
     if state.kind == "unusable" and not overwrite:
         raise OutputExistsError(state.detail)
     if state.kind in ("other", "foreign", "unusable"):
@@ -445,7 +470,10 @@ def _start_repair(
     manifest it was published with (intact shards are reused from it), remove the marker
     first, then the index, the manifest and the changed files."""
     assert state.manifest is not None
-    log.warning("%s: published files changed (%s); merging them again", out_url, state.detail)
+    if state.detail == _NO_FILE_SHA256:
+        log.warning("%s: %s", out_url, state.detail)
+    else:
+        log.warning("%s: published files changed (%s); merging them again", out_url, state.detail)
     storage.write_bytes(
         join_url(pending_url(out_url, job_key), PREVIOUS_MANIFEST_NAME),
         json.dumps(state.manifest).encode(),
@@ -473,6 +501,20 @@ def _checks(verifies: Sequence[VerifyResult], lowp: dict[str, Any] | None) -> di
             k: lowp[k] for k in ("lowp_checked", "lowp_mismatched", "lowp_skipped")
         }
     return checks
+
+
+def _file_sha256(
+    verifies: Sequence[VerifyResult], merges: Sequence[MergeResult], *, wanted: bool
+) -> dict[str, str]:
+    """Each shard's whole-file SHA-256 as its verify computed it (`file_sha256`): file -> hex
+    digest; empty when not asked for."""
+    if not wanted:
+        return {}
+    sums = {v.file: v.sha256 for v in verifies if v.sha256 is not None}
+    missing = [m.file for m in merges if m.file not in sums]
+    # Verify results are cached with `file_sha256` in their key, so each one has its sum.
+    assert not missing, f"verify computed no file SHA-256 for {missing}"
+    return sums
 
 
 def _stage_model_files(
@@ -576,6 +618,7 @@ def publish(
     by_shard = sorted(merges, key=lambda m: m.shard)
     if [m.shard for m in by_shard] != list(range(len(plan.shards))):
         raise AssertionError("publish needs one merge result per shard")
+    file_sha256 = _file_sha256(verifies, by_shard, wanted=options.file_sha256)
     model_files = _stage_model_files(plan, storage, pending_url(out_url, plan.job_key), options)
     versions = _move_into_place(storage, out_url, plan.job_key, by_shard, model_files)
     weight_map = {name: m.file for m in by_shard for name in m.tensors}
@@ -609,6 +652,7 @@ def publish(
                 "size_bytes": m.file_bytes,
                 "data_bytes": m.data_bytes,
                 "version": versions[m.file].version,
+                **({"sha256": file_sha256[m.file]} if m.file in file_sha256 else {}),
             }
             for m in by_shard
         ],

@@ -234,18 +234,21 @@ class VerifyResult:
     """`{file, tensor, check, detail}` per failed check (`zerosafe.verify.tensors.Failure`)."""
     bytes_read: int
     seconds: float
+    sha256: str | None = None
+    """SHA-256 of the whole file as re-read, with `file_sha256` on (publish records it)."""
 
     @property
     def ok(self) -> bool:
         return not self.failures
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "file": self.file, "ok": self.ok, "num_tensors": self.num_tensors,
             "tensors": self.tensors, "metadata": self.metadata,
             "failures": list(self.failures), "bytes_read": self.bytes_read,
             "shard": self.shard, "seconds": self.seconds,
         }  # fmt: skip
+        return {**out, "sha256": self.sha256} if self.sha256 is not None else out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> VerifyResult:
@@ -253,7 +256,7 @@ class VerifyResult:
             shard=data["shard"], file=data["file"], num_tensors=data["num_tensors"],
             tensors=data["tensors"], metadata=data.get("metadata", {}),
             failures=tuple(data.get("failures", ())), bytes_read=data.get("bytes_read", 0),
-            seconds=data.get("seconds", 0.0),
+            seconds=data.get("seconds", 0.0), sha256=data.get("sha256"),
         )  # fmt: skip
 
 

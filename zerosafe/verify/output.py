@@ -2,8 +2,9 @@
 
 Works on any safetensors output (zerosafe's, DeepSpeed's, transformers'): every file's header
 and data region, the index (every file and tensor exactly once, `total_size`), finiteness, the
-manifest's checksums when there is one, the model files it copied (config, tokenizer: size and
-SHA-256), tied aliases; and with `--against`, coverage of the
+manifest's checksums when there is one (per tensor, and each weight file's whole-file SHA-256
+where it records one), the model files it copied (config, tokenizer: size and SHA-256), tied
+aliases; and with `--against`, coverage of the
 source checkpoint (params, frozen params, buffers, aliases; shapes) and, for ZeRO-1/2, that
 each fp32 tensor cast to the training dtype equals the 16-bit weight DeepSpeed saved beside
 it, a witness that owes nothing to the fp32 partitions.
@@ -113,6 +114,7 @@ def verify_output(
         "files": files,
         "num_tensors": len(tensors),
         "data_bytes": sum(r.bytes_read for r in reports),
+        "file_sha256": {r.file: r.sha256 for r in reports if r.sha256 is not None},
         "complete": complete,
         "has_manifest": manifest is not None,
         "aliases": aliases,
@@ -229,11 +231,15 @@ def _verify_files(
     chunk_bytes: int,
     max_workers: int,
 ) -> list[Any]:
-    """Every weight file's header and data, against the manifest's checksums if any."""
+    """Every weight file's header and data, against the manifest's checksums if any: per
+    tensor, and the whole file's SHA-256 where the manifest records one (hashed in the same
+    re-read)."""
     expected_by_file: dict[str, dict[str, dict[str, Any]]] = {}
+    file_sha256: dict[str, str] = {}
     if manifest is not None:
         for name, info in manifest.get("tensors", {}).items():
             expected_by_file.setdefault(info["file"], {})[name] = info
+        file_sha256 = _recorded_file_sha256(manifest)
     with ThreadPoolExecutor(max_workers=max_workers) as pool:
         reports = list(
             pool.map(
@@ -243,12 +249,22 @@ def _verify_files(
                     expected=expected_by_file.get(f, {}) if manifest is not None else None,
                     allow_nonfinite=allow_nonfinite,
                     chunk_bytes=chunk_bytes,
+                    file_sha256=f in file_sha256,
                 ),  # fmt: skip
                 files,
             )
         )
     for r in reports:
         failures.extend(r.failures)
+        want = file_sha256.get(r.file)
+        if want is not None and r.sha256 is not None and r.sha256 != want:
+            failures.append(
+                Failure(
+                    r.file, "*", "sha256",
+                    f"whole-file SHA-256 {r.sha256[:16]}..., recorded {want[:16]}...: the file "
+                    "changed since it was published (convert again to repair it)",
+                )
+            )  # fmt: skip
     for f, tensors in expected_by_file.items():
         if f not in files:
             failures.extend(
@@ -256,6 +272,19 @@ def _verify_files(
                 for t in sorted(tensors)
             )
     return reports
+
+
+def _recorded_file_sha256(manifest: dict[str, Any]) -> dict[str, str]:
+    """Weight file -> the whole-file SHA-256 the manifest records (`--file-sha256`); empty
+    for manifests without them."""
+    entries = manifest.get("files")
+    if not isinstance(entries, list):
+        return {}
+    return {
+        str(e["file"]): e["sha256"]
+        for e in entries
+        if isinstance(e, dict) and isinstance(e.get("sha256"), str)
+    }
 
 
 def _check_placement(
@@ -405,6 +434,7 @@ def _report(out_url: str, failures: list[Failure], *, complete: bool | None) -> 
         "files": [],
         "num_tensors": 0,
         "data_bytes": 0,
+        "file_sha256": {},
         "complete": complete,
         "has_manifest": False,
         "aliases": {},
@@ -705,6 +735,11 @@ def render_verify(report: dict[str, Any]) -> str:
             ", manifest checksums compared"
             if report["has_manifest"]
             else ", no manifest (structure and values only)"
+        )
+        + (
+            f", whole-file SHA-256 of {len(report['file_sha256'])} file(s) compared"
+            if report.get("file_sha256")
+            else ""
         )
     )
     if report["aliases"]:

@@ -2,13 +2,16 @@
 
 This module never uses the writer's code: it parses headers with a parser of its own, has the
 `safetensors` library open every local file as a second, independent reader, and streams
-each tensor's bytes in bounded chunks to recompute SHA-256 checksums and count NaN/Inf.
+each tensor's bytes in bounded chunks to recompute the per-tensor checksums and count NaN/Inf,
+and, when asked (`file_sha256`), feeds the same bytes, header first, to one SHA-256 of the
+whole file: the hash the Hugging Face Hub (Git LFS) records for an uploaded file.
 Format: https://github.com/huggingface/safetensors#format; index format: transformers'
 `model.safetensors.index.json` (`metadata.total_size`, `weight_map`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -24,7 +27,7 @@ from zerosafe.dtypes import from_safetensors_code, torch_dtype
 from zerosafe.io.buffers import allocate_buffer, pin_mmap_threshold
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, Storage, is_local, join_url, local_path
-from zerosafe.verify.checksum import TENSOR_CHECKSUM, new_digest, recorded_checksum
+from zerosafe.verify.checksum import TENSOR_CHECKSUM, Digest, new_digest, recorded_checksum
 
 __all__ = ["Failure", "ShardReport", "parse_safetensors_header", "verify_shard"]
 
@@ -59,6 +62,8 @@ class ShardReport:
     metadata: dict[str, str] = field(default_factory=dict)
     failures: list[Failure] = field(default_factory=list)
     bytes_read: int = 0
+    sha256: str | None = None
+    """SHA-256 of the whole file's bytes, when asked for (`verify_shard(file_sha256=True)`)."""
 
     @property
     def ok(self) -> bool:
@@ -73,6 +78,7 @@ class ShardReport:
             "metadata": self.metadata,
             "failures": [f.as_dict() for f in self.failures],
             "bytes_read": self.bytes_read,
+            **({"sha256": self.sha256} if self.sha256 is not None else {}),
         }
 
 
@@ -225,8 +231,10 @@ def _scan_tensor(
     itemsize: int,
     buf: Any,
     algorithm: str = TENSOR_CHECKSUM,
+    file_digest: Digest | None = None,
 ) -> _TensorScan:
-    """Hash bytes `[start, end)` of `source` and count non-finite values, a chunk at a time."""
+    """Hash bytes `[start, end)` of `source` and count non-finite values, a chunk at a time;
+    `file_digest` (the whole file's SHA-256, fed in file order) gets the same chunks."""
     digest = new_digest(algorithm)
     nan = posinf = neginf = 0
     chunk_bytes = len(buf)
@@ -245,6 +253,8 @@ def _scan_tensor(
         if pos == start:
             first = bytes(view[: min(n, 4096)])
         digest.update(view)
+        if file_digest is not None:
+            file_digest.update(view)
         if count:
             a, b, c = _count_nonfinite(view, dtype_name)
             nan, posinf, neginf = nan + a, posinf + b, neginf + c
@@ -260,6 +270,7 @@ def verify_shard(
     allow_nonfinite: bool = False,
     chunk_bytes: int = 16 * 2**20,
     on_bytes: Callable[[int], None] | None = None,
+    file_sha256: bool = False,
 ) -> ShardReport:
     """Check one safetensors file.
 
@@ -270,6 +281,9 @@ def verify_shard(
             `sha256`), or None to check structure and values only.
         allow_nonfinite: Pass NaN/Inf values instead of failing (they are counted either way).
         chunk_bytes: Bytes read at a time.
+        file_sha256: Also hash every byte of the file, in order, into one SHA-256
+            (`ShardReport.sha256`). The tensors are then scanned one after another in this
+            thread, so each byte is read and hashed once; off, they are scanned in parallel.
     """
     pin_mmap_threshold()
     name = url.rsplit("/", 1)[-1]
@@ -288,13 +302,20 @@ def verify_shard(
         report.metadata = metadata
         handle = _library_handle(url, header, metadata, report) if is_local(url) else None
         ordered = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        file_digest: Digest | None = None
+        if file_sha256:
+            # The header as stored (length prefix, JSON, padding), then the data region: the
+            # parser checked that the tensors tile it with no gap, so this is every byte.
+            file_digest = hashlib.sha256(source.read_range(0, data_start))
         for (tensor, entry), scanned in _scan_in_order(
-            source, data_start, ordered, expected, chunk_bytes
+            source, data_start, ordered, expected, chunk_bytes, file_digest
         ):
             _record_tensor(report, tensor, entry, scanned, handle, allow_nonfinite)
             begin, end = entry["data_offsets"]
             if on_bytes is not None and end > begin:
                 on_bytes(end - begin)
+        if file_digest is not None:
+            report.sha256 = file_digest.hexdigest()
         if expected is not None:
             _compare_expected(report, expected, name)
     finally:
@@ -329,10 +350,12 @@ def _scan_in_order(
     ordered: list[tuple[str, dict[str, Any]]],
     expected: dict[str, dict[str, Any]] | None,
     chunk_bytes: int,
+    file_digest: Digest | None = None,
 ) -> Iterator[tuple[tuple[str, dict[str, Any]], _TensorScan]]:
     """Every tensor's checksum and non-finite counts, hashed in parallel and yielded in file
-    order, as a serial scan would."""
-    workers = max(1, min(_VERIFY_THREADS, len(ordered)))
+    order, as a serial scan would. With `file_digest`, one tensor after another in this
+    thread instead: the whole file's hash needs its bytes in order."""
+    workers = 1 if file_digest is not None else max(1, min(_VERIFY_THREADS, len(ordered)))
     buffers: queue.SimpleQueue[Any] = queue.SimpleQueue()
     for _ in range(workers):
         buffers.put(allocate_buffer(chunk_bytes))
@@ -346,10 +369,15 @@ def _scan_in_order(
         try:
             return _scan_tensor(
                 source, data_start + begin, data_start + end, dtype.name, dtype.itemsize, buf,
-                recorded[0] if recorded else TENSOR_CHECKSUM,
+                recorded[0] if recorded else TENSOR_CHECKSUM, file_digest,
             )  # fmt: skip
         finally:
             buffers.put(buf)
+
+    if file_digest is not None:
+        for tensor, entry in ordered:
+            yield (tensor, entry), scan(tensor, entry)
+        return
 
     with ThreadPoolExecutor(workers, thread_name_prefix="zerosafe-verify") as pool:
         futures = [pool.submit(scan, tensor, entry) for tensor, entry in ordered]

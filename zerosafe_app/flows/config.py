@@ -69,6 +69,10 @@ class JobConfig(BaseModel):
     check_lowp: bool = False
     """ZeRO-1/2: also check each tensor cast to the training dtype equals the 16-bit weight
     DeepSpeed saved beside it, before publishing (reads those weights too)."""
+    file_sha256: bool = False
+    """Record each weight file's SHA-256 (what the Hugging Face Hub shows) in the manifest,
+    computed by verify's re-read; on a complete output without them, verify it again to add
+    them (nothing is converted again)."""
     keep_fp32: list[str] = Field(default_factory=list)
     """Regular expressions on tensor names (`re.search`): matching floating tensors stay
     float32 under `dtype: bf16` or `fp16`, e.g. `['router', 'norm']`."""
@@ -151,6 +155,7 @@ class JobConfig(BaseModel):
             keep_work=self.keep_work,
             allow_nonfinite=self.allow_nonfinite,
             check_lowp=self.check_lowp,
+            file_sha256=self.file_sha256,
             keep_fp32=tuple(self.keep_fp32),
             model_files=self.model_files,
             copy_model_files=self.copy_model_files,

@@ -89,7 +89,8 @@ def cache_key(stage: str):  # type: ignore[no-untyped-def]
     Keys never collide across stages (the stage is in the key) and change when an input's
     content fingerprint changes. Options that change output bytes are already in the plan id;
     of the rest only those that change a task's result are in the key (`direct` changes what
-    a merge reads, `allow_nonfinite` what verify reports), so e.g. `--keep-work` or another
+    a merge reads, `allow_nonfinite` what verify reports, `file_sha256` whether verify hashes
+    the whole file), so e.g. `--keep-work` or another
     memory budget on a re-run still finds every cached result.
     """
 
@@ -100,6 +101,10 @@ def cache_key(stage: str):  # type: ignore[no-untyped-def]
             "direct": options.get("direct"),
             "allow_nonfinite": options.get("allow_nonfinite"),
         }
+        if stage == "verify" and options.get("file_sha256"):
+            # A verify cached without the file's SHA-256 cannot give it: verify again. Only
+            # when on, so every other key stays as it was (cached runs still resume).
+            relevant["file_sha256"] = True
         blob = json.dumps(
             [
                 CACHE_FORMAT,

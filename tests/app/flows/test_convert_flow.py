@@ -173,6 +173,20 @@ def test_job_config_from_yaml_with_overrides(tmp_path: Path) -> None:
     assert cfg.options().dtype == "float16"
 
 
+def test_file_sha256_from_yaml_parameter_and_flag(tmp_path: Path) -> None:
+    from zerosafe_app.cli import _options, _parser
+    from zerosafe_app.flows.config import load_job_config
+
+    conf = tmp_path / "job.yaml"
+    conf.write_text("source: /ckpt\ndestination: /out\nfile_sha256: true\n")
+    assert load_job_config(str(conf)).options().file_sha256
+    assert not load_job_config(str(conf), file_sha256=False).options().file_sha256
+    assert not load_job_config(None, source="/a", destination="/b").options().file_sha256
+    argv = ["convert", "/ckpt", str(tmp_path / "out")]
+    assert _options(_parser().parse_args([*argv, "--file-sha256"])).file_sha256
+    assert not _options(_parser().parse_args(argv)).file_sha256
+
+
 @pytest.mark.parametrize(
     ("yaml_text", "overrides", "match"),
     [

@@ -3,6 +3,8 @@ with a plain thread pool: the DAG's edges without a Prefect server."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -92,6 +94,39 @@ def test_cache_keys_name_the_stage_the_unit_and_what_changes_the_result() -> Non
         assert key(None, _inputs("merge", **change)) != base, change
     for same in ({"keep_work": True}, {"memory": 2 * 10**9}):  # a re-run with these resumes
         assert key(None, _inputs("merge", **same)) == base, same
+
+
+def test_verify_cache_key_holds_file_sha256_only_when_on() -> None:
+    """A verify cached without the whole-file hash is redone when it is asked for; every
+    other key stays as it was, so runs cached before the option existed still resume."""
+
+    def inputs(**options: Any) -> dict[str, Any]:  # `_inputs` with options it lacks
+        base = _inputs("")
+        return {**base, "job": {**base["job"], "options": {**base["job"]["options"], **options}}}
+
+    for stage in ("verify", "merge"):
+        key, base = cache_key(stage), cache_key(stage)(None, _inputs(""))
+        assert key(None, inputs(file_sha256=False)) == base
+        assert (key(None, inputs(file_sha256=True)) == base) is (stage == "merge")
+
+
+def test_verify_task_hashes_the_file_and_publish_records_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    options = ConvertOptions(max_shard_size=20_000, direct=True, file_sha256=True)
+    job, task_job = _plan(out, options)
+    merges = [merge.fn(task_job, s.index, s.index + 1, 2, fingerprint="f") for s in job.shards]
+    verifies = [
+        verify.fn(task_job, m["shard"], m["shard"] + 1, 2, m["tensors"], fingerprint="f")
+        for m in merges
+    ]
+    stats = {"mode": "direct", "mode_reason": "", "source_bytes_read": 1, "source_bytes_needed": 1,
+             "intermediate_bytes_written": 0, "output_bytes_written": 0, "bytes_read": 0,
+             "bytes_written": 0, "fp32_bytes": 0}  # fmt: skip
+    publish.fn(task_job, [], merges, verifies, stats)
+    files = json.loads((out / "zerosafe-manifest.json").read_text())["files"]
+    assert len(files) == len(job.shards) > 1
+    for entry in files:
+        assert entry["sha256"] == hashlib.sha256((out / entry["file"]).read_bytes()).hexdigest()
 
 
 class _Pool:
