@@ -30,6 +30,7 @@ from zerosafe.config import ConvertOptions
 from zerosafe.errors import IntegrityError, StorageError, VerificationError
 from zerosafe.formats.safetensors import HeaderEntry, build_header
 from zerosafe.io.lease import destination_lease, work_lease
+from zerosafe.io.residency import serial_merge_reason
 from zerosafe.io.storage import Storage, is_local, join_url, local_path, normalize_url
 from zerosafe.plan.build import plan_checkpoint
 from zerosafe.plan.model import Plan, save_plan
@@ -253,6 +254,7 @@ def plan_job_and_load(
         file_sha256=options.file_sha256,
     )  # fmt: skip
     work = WorkLayout(work_url or default_work_url(destination, plan.job_key))
+    serial = _serial_merges(plan, options) if state.kind != "done" else ""
     if state.kind != "done":
         kept = reusable_shards(storage, destination, plan)  # a repair: published, intact
         check_free_space(storage, plan, destination, work.root, direct=options.direct, kept=kept)
@@ -274,12 +276,26 @@ def plan_job_and_load(
             )
             for s, parts in zip(plan.shards, plan.shard_parts(), strict=True)
         ),
-        aliases=dict(plan.aliases), notes=tuple(plan.notes), warnings=tuple(plan.warnings),
-        fp32_bytes=plan.fp32_bytes, metadata_bytes_read=metadata_bytes_read,
+        aliases=dict(plan.aliases), notes=tuple(plan.notes) + ((serial,) if serial else ()),
+        warnings=tuple(plan.warnings), fp32_bytes=plan.fp32_bytes,
+        metadata_bytes_read=metadata_bytes_read,
         source_bytes_needed=plan.slot_bytes + layout.metadata_bytes,
-        task_memory_bytes=options.task_memory_bytes,
+        task_memory_bytes=options.task_memory_bytes, serial_merges=serial,
     )  # fmt: skip
     return job, (None if job.is_done else plan)
+
+
+def _serial_merges(plan: Plan, options: ConvertOptions) -> str:
+    """Why this job's merges should run one at a time (`serial_merge_reason`), or "": only
+    direct merges of a local checkpoint with more than one shard to write can fight over a
+    disk, and only when more than one task may run at once."""
+    if not options.direct or options.parallel_tasks < 2 or len(plan.shards) < 2:
+        return ""
+    if not all(is_local(f.url) for f in plan.files):
+        return ""
+    return serial_merge_reason(
+        [(local_path(plan.files[s.file].url), s.byte_offset, s.nbytes) for s in plan.slots]
+    )
 
 
 # -- 4. the units of work and their order ---------------------------------------------------------

@@ -86,6 +86,9 @@ class JobPlan:
     source_bytes_needed: int = 0
     """The least any conversion reads: the bytes it copies plus metadata."""
     task_memory_bytes: int = 0
+    serial_merges: str = ""
+    """Why merges run one at a time (`zerosafe.io.residency.serial_merge_reason`), or "" when
+    they may run as many at once as the parallel tasks allow."""
 
     @property
     def is_done(self) -> bool:
@@ -119,6 +122,7 @@ class JobPlan:
             "metadata_bytes_read": self.metadata_bytes_read,
             "source_bytes_needed": self.source_bytes_needed,
             "task_memory_bytes": self.task_memory_bytes,
+            "serial_merges": self.serial_merges,
         }
 
     @classmethod
@@ -150,6 +154,7 @@ class JobPlan:
             metadata_bytes_read=data.get("metadata_bytes_read", 0),
             source_bytes_needed=data.get("source_bytes_needed", 0),
             task_memory_bytes=data.get("task_memory_bytes", 0),
+            serial_merges=data.get("serial_merges", ""),
         )
 
 

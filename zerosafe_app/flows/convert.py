@@ -379,6 +379,7 @@ def _run_stages(
         job, task_job, parts=parts, direct=options.direct, reused=reused, submit=submit,
         on_done=lambda stage, index: progress.add(unit_bytes[stage][index]),
         limit=None if cfg.runner == "dask" else options.parallel_tasks,
+        serial_merges=bool(job.serial_merges),
     ).run()  # fmt: skip
     extracts = [done.extracts[i] for i in sorted(done.extracts)]
     merges = [done.merges[i] for i in range(len(job.shards))]

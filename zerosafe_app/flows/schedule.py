@@ -5,7 +5,9 @@ parts it reads are extracted (`zerosafe.pipeline.MergeReadiness`), and its verif
 its merge is done. With a `limit` (the thread runner: the tasks one worker runs at once),
 only that many tasks are in flight and the next one is a verify before a merge before an
 extract, so a merged shard is verified next rather than after every task queued before it;
-without one (Dask), every ready task is submitted at once and Dask orders them.
+without one (Dask), every ready task is submitted at once and Dask orders them. A job whose
+merges should not share the disk (`JobPlan.serial_merges`) runs one merge at a time under a
+limit, with verifies (and extracts) beside it.
 
 Before submitting a task the scheduler checks its unit's output on disk and refreshes the
 task's cache where it vanished or changed; cache keys are `zerosafe_app.tasks._common.cache_key`
@@ -77,6 +79,7 @@ class StageScheduler:
         reused: Shards a repair keeps as published (their merges read nothing).
         on_done: Called with (stage, index) as each unit finishes (progress).
         limit: Tasks in flight at most; None for no limit.
+        serial_merges: Run one merge at a time (under a `limit` only).
     """
 
     def __init__(
@@ -90,9 +93,12 @@ class StageScheduler:
         submit: Submit,
         on_done: Callable[[str, int], None] = lambda stage, index: None,
         limit: int | None = None,
+        serial_merges: bool = False,
     ) -> None:
         self.job, self.task_job, self.direct, self.reused = job, task_job, direct, set(reused)
         self._submit, self._on_done, self._limit = submit, on_done, limit
+        self._merge_limit = 1 if serial_merges and limit is not None else None
+        self._merges_in_flight = 0
         self._readiness = MergeReadiness(job.shards, direct=direct, reused=reused)
         self._ready: dict[str, deque[Callable[[], None]]] = {
             "verify": deque(), "merge": deque(), "extract": deque(),
@@ -117,6 +123,7 @@ class StageScheduler:
         while self._in_flight:
             stage, index, future = self._done.get()
             self._in_flight -= 1
+            self._merges_in_flight -= stage == "merge"
             getattr(self, f"_{stage}_done")(index, future.result())
             self._fill()
         assert not self._readiness.waiting, f"shards never became ready: {self._readiness.waiting}"
@@ -124,13 +131,23 @@ class StageScheduler:
 
     def _fill(self) -> None:
         while self._limit is None or self._in_flight < self._limit:
-            queued = next((q for q in self._ready.values() if q), None)
+            queued = next(
+                (q for stage, q in self._ready.items() if q and self._may_start(stage)), None
+            )
             if queued is None:
                 return
             queued.popleft()()
 
+    def _may_start(self, stage: str) -> bool:
+        return (
+            stage != "merge"
+            or self._merge_limit is None
+            or self._merges_in_flight < self._merge_limit
+        )
+
     def _watch(self, stage: str, index: int, future: Future) -> None:
         self._in_flight += 1
+        self._merges_in_flight += stage == "merge"
         self._futures[(stage, index)] = future
         future.add_done_callback(lambda f: self._done.put((stage, index, f)))
 

@@ -155,13 +155,19 @@ class _Pool:
 
 
 def _schedule(
-    out: Path, pool: _Pool, *, limit: int | None, options: ConvertOptions = STAGED
+    out: Path,
+    pool: _Pool,
+    *,
+    limit: int | None,
+    options: ConvertOptions = STAGED,
+    serial_merges: bool = False,
 ) -> tuple[JobPlan, Any]:
     job, task_job = _plan(out, options)
     reused = reusable_shards(task_job)
     scheduler = StageScheduler(
         job, task_job, parts=parts_to_extract(job, direct=options.direct, reused=reused),
         direct=options.direct, reused=reused, submit=pool, limit=limit,
+        serial_merges=serial_merges,
     )  # fmt: skip
     return job, scheduler.run()
 
@@ -189,6 +195,32 @@ def test_a_verify_starts_before_later_extracts_in_direct_mode_too(tmp_path: Path
     submitted = [(stage, index) for what, stage, index, _ in pool.events if what == "submit"]
     assert len(job.shards) > 2 and not any(stage == "extract" for stage, _ in submitted)
     assert submitted[:3] == [("merge", 0), ("verify", 0), ("merge", 1)]
+
+
+def _most_in_flight(events: list[tuple[str, str, int, bool]], stage: str | None) -> int:
+    running = most = 0
+    for what, event_stage, _, _ in events:
+        if stage is None or event_stage == stage:
+            running += 1 if what == "submit" else -1
+            most = max(most, running)
+    return most
+
+
+@pytest.mark.parametrize("serial", [False, True])
+def test_serial_merges_run_one_merge_at_a_time_with_a_verify_beside_it(
+    tmp_path: Path, serial: bool
+) -> None:
+    pool = _Pool(workers=2)
+    options = ConvertOptions(max_shard_size=10_000, direct=True)
+    job, done = _schedule(tmp_path / "out", pool, limit=2, options=options, serial_merges=serial)
+    assert len(job.shards) > 2 and all(v.ok for v in done.verifies.values())
+    assert sorted(done.verifies) == [s.index for s in job.shards]
+    assert _most_in_flight(pool.events, None) == 2
+    # Without the rule the first two tasks are two merges; with it, the second task
+    # submitted is the first shard's verify, beside the second merge.
+    submitted = [(stage, index) for what, stage, index, _ in pool.events if what == "submit"]
+    assert (submitted[:2] == [("merge", 0), ("merge", 1)]) is not serial
+    assert (_most_in_flight(pool.events, "merge") == 1) is serial
 
 
 def test_what_is_on_disk_decides_which_caches_are_refreshed(tmp_path: Path) -> None:
