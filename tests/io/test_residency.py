@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bench._iolimit import drop_cache, residency
 from zerosafe.io.residency import cached_fraction, rotational_device, serial_merge_reason
 
 SIZE = 8 * 2**20
@@ -20,12 +21,7 @@ def _file(tmp_path: Path) -> str:
 
 
 def _evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cache([path])
 
 
 def _read(path: str) -> None:
@@ -55,6 +51,9 @@ def test_cached_fraction_sees_pages_come_and_go(tmp_path: Path) -> None:
         os.close(fd)
     half = cached_fraction([(path, 0, SIZE)])
     assert half is not None and 0.45 <= half <= 0.55
+    resident = residency([path])  # util-linux `fincore` (mincore), where installed
+    if resident is not None:
+        assert half == resident / SIZE
     assert cached_fraction([(path, SIZE // 2, SIZE // 2)]) == 1.0
     assert cached_fraction([(path, 0, SIZE // 4)]) == 0.0
 
