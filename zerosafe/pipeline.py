@@ -254,8 +254,9 @@ def plan_job_and_load(
         file_sha256=options.file_sha256,
     )  # fmt: skip
     work = WorkLayout(work_url or default_work_url(destination, plan.job_key))
-    serial = _serial_merges(plan, options) if state.kind != "done" else ""
+    serial = ""
     if state.kind != "done":
+        serial = _serial_merges(plan, options)
         kept = reusable_shards(storage, destination, plan)  # a repair: published, intact
         check_free_space(storage, plan, destination, work.root, direct=options.direct, kept=kept)
         save_plan(plan, storage, work.plan)

@@ -97,7 +97,7 @@ class StageScheduler:
     ) -> None:
         self.job, self.task_job, self.direct, self.reused = job, task_job, direct, set(reused)
         self._submit, self._on_done, self._limit = submit, on_done, limit
-        self._merge_limit = 1 if serial_merges and limit is not None else None
+        self._serial_merges = serial_merges and limit is not None
         self._merges_in_flight = 0
         self._readiness = MergeReadiness(job.shards, direct=direct, reused=reused)
         self._ready: dict[str, deque[Callable[[], None]]] = {
@@ -139,11 +139,7 @@ class StageScheduler:
             queued.popleft()()
 
     def _may_start(self, stage: str) -> bool:
-        return (
-            stage != "merge"
-            or self._merge_limit is None
-            or self._merges_in_flight < self._merge_limit
-        )
+        return stage != "merge" or not self._serial_merges or self._merges_in_flight == 0
 
     def _watch(self, stage: str, index: int, future: Future) -> None:
         self._in_flight += 1
