@@ -9,13 +9,14 @@ sparse holes), then, on the same files and in the same run, measures:
 
 - `io-limit`: reading the fp32 master bytes once plus writing the output bytes once (fsynced);
   serial (the issue's definition) and overlapped (the two at once). See `bench/_iolimit.py`.
-- `zerosafe direct` / `zerosafe staged`: the engine driver (`zerosafe convert --no-flow`).
-- `cli default` / `cli direct` / `cli staged`: the real command line (`zerosafe convert`, the
-  Prefect flow run embedded), with no mode flag (what a user types), `--direct` and
-  `--mode staged`; `cli overhead` is the command on a tiny checkpoint: Prefect's fixed cost.
-  The local Prefect server outlives a command and is reused by the next one (`flows/runtime`):
-  the first `cli` run of a benchmark starts it, the others find it, as a user's would. Its
-  memory is not in a command's process tree.
+- `zerosafe direct` / `zerosafe staged`: the engine driver (`zerosafe convert --via local`).
+- `cli default` / `cli direct` / `cli staged`: the real command line (`zerosafe convert`),
+  with no mode flag (what a user types), `--direct` and `--mode staged`; `cli prefect` is the
+  command with `--via prefect` (the Prefect flow, on a private server the command starts);
+  `cli overhead` is the command on a tiny checkpoint: its fixed cost. Every command is a
+  first command: a new `PREFECT_HOME` for each run, no `PREFECT_API_URL`, and nothing of
+  zerosafe's running before it (a checkout from before 2026-11-26, `--before`, then starts
+  its local Prefect server in that run, as a user's first command did).
 - `deepspeed`: `deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_state_dict` with
   safetensors output, the same dtype and the same shard size, in a subprocess
   (DS_ACCELERATOR=cpu). It does not fsync; the harness times an fsync of its output after it
@@ -37,7 +38,9 @@ Results: `bench/results/<size>.json` (all runs plus the summary table), and the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -45,6 +48,7 @@ import platform
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -88,6 +92,7 @@ KINDS = [
     "cli-default",
     "cli-direct",
     "cli-staged",
+    "cli-prefect",
     "deepspeed",
 ]
 TABLE_KINDS = [
@@ -99,6 +104,7 @@ TABLE_KINDS = [
     "cli-default-before",
     "cli-direct",
     "cli-staged",
+    "cli-prefect",
     "deepspeed",
 ]
 BEFORE_KINDS = ("zerosafe-direct", "zerosafe-staged", "cli-default")
@@ -141,8 +147,11 @@ SRC = REPO
 """Where the measured zerosafe is imported from (`--src`: compare another checkout)."""
 
 
-def _env() -> dict[str, str]:
+def _env(prefect_home: str | None = None) -> dict[str, str]:
+    """The environment of a measured command; `prefect_home`: a new, empty `PREFECT_HOME`."""
     env = dict(os.environ)
+    if prefect_home is not None:
+        env["PREFECT_HOME"] = prefect_home
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([SRC, REPO, env.get("PYTHONPATH", "")]))
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     env.pop("PREFECT_API_URL", None)  # the CLI's embedded mode, as a user runs it
@@ -234,34 +243,7 @@ def run_tool(
         row = _run_tool(kind, ckpt, out, cfg, forged)
     finally:
         SRC = saved
-    if kind.startswith("cli"):
-        _await_warm()
     return row
-
-
-def _await_warm(timeout_s: float = 60.0) -> None:
-    """After a `zerosafe convert`: wait until the warm process it may have started is done
-    importing (`zerosafe_app.warm`), so that its start-up CPU does not land in the next
-    measured run. Returns at once where there is none (`ZEROSAFE_WARM=0`, older checkouts)."""
-    import glob
-    import socket
-
-    starting = [
-        p for p in glob.glob("/proc/[0-9]*/cmdline")
-        if b"zerosafe_app.warm\0serve" in _read(p)
-    ]  # fmt: skip
-    if not starting:
-        return
-    from zerosafe_app.warm import prefect_home, socket_address
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            try:
-                probe.connect(socket_address(prefect_home(_env())))
-                return
-            except OSError:
-                time.sleep(0.2)
 
 
 def _read(path: str) -> bytes:
@@ -289,13 +271,19 @@ def _run_tool(
         elif "staged" in kind and _has_mode_flag(SRC):
             argv += ["--mode", "staged"]
         if kind.startswith("zerosafe"):
-            argv.append("--no-flow")
-        env = _env()
+            argv += ["--via", "local"] if _has_flag(SRC, '"--via"') else ["--no-flow"]
+        elif kind == "cli-prefect":
+            argv += ["--via", "prefect"]
+        env = _env(prefect_home=tempfile.mkdtemp(prefix="zerosafe-bench-prefect-home-"))
     # `python -m` imports from the working directory first: run in the measured checkout.
     cwd = REPO if kind == "deepspeed" else SRC
-    m: Measured = run_measured(
-        argv, env=env, cwd=cwd, limit_bytes=cfg.mem_limit, timeout_s=cfg.timeout
-    )
+    try:
+        m: Measured = run_measured(
+            argv, env=env, cwd=cwd, limit_bytes=cfg.mem_limit, timeout_s=cfg.timeout
+        )
+    finally:
+        if kind != "deepspeed":
+            _stop_leftovers(env["PREFECT_HOME"])
     row: dict[str, Any] = {"kind": kind, **m.as_dict(tail=1500)}
     row["out_bytes_on_disk"] = _du(out) if os.path.isdir(out) else 0
     if kind == "deepspeed":
@@ -332,13 +320,32 @@ def _run_tool(
     return row
 
 
+def _has_flag(src: str, flag: str) -> bool:
+    """Whether the command line of the checkout at `src` defines `flag` (quoted)."""
+    for cli in ("zerosafe_app/cli.py", "zerosafe/cli.py"):
+        with contextlib.suppress(OSError), open(os.path.join(src, cli)) as f:
+            if flag in f.read():
+                return True
+    return False
+
+
 def _has_mode_flag(src: str) -> bool:
     """Whether the checkout at `src` has `zerosafe convert --mode` (staged is not its default)."""
-    try:
-        with open(os.path.join(src, "zerosafe", "cli.py")) as f:
-            return '"--mode"' in f.read()
-    except OSError:
-        return False
+    return _has_flag(src, '"--mode"')
+
+
+def _stop_leftovers(prefect_home: str) -> None:
+    """After a measured command: stop what a checkout from before 2026-11-26 left running on
+    that `PREFECT_HOME` (its local server and warm process), so the next run starts from
+    nothing too; then remove the folder."""
+    import signal
+
+    marker = f"PREFECT_HOME={prefect_home}".encode()
+    for environ in glob.glob("/proc/[0-9]*/environ"):
+        if marker + b"\0" in _read(environ) + b"\0":
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(environ.split("/")[2]), signal.SIGKILL)
+    shutil.rmtree(prefect_home, ignore_errors=True)
 
 
 def run_limit(

@@ -80,7 +80,7 @@ def run_tool(kind: str, ckpt: str, out: str, dtype: str, mem_limit: int) -> dict
     shutil.rmtree(out, ignore_errors=True)
     if kind == "zerosafe":
         argv = [PY, "-m", "zerosafe_app.cli", "convert", ckpt, out, "--dtype", dtype,
-                "--max-shard-size", "100GB", "--no-flow", "--json", "--quiet"]  # fmt: skip
+                "--max-shard-size", "100GB", "--via", "local", "--json", "--quiet"]  # fmt: skip
     else:
         argv = [PY, os.path.join(REPO, "bench", "_dcp_torch_convert.py"), ckpt, out, dtype]
     m = run_measured(argv, env=_env(), cwd=REPO, limit_bytes=mem_limit)

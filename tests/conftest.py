@@ -36,9 +36,10 @@ def sample_ckpt(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """Environment for subprocesses that run flows embedded. They share one local Prefect
-    server (the first command starts it; `zerosafe_app.flows.runtime`), stopped when the session ends."""
-    from zerosafe_app.flows.runtime import stop_local_server
+    """Environment for subprocess commands that run the flow: `PREFECT_API_URL` names a
+    Prefect server of this test session (loopback, with an auth string), so `zerosafe
+    convert` runs the flow `convert` against it, as on a team's server."""
+    from zerosafe_app.flows.runtime import private_server
 
     home = tmp_path_factory.mktemp("prefect-home")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
@@ -48,8 +49,19 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
         PYTHONPATH=str(REPO),
         PYTHONUNBUFFERED="1",
     )
-    yield env
-    stop_local_server(home)
+    with private_server(env=env) as (url, auth):
+        yield {**env, "PREFECT_API_URL": url, "PREFECT_API_AUTH_STRING": auth}
+
+
+@pytest.fixture
+def local_env(tmp_path: Path) -> dict[str, str]:
+    """Environment for subprocess commands with no Prefect API configured (a new, empty
+    `PREFECT_HOME`): `zerosafe convert` runs in its own process, as a user's first command."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1"
+    )
+    return env
 
 
 @pytest.fixture(scope="session")

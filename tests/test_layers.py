@@ -36,7 +36,7 @@ def test_inspect_and_verify_commands_do_not_import_prefect(tmp_path) -> None:
     code = f"""
 from zerosafe_app.cli import main
 assert main(["inspect", {str(SAMPLE_CKPT)!r}]) == 0
-assert main(["convert", "--no-flow", "-q", {str(SAMPLE_CKPT)!r}, {str(tmp_path / "o")!r}]) == 0
+assert main(["convert", "--via", "local", "-q", {str(SAMPLE_CKPT)!r}, {str(tmp_path / "o")!r}]) == 0
 assert main(["verify", {str(tmp_path / "o")!r}]) == 0
 """
     assert _modules_after(code) == "PREFECT:"

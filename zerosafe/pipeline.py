@@ -69,6 +69,7 @@ from zerosafe.stages.shards import (
     read_intermediate_sums,
     shard_metadata,
 )
+from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
 from zerosafe.units import format_bytes
 from zerosafe.verify.output import lowp_report
 from zerosafe.verify.tensors import verify_shard
@@ -84,6 +85,7 @@ __all__ = [
     "hold_destination",
     "hold_work",
     "intermediate_is_present",
+    "merge_fingerprint",
     "merge_unit",
     "open_locator",
     "parts_to_extract",
@@ -94,6 +96,8 @@ __all__ = [
     "shard_identity",
     "stage_bytes",
     "summarize",
+    "unit_key_options",
+    "verify_fingerprint",
     "verify_unit",
 ]
 
@@ -673,11 +677,11 @@ def _run_held(
     started: float,
 ) -> RunSummary:
     work = WorkLayout(job.work_url)
-    extracts, merges, verifies = _run_units(job, plan, storage, work, options, progress)
+    units = _UnitRunner(job, plan, storage, work, options, progress)
+    extracts, merges, verifies = units.run()
     stats = run_stats(
         job, options, extracts=extracts, merges=merges, verifies=verifies,
-        seconds=time.monotonic() - started,
-        tasks_executed={"extract": len(extracts), "merge": len(merges), "verify": len(verifies)},
+        seconds=time.monotonic() - started, tasks_executed=units.executed,
         peak_rss_bytes=peak_rss_bytes(),
     )  # fmt: skip
     published = publish_job(
@@ -688,83 +692,192 @@ def _run_held(
         storage, destination=job.destination, job_key=job.job_key, work_url=job.work_url,
         keep_work=options.keep_work,
     )  # fmt: skip
-    return summarize(job, published, verifies, seconds=time.monotonic() - started)
+    summary = summarize(job, published, verifies, seconds=time.monotonic() - started)
+    if units.resumed:
+        summary = replace(summary, notes=(*summary.notes, units.resumed))
+    return summary
 
 
-def _run_units(
-    job: JobPlan,
-    plan: Plan,
-    storage: Storage,
-    work: WorkLayout,
-    options: ConvertOptions,
-    progress: Progress,
-) -> tuple[list[ExtractResult], list[MergeResult], list[VerifyResult]]:
-    """Every unit of work in an order the flow could take: a shard is merged as soon as its
-    parts are extracted, and verified as soon as it is merged.
+def unit_key_options(options: ConvertOptions) -> dict[str, bool]:
+    """The options in a unit's key besides the job key (`zerosafe.stages.unit_records.unit_key`)."""
+    return {
+        "direct": options.direct,
+        "allow_nonfinite": options.allow_nonfinite,
+        "file_sha256": options.file_sha256,
+    }
+
+
+def merge_fingerprint(
+    shard: ShardWork, *, direct: bool, reused: Collection[int], content_sha256: dict[int, str]
+) -> str:
+    """What a merge reads, for its key: nothing beyond the plan in direct mode or for a shard a
+    repair keeps; else the content hashes of the intermediates it reads (so a re-extracted,
+    identical intermediate keeps a finished merge)."""
+    if shard.index in reused:
+        return "reused"
+    if direct:
+        return ""
+    return fingerprint([content_sha256[p] for p in shard.parts])
+
+
+def verify_fingerprint(identity: tuple[int, str] | None, tensors: TensorRecords) -> str:
+    """What a verify reads, for its key: the shard's size and version, and the checksums its
+    merge recorded."""
+    return fingerprint(identity, tensors)
+
+
+class _UnitRunner:
+    """Every unit of work of one run, in an order the flow could take: a shard is merged as
+    soon as its parts are extracted, and verified as soon as it is merged.
+
+    A unit whose record (`UnitRecords`) a killed run left, under this run's key and with its
+    output still on disk as recorded, is not run again: its recorded result is used.
 
     A shard's verify runs in a second thread while the next unit runs, as the flow's two
     parallel tasks would (when the memory budget holds two tasks, `parallel_tasks`): it
     re-reads what the merge just wrote, mostly from the page cache and on the other core,
     while the next merge waits on the disk. At most one verify runs beside that unit.
     """
-    reused = reusable_shards(storage, job.destination, plan)
-    parts = parts_to_extract(job, direct=options.direct, reused=reused)
-    readiness = MergeReadiness(job.shards, direct=options.direct, reused=reused)
-    stages = stage_bytes(job, parts, direct=options.direct)
-    progress.start("convert", sum(stages.values()), stages=stages)
-    extracts: list[ExtractResult] = []
-    merges: dict[int, MergeResult] = {}
-    verifies: dict[int, VerifyResult] = {}
-    locator = open_locator(plan, storage, work, options)
-    beside = (
-        ThreadPoolExecutor(1, thread_name_prefix="zerosafe-verify")
-        if options.parallel_tasks > 1
-        else None
-    )
-    running: list[tuple[int, Future[VerifyResult]]] = []
 
-    def verify(shard: int) -> VerifyResult:
-        return verify_unit(
-            plan, shard, storage, job.destination, options, expected=merges[shard].tensors,
-            on_bytes=lambda n: progress.advance(n, "verify"),
-        )  # fmt: skip
+    def __init__(
+        self,
+        job: JobPlan,
+        plan: Plan,
+        storage: Storage,
+        work: WorkLayout,
+        options: ConvertOptions,
+        progress: Progress,
+    ) -> None:
+        self.job, self.plan, self.storage, self.work = job, plan, storage, work
+        self.options, self.progress = options, progress
+        self.records = UnitRecords(storage, work.root)
+        self.key_options = unit_key_options(options)
+        self.executed = {"extract": 0, "merge": 0, "verify": 0}
+        self.kept = {"extract": 0, "merge": 0, "verify": 0}
+        self.extracts: dict[int, ExtractResult] = {}
+        self.merges: dict[int, MergeResult] = {}
+        self.verifies: dict[int, VerifyResult] = {}
+        self.reused: set[int] = set()
 
-    def collect() -> None:
-        while running:
-            shard, future = running.pop()
-            verifies[shard] = future.result()
+    @property
+    def resumed(self) -> str:
+        """A note naming the units a killed run had finished (empty when none)."""
+        kept = [f"{n} {stage}" for stage, n in self.kept.items() if n]
+        if not kept:
+            return ""
+        return (
+            f"resumed: {', '.join(kept)} unit(s) finished by an interrupted run were kept "
+            "(their output checked on disk), not run again"
+        )
 
-    def merge_and_verify(shards: list[int]) -> None:
-        for shard in shards:
-            merges[shard] = merge_unit(
-                plan, shard, storage, job.destination, work, options, locator=locator,
-                on_bytes=lambda n: progress.advance(n, "merge"),
-            )  # fmt: skip
+    def run(self) -> tuple[list[ExtractResult], list[MergeResult], list[VerifyResult]]:
+        job, options = self.job, self.options
+        self.reused = reusable_shards(self.storage, job.destination, self.plan)
+        parts = parts_to_extract(job, direct=options.direct, reused=self.reused)
+        readiness = MergeReadiness(job.shards, direct=options.direct, reused=self.reused)
+        stages = stage_bytes(job, parts, direct=options.direct)
+        self.progress.start("convert", sum(stages.values()), stages=stages)
+        locator = open_locator(self.plan, self.storage, self.work, options)
+        beside = (
+            ThreadPoolExecutor(1, thread_name_prefix="zerosafe-verify")
+            if options.parallel_tasks > 1
+            else None
+        )
+        running: list[tuple[int, Future[VerifyResult]]] = []
+
+        def collect() -> None:
+            while running:
+                shard, future = running.pop()
+                self.verifies[shard] = future.result()
+
+        def merge_and_verify(shards: list[int]) -> None:
+            for shard in shards:
+                self.merges[shard] = self._merge(shard, locator)
+                collect()
+                if beside is None:
+                    self.verifies[shard] = self._verify(shard)
+                else:
+                    running.append((shard, beside.submit(self._verify, shard)))
+
+        try:
+            merge_and_verify(readiness.ready())
+            for part in parts:
+                self.extracts[part.index] = self._extract(part)
+                merge_and_verify(readiness.part_done(part.index))
             collect()
-            if beside is None:
-                verifies[shard] = verify(shard)
-            else:
-                running.append((shard, beside.submit(verify, shard)))
+        finally:
+            locator.close()
+            if beside is not None:
+                beside.shutdown(wait=True, cancel_futures=True)
+        self.progress.finish()
+        assert not readiness.waiting, f"shards never became ready: {readiness.waiting}"
+        return (
+            [self.extracts[i] for i in sorted(self.extracts)],
+            [self.merges[i] for i in sorted(self.merges)],
+            [self.verifies[i] for i in sorted(self.verifies)],
+        )
 
-    try:
-        merge_and_verify(readiness.ready())
-        for part in parts:
-            extracts.append(
-                extract_unit(
-                    plan,
-                    part.index,
-                    storage,
-                    work,
-                    options,
-                    on_bytes=lambda n: progress.advance(n, "extract"),
-                )  # fmt: skip
-            )
-            merge_and_verify(readiness.part_done(part.index))
-        collect()
-    finally:
-        locator.close()
-        if beside is not None:
-            beside.shutdown(wait=True, cancel_futures=True)
-    progress.finish()
-    assert not readiness.waiting, f"shards never became ready: {readiness.waiting}"
-    return extracts, [merges[i] for i in sorted(merges)], [verifies[i] for i in sorted(verifies)]
+    def _key(self, stage: str, index: int, content: str) -> str:
+        return unit_key(stage, self.job.job_key, index, content, **self.key_options)
+
+    def _extract(self, part: PartWork) -> ExtractResult:
+        key = self._key("extract", part.index, "")
+        record = self.records.load("extract", part.index, key)
+        if record is not None:
+            kept = ExtractResult.from_json(record["result"])
+            if intermediate_is_present(
+                self.plan, self.storage, self.work, part.index, kept.content_sha256
+            ):
+                self.kept["extract"] += 1
+                self.progress.advance(part.size_bytes, "extract")
+                return kept
+        result = extract_unit(
+            self.plan, part.index, self.storage, self.work, self.options,
+            on_bytes=lambda n: self.progress.advance(n, "extract"),
+        )  # fmt: skip
+        self.executed["extract"] += 1
+        self.records.save("extract", part.index, key, result.to_json())
+        return result
+
+    def _merge(self, shard: int, locator: DirectLocator | StagedLocator) -> MergeResult:
+        work = self.job.shards[shard]
+        content = merge_fingerprint(
+            work, direct=self.options.direct, reused=self.reused,
+            content_sha256={i: e.content_sha256 for i, e in self.extracts.items()},
+        )  # fmt: skip
+        key = self._key("merge", shard, content)
+        record = self.records.load("merge", shard, key)
+        if record is not None and record.get("identity") == list(self._identity(shard) or ()):
+            self.kept["merge"] += 1
+            self.progress.advance(work.source_bytes, "merge")
+            return MergeResult.from_json(record["result"])
+        result = merge_unit(
+            self.plan, shard, self.storage, self.job.destination, self.work, self.options,
+            locator=locator, on_bytes=lambda n: self.progress.advance(n, "merge"),
+        )  # fmt: skip
+        if result.reused:
+            return result
+        self.executed["merge"] += 1
+        self.records.save(
+            "merge", shard, key, result.to_json(), identity=list(self._identity(shard) or ())
+        )
+        return result
+
+    def _verify(self, shard: int) -> VerifyResult:
+        merged = self.merges[shard]
+        key = self._key("verify", shard, verify_fingerprint(self._identity(shard), merged.tensors))
+        record = self.records.load("verify", shard, key)
+        if record is not None:
+            self.kept["verify"] += 1
+            self.progress.advance(self.job.shards[shard].data_bytes, "verify")
+            return VerifyResult.from_json(record["result"])
+        result = verify_unit(
+            self.plan, shard, self.storage, self.job.destination, self.options,
+            expected=merged.tensors, on_bytes=lambda n: self.progress.advance(n, "verify"),
+        )  # fmt: skip
+        self.executed["verify"] += 1
+        self.records.save("verify", shard, key, result.to_json())
+        return result
+
+    def _identity(self, shard: int) -> tuple[int, str] | None:
+        return shard_identity(self.plan, self.storage, self.job.destination, shard)

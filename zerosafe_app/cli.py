@@ -1,8 +1,11 @@
-"""The `zerosafe` command: `inspect`, `convert`, `verify`.
+"""The `zerosafe` command: `inspect`, `convert`, `verify`, and the commands of
+`EXTRA_COMMANDS`.
 
-`convert` runs the Prefect flow `convert` (embedded Prefect; imported inside the command only,
-so `import zerosafe`, `inspect` and `verify` never import Prefect). A `ConversionError` is
-printed as one line and exits 2; `verify` exits 1 when a check fails.
+`convert` runs the engine's lifecycle (`zerosafe.pipeline`) in this process, or, where a
+Prefect API is configured (or with `--via prefect`), the Prefect flow `convert` against it
+(`zerosafe_app.flows.runtime`). Prefect is imported only on that path, torch only where a
+conversion needs it. A `ConversionError` is printed as one line and exits 2; `verify` exits 1
+when a check fails.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ __all__ = ["main", "run"]
 
 log = logging.getLogger("zerosafe")
 
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED, EXIT_PIPE = 0, 1, 2, 130, 141
 INTERRUPTED = (
     "\nzerosafe: interrupted; nothing was marked complete. Run the same command again to resume."
 )
@@ -345,7 +348,14 @@ def _add_convert(sub: Any) -> None:
         metavar="N",
         help="tasks at once, within the memory budget (default 2)",
     )
-    p.add_argument("--no-flow", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--via",
+        choices=["auto", "local", "prefect"],
+        default="auto",
+        help="where the conversion runs: local (in this process, no server), prefect (the "
+        "Prefect flow, on the configured API or on a private server started for this "
+        "command), auto (prefect where a Prefect API is configured, else local; default)",
+    )
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
 
 
@@ -492,6 +502,24 @@ def _preload(module: str) -> None:
     threading.Thread(target=load, name=f"zerosafe-preload-{module}", daemon=True).start()
 
 
+def _route(via: str) -> tuple[str, str, str | None]:
+    """Where `convert` runs: (`local` or `prefect`, why, the configured Prefect API or None)."""
+    from zerosafe_app.flows.runtime import configured_api
+
+    if via == "local":
+        return "local", "in this process (--via local)", None
+    api = configured_api()
+    if api is not None:
+        return "prefect", f"the Prefect flow on {api[0]} ({api[1]})", api[0]
+    if via == "prefect":
+        return (
+            "prefect",
+            "the Prefect flow on a private server of this command (--via prefect)",
+            None,
+        )
+    return "local", "in this process (no Prefect API configured; --via prefect runs the flow)", None
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from zerosafe.stages.progress import NullProgress, TerminalProgress
     from zerosafe.stages.results import RunSummary
@@ -499,12 +527,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()
     done = _check_before_starting(args, options)
-    if done is None:
-        _preload("torch")
+    via, why, api = _route(args.via)
     summary: RunSummary
-    if done is not None:  # complete and intact: no checkpoint byte read, no server started
+    if done is not None:  # complete and intact: no checkpoint byte read, nothing started
         summary = RunSummary.already_complete(args.output, done)
-    elif args.no_flow:
+    elif via == "local":
+        _preload("torch")
         from zerosafe.pipeline import convert_checkpoint
         from zerosafe.stages.streaming import serial_torch
 
@@ -514,33 +542,44 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             progress=TerminalProgress() if show_progress else NullProgress(), storage=_storage(args),
         )  # fmt: skip
     else:
-        from zerosafe_app.flows.runtime import configure_embedded_prefect, local_server
-
-        configure_embedded_prefect(verbose=args.verbose)
-        with local_server():  # unless PREFECT_API_URL names one
-            from zerosafe_app.flows.convert import run_convert  # Prefect only from here on
-
-            summary = run_convert(
-                args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
-                show_progress=show_progress, quiet=args.quiet, storage_options=_storage_options(args),
-                mode=_requested_mode(args),
-            )  # fmt: skip
+        _preload("torch")
+        summary = _convert_with_flow(args, options, show_progress=show_progress, api=api)
     if args.json:
-        print(json.dumps(summary.to_json(), indent=1))
+        print(json.dumps({**summary.to_json(), "via": via, "via_reason": why}, indent=1))
     elif summary.status == "already-complete":
         print(
             f"{args.output}: already a complete conversion of this checkpoint with these options; nothing to do."
         )
     elif not args.quiet:
-        _print_summary(args.output, summary)
+        _print_summary(args.output, summary, ran=why)
     if summary.status == "converted" and not args.json:
         for warning in summary.warnings:
             print(f"zerosafe: warning: {warning}", file=sys.stderr)
     return EXIT_OK
 
 
-def _print_summary(output: str, summary: Any) -> None:
-    """The few lines a converted run prints (`summary` is a `RunSummary`)."""
+def _convert_with_flow(
+    args: argparse.Namespace, options: Any, *, show_progress: bool, api: str | None
+) -> Any:
+    """Run the flow `convert` against the configured Prefect API, or, with none, against a
+    private server that ends with this command."""
+    from zerosafe_app.flows.runtime import configure_embedded_prefect, private_server, use_api
+
+    configure_embedded_prefect(verbose=args.verbose)
+    with contextlib.ExitStack() as stack:
+        if api is None:
+            stack.enter_context(use_api(*stack.enter_context(private_server())))
+        from zerosafe_app.flows.convert import run_convert  # Prefect only from here on
+
+        return run_convert(
+            args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
+            show_progress=show_progress, quiet=args.quiet, storage_options=_storage_options(args),
+            mode=_requested_mode(args),
+        )  # fmt: skip
+
+
+def _print_summary(output: str, summary: Any, *, ran: str) -> None:
+    """The few lines a converted run prints (`summary` is a `RunSummary`; `ran`: where)."""
     stats = summary.stats
     print(
         f"converted {summary.num_tensors} tensors into {len(summary.files)} file(s) in {output} "
@@ -553,6 +592,7 @@ def _print_summary(output: str, summary: Any) -> None:
             f"{stats.source_read_ratio:.3f} x the {format_bytes(stats.source_bytes_needed)} "
             "it needs (the tensor bytes it copies, plus metadata and headers)"
         )
+    print(f"  ran: {ran}")
     if stats.mode_reason:
         print(f"  mode: {stats.mode_reason}")
     for alias, target in summary.aliases.items():
@@ -596,6 +636,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     }[args.command]  # fmt: skip
     args.storage_factory = functools.partial(_storage, args)
     try:
+        os.getcwd()
+    except FileNotFoundError:
+        print(
+            "zerosafe: error: the working folder no longer exists (it was deleted or moved); "
+            "cd to an existing folder and run the command again",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    try:
         return handler(args)
     except VerificationError as e:
         print(f"zerosafe: verification failed: {e}", file=sys.stderr)
@@ -609,22 +658,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run() -> None:
-    """The `zerosafe` command: `main`, then exit.
+    """The `zerosafe` command: `main` in this process, then exit.
 
-    A `zerosafe convert` is first offered to the warm process kept beside the local server
-    (`zerosafe_app.warm`), which runs this same `main` in a pre-imported child; otherwise it
-    runs here, and starts a warm process for the next command as it exits.
+    A reader that closes the output early (`zerosafe inspect ... | head`) ends the command
+    with one line on stderr and exit code 141 (128 + SIGPIPE, what a shell reports for a
+    writer killed by the signal), not a traceback.
     """
-    from zerosafe_app.warm import run_warm, start_warm
-
-    argv = sys.argv[1:]
-    served = run_warm(argv)
-    if served is not None:
-        sys.exit(served)
-    env = dict(os.environ)  # before the command changes it (configure_embedded_prefect)
-    code = main(argv)
-    with contextlib.suppress(Exception):
-        start_warm(argv, env)
+    try:
+        code = main(sys.argv[1:])
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would report the pipe again while flushing stdout at exit: point it away.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        with contextlib.suppress(OSError):
+            print(
+                "zerosafe: output stopped: the reading end of the pipe was closed", file=sys.stderr
+            )
+        code = EXIT_PIPE
     finish_process(code)
 
 
@@ -643,8 +694,10 @@ def finish_process(code: int) -> NoReturn:
     with contextlib.suppress(Exception):
         prefect_services.QueueService.drain_all(timeout=5)
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
+    with contextlib.suppress(OSError):
+        sys.stderr.flush()
     os._exit(code)
 
 

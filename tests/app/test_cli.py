@@ -59,7 +59,7 @@ def test_inspect_json(capsys) -> None:
 def test_convert_then_verify_from_a_subprocess(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "zerosafe_app.cli", "convert", "--no-flow", str(SAMPLE_CKPT), str(out), "--max-shard-size", "20KB"],
+        [sys.executable, "-m", "zerosafe_app.cli", "convert", "--via", "local", str(SAMPLE_CKPT), str(out), "--max-shard-size", "20KB"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -76,14 +76,14 @@ def test_convert_then_verify_from_a_subprocess(tmp_path: Path) -> None:
 
 
 def test_quiet_prints_nothing_on_success(tmp_path: Path, capsys) -> None:
-    assert main(["convert", "--no-flow", "-q", str(SAMPLE_CKPT), str(tmp_path / "o")]) == 0
+    assert main(["convert", "--via", "local", "-q", str(SAMPLE_CKPT), str(tmp_path / "o")]) == 0
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ""
 
 
 def test_convert_json_summary(tmp_path: Path, capsys) -> None:
     assert (
-        main(["convert", "--no-flow", "--json", "--direct", str(SAMPLE_CKPT), str(tmp_path / "o")])
+        main(["convert", "--via", "local", "--json", "--direct", str(SAMPLE_CKPT), str(tmp_path / "o")])
         == 0
     )
     summary = json.loads(capsys.readouterr().out)

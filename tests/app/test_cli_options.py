@@ -76,7 +76,7 @@ def test_a_file_given_as_the_checkpoint_says_what_to_give(tmp_path: Path, capsys
     rank_file = next((SAMPLE_CKPT / "global_step2").glob("*model_states.pt"))
     for argv, fix in [
         (["inspect", str(pt)], f"zerosafe pt2st {pt}"),
-        (["convert", "--no-flow", str(pt), str(tmp_path / "o")], f"zerosafe pt2st {pt}"),
+        (["convert", "--via", "local", str(pt), str(tmp_path / "o")], f"zerosafe pt2st {pt}"),
         (["inspect", str(rank_file)], f"tag folder '{rank_file.parent}'"),
     ]:
         assert main(argv) == 2

@@ -98,7 +98,7 @@ def test_model_files_from_another_folder(sample_ckpt: Path, tmp_path: Path) -> N
 
 def test_model_files_errors_are_one_line(sample_ckpt: Path, tmp_path: Path, capsys) -> None:
     missing = tmp_path / "nowhere"
-    args = ["convert", "--no-flow", str(sample_ckpt), str(tmp_path / "o")]
+    args = ["convert", "--via", "local", str(sample_ckpt), str(tmp_path / "o")]
     assert main([*args, "--model-files", str(missing)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and str(missing) in err and "`--model-files`" in err

@@ -78,7 +78,7 @@ def test_a_tag_that_mixes_steps_is_refused_naming_the_odd_file(
     for name in names.get(which, names["optim"] + names["model"]):
         shutil.copy2(two_tags / "global_step2" / name, two_tags / "global_step4" / name)
     out = tmp_path / "out"
-    code, _, err = _run(capsys, "convert", "--no-flow", str(two_tags), str(out))
+    code, _, err = _run(capsys, "convert", "--via", "local", str(two_tags), str(out))
     err = _one_line_error(code, err)
     assert "different saves" in err and "rank_1_mp_rank_00" in err, err
     assert ("global_steps 2" in err) if which != "optim" else ("optimizer step count" in err)
@@ -102,7 +102,7 @@ def test_zero2_model_states_from_another_step_are_refused(
     ckpt = tmp_path / "ckpt"
     shutil.copytree(SHARED_FIXTURES / "z2-bf16-ws1-frozen-2tags" / "checkpoint", ckpt)
     shutil.copy2(ckpt / "global_step2" / which, ckpt / "global_step4" / which)
-    code, _, err = _run(capsys, "convert", "--no-flow", str(ckpt), str(tmp_path / "out"))
+    code, _, err = _run(capsys, "convert", "--via", "local", str(ckpt), str(tmp_path / "out"))
     err = _one_line_error(code, err)
     assert "come from different saves" in err and "mp_rank_00_model_states.pt" in err, err
     assert _model_files(tmp_path / "out") == []
@@ -151,7 +151,7 @@ def test_a_second_job_into_a_held_output_is_refused_whatever_its_options(
     out = tmp_path / "out"
     with _holding_output(out) as holder:
         for extra in ([], ["--dtype", "bf16"], ["--max-shard-size", "10KB", "--overwrite"]):
-            code, _, err = _run(capsys, "convert", "--no-flow", str(sample_ckpt), str(out), *extra)
+            code, _, err = _run(capsys, "convert", "--via", "local", str(sample_ckpt), str(out), *extra)
             err = _one_line_error(code, err)
             assert "another conversion into this output folder is running" in err, err
             assert f"pid {holder.pid}" in err and "ckpt -> out (fp32)" in err
@@ -222,7 +222,7 @@ def test_a_changed_output_is_repaired_not_called_complete(
     sample_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str
 ) -> None:
     out = tmp_path / "out"
-    args = ("convert", "--no-flow", str(sample_ckpt), str(out), "--max-shard-size", "12KB")
+    args = ("convert", "--via", "local", str(sample_ckpt), str(out), "--max-shard-size", "12KB")
     assert _run(capsys, *args)[0] == 0
     before = {k: v.clone() for k, v in load_output(out)[0].items()}  # not a view of the file
     shards = sorted(out.glob("model-*.safetensors"))
@@ -288,15 +288,15 @@ def test_the_job_does_not_depend_on_how_paths_are_spelled(
 ) -> None:
     out = tmp_path / "out"
     monkeypatch.chdir(tmp_path)
-    assert _run(capsys, "convert", "--no-flow", "ckpt", "out", "--keep-work")[0] == 0
+    assert _run(capsys, "convert", "--via", "local", "ckpt", "out", "--keep-work")[0] == 0
     (out / "zerosafe-complete.json").unlink()  # an interrupted run, to be resumed elsewhere
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     for ckpt, dest in (("../ckpt", "../out"), (str(sample_ckpt), f"file://{out}/")):
-        code, stdout, err = _run(capsys, "convert", "--no-flow", ckpt, dest, "--keep-work")
+        code, stdout, err = _run(capsys, "convert", "--via", "local", ckpt, dest, "--keep-work")
         assert code == 0, err
         assert "already holds" not in err
-    code, stdout, _ = _run(capsys, "convert", "--no-flow", "./../ckpt/", str(out))
+    code, stdout, _ = _run(capsys, "convert", "--via", "local", "./../ckpt/", str(out))
     assert code == 0 and "nothing to do" in stdout
 
 
@@ -309,7 +309,7 @@ def test_unwritable_outputs_are_one_line_errors(
     a_file = tmp_path / "a-file"
     a_file.write_text("not a folder")
     for dest, words in ((a_file, "found a file"), (a_file / "sub", "Not a directory")):
-        for mode in (["--no-flow"], []):
+        for mode in (["--via", "local"], []):
             code, _, err = _run(capsys, "convert", *mode, str(sample_ckpt), str(dest))
             assert words in _one_line_error(code, err)
     assert a_file.read_text() == "not a folder"
@@ -326,7 +326,7 @@ def test_a_read_only_filesystem_is_a_one_line_error(
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        code, _, err = _run(capsys, "convert", "--no-flow", str(sample_ckpt), str(ro / "out"))
+        code, _, err = _run(capsys, "convert", "--via", "local", str(sample_ckpt), str(ro / "out"))
         assert "Read-only file system" in _one_line_error(code, err)
     finally:
         subprocess.run(["umount", str(ro)], check=True)
@@ -339,16 +339,16 @@ def test_a_marker_without_a_usable_manifest_is_a_one_line_error(
     convert_checkpoint(str(sample_ckpt), str(out))
     manifest = (out / "zerosafe-manifest.json").read_bytes()
     (out / "zerosafe-manifest.json").unlink()
-    code, _, err = _run(capsys, "convert", "--no-flow", str(sample_ckpt), str(out))
+    code, _, err = _run(capsys, "convert", "--via", "local", str(sample_ckpt), str(out))
     assert "zerosafe-manifest.json: missing" in _one_line_error(code, err)
     assert _run(capsys, "verify", str(out))[0] == 1
     (out / "zerosafe-manifest.json").write_bytes(manifest)
     (out / "zerosafe-complete.json").write_bytes(b"\x00garbage{")
-    code, _, err = _run(capsys, "convert", "--no-flow", str(sample_ckpt), str(out))
+    code, _, err = _run(capsys, "convert", "--via", "local", str(sample_ckpt), str(out))
     assert "completion marker" in _one_line_error(code, err) and "--overwrite" in err
     code, stdout, _ = _run(capsys, "verify", str(out))
     assert code == 1 and "completion marker not usable" in stdout
-    assert _run(capsys, "convert", "--no-flow", str(sample_ckpt), str(out), "--overwrite")[0] == 0
+    assert _run(capsys, "convert", "--via", "local", str(sample_ckpt), str(out), "--overwrite")[0] == 0
 
 
 @pytest.mark.parametrize(
@@ -366,7 +366,7 @@ def test_bad_latest_is_a_one_line_error(
 ) -> None:
     (sample_ckpt / "latest").write_text(latest)
     for cmd in (
-        ["convert", "--no-flow", str(sample_ckpt), str(tmp_path / "out")],
+        ["convert", "--via", "local", str(sample_ckpt), str(tmp_path / "out")],
         ["inspect", str(sample_ckpt)],
     ):
         code, _, err = _run(capsys, *cmd)

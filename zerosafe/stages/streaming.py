@@ -128,7 +128,7 @@ def serial_torch() -> None:
     A conversion runs its own threads (tasks, readers, casters, hashers), each on a core; torch's
     OpenMP pool would add a thread per core per call, spinning between calls. With it off, a cast
     runs in long calls that release the GIL (see `_CAST_STEP_SERIAL`). The `zerosafe` command,
-    the flows and the warm process call this; a library caller that keeps torch's pool converts
+    the flows call this; a library caller that keeps torch's pool converts
     at the earlier, shorter steps (correct, and slower when many tasks run at once).
     """
     import torch

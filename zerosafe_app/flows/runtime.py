@@ -1,58 +1,49 @@
-"""Running flows from a command, with no server to start by hand.
+"""Where `zerosafe convert` runs: in its own process, or as the Prefect flow on a server.
 
-`configure_embedded_prefect` sets the environment Prefect reads at import. `local_server`
-gives the command a Prefect server on loopback, unless `PREFECT_API_URL` already names one.
+With no Prefect API configured (no `PREFECT_API_URL` in the environment, in the active
+Prefect profile, or in a `prefect.toml` / `pyproject.toml` of the working folder), a
+conversion runs the engine's lifecycle in the command's own process: no server to start,
+nothing left running (`zerosafe.pipeline.convert_checkpoint`). `configured_api` says which
+applies, without importing Prefect (an import alone costs about a second).
 
-Starting a Prefect server costs seconds (7-13 s measured here: its import, its database, its
-app), which used to be paid by every `zerosafe convert`, however small the checkpoint. So the
-server outlives the command: the first command starts it, detached, under a small keeper
-process (`python -m zerosafe_app.flows.runtime keep ...`), and records it in `$PREFECT_HOME/zerosafe-
-local-server.json`; later commands with the same `PREFECT_HOME` find it there and reuse it.
-The keeper stops the server once no command has used it for `ZEROSAFE_SERVER_IDLE_SECONDS`
-(default 600), or when `PREFECT_HOME` is removed. Each command registers itself while it
-runs, so an idle timeout never cuts a run short.
-
-The server runs in a session of its own: a terminal's Ctrl-C reaches only the command, which
-stops cleanly and records the interruption, instead of also killing the API the command
-still needs. `ZEROSAFE_SERVER_IDLE_SECONDS=0` keeps the old behaviour: a private server that
-ends with the command.
+Where a Prefect API is configured, the command runs the flow `convert` against that server.
+`--via prefect` without one starts a private server for the command (`private_server`): on
+loopback, with a random auth string that only this command and the server hold (in their
+environments, which only their user can read), ended with the command even if it is killed.
+Nothing of it outlives the command.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
-import fcntl
-import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from zerosafe.errors import ConversionError
-from zerosafe.io.lease import pid_alive
 
 __all__ = [
     "configure_embedded_prefect",
-    "local_server",
-    "recorded_server",
+    "configured_api",
+    "private_server",
     "server_healthy",
-    "stop_local_server",
+    "use_api",
 ]
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-DEFAULT_IDLE_SECONDS = 600.0
-STATE_NAME = "zerosafe-local-server.json"
-LOCK_NAME = "zerosafe-local-server.lock"
-CLIENTS_DIR = "zerosafe-local-server-clients"
 
 
 def configure_embedded_prefect(*, verbose: int = 0) -> None:
@@ -79,22 +70,60 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: SIGTERM when its parent exits.
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _dies_with(parent: int) -> Callable[[], None]:
+    """A `preexec_fn`: the child gets SIGTERM when `parent` exits, and exits at once if
+    `parent` is already gone (killed between the fork and here)."""
+
+    def preexec() -> None:
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)  # libc, already loaded
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 
 
-def _home() -> Path:
-    return Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
-
-
-def _idle_seconds() -> float:
+def _toml(path: Path) -> dict[str, Any]:
     try:
-        return float(os.environ.get("ZEROSAFE_SERVER_IDLE_SECONDS", DEFAULT_IDLE_SECONDS))
-    except ValueError:
-        return DEFAULT_IDLE_SECONDS
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+
+
+def configured_api(
+    env: Mapping[str, str] | None = None, cwd: Path | None = None
+) -> tuple[str, str] | None:
+    """The Prefect API this command's Prefect would use, and where it is set; None where none
+    is (Prefect would run a temporary server of its own).
+
+    Reads what Prefect reads for `PREFECT_API_URL`, without importing it: the environment,
+    the active profile of `profiles.toml` (`PREFECT_PROFILE`, else the file's `active`), and a
+    `prefect.toml` (`[api] url`) or `pyproject.toml` (`[tool.prefect.api] url`) in the working
+    folder.
+    """
+    env = os.environ if env is None else env
+    cwd = Path.cwd() if cwd is None else cwd
+    if env.get("PREFECT_API_URL"):
+        return env["PREFECT_API_URL"], "PREFECT_API_URL is set"
+    with contextlib.suppress(OSError):  # a working folder that was deleted
+        for name, table in (("prefect.toml", ()), ("pyproject.toml", ("tool", "prefect"))):
+            config: Any = _toml(cwd / name)
+            for key in (*table, "api"):
+                config = config.get(key, {}) if isinstance(config, dict) else {}
+            if isinstance(config, dict) and config.get("url"):
+                return str(config["url"]), f"{cwd / name} sets the Prefect API URL"
+    home = Path(env.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
+    profiles_path = Path(env.get("PREFECT_PROFILES_PATH") or home / "profiles.toml").expanduser()
+    profiles = _toml(profiles_path)
+    active = env.get("PREFECT_PROFILE") or profiles.get("active") or "ephemeral"
+    profile = profiles.get("profiles", {}).get(active, {})
+    if isinstance(profile, dict) and profile.get("PREFECT_API_URL"):
+        return (
+            str(profile["PREFECT_API_URL"]),
+            f"the Prefect profile '{active}' ({profiles_path}) sets PREFECT_API_URL",
+        )
+    return None
 
 
 def server_healthy(url: str, timeout: float = 2.0) -> bool:
@@ -103,40 +132,6 @@ def server_healthy(url: str, timeout: float = 2.0) -> bool:
             return bool(response.status == 200)
     except OSError:
         return False
-
-
-def _read_state(home: Path) -> dict[str, Any] | None:
-    try:
-        state = json.loads((home / STATE_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return state if isinstance(state, dict) else None
-
-
-def recorded_server(home: Path) -> str | None:
-    """The URL this `PREFECT_HOME` records for its shared server, while its keeper lives (no
-    request is made: see `_running`)."""
-    state = _read_state(home)
-    if not state or not pid_alive(int(state.get("pid", -1))):
-        return None
-    return str(state.get("url", "")) or None
-
-
-def _running(home: Path) -> str | None:
-    """The URL of this `PREFECT_HOME`'s shared server, if it is up."""
-    url = recorded_server(home)
-    return url if url and server_healthy(url) else None
-
-
-@contextlib.contextmanager
-def _locked(home: Path) -> Iterator[None]:
-    home.mkdir(parents=True, exist_ok=True)
-    with open(home / LOCK_NAME, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
@@ -148,28 +143,6 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: f
         time.sleep(0.1)
 
 
-def _spawn_shared(home: Path, timeout: float) -> str:
-    """Start a keeper (and its server) detached from this command; returns the server URL."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = home / "zerosafe-local-server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "zerosafe_app.flows.runtime", "keep", "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": _import_path()}, start_new_session=True,
-        )  # fmt: skip
-    _wait_healthy(url, proc, log, timeout)
-    return url
-
-
-def _import_path() -> str:
-    """PYTHONPATH for the keeper: where `flows` is importable from, then the caller's."""
-    root = str(Path(__file__).resolve().parents[1])
-    rest = os.environ.get("PYTHONPATH")
-    return root + (os.pathsep + rest if rest else "")
-
-
 def _server_command(port: int) -> list[str]:
     prefect = Path(sys.executable).parent / "prefect"
     return [str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
@@ -179,8 +152,12 @@ LOCAL_RETENTION_SECONDS = 7 * 86400
 """How long the local server keeps finished flow runs (and their task runs, logs, artifacts)."""
 
 
-def _server_env() -> dict[str, str]:
-    env = {**os.environ, "PREFECT_UI_ENABLED": "false", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+def _server_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {
+        **(os.environ if base is None else base),
+        "PREFECT_UI_ENABLED": "false",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     # The local database would otherwise grow with every run: Prefect's own vacuum service
     # deletes flow runs that ended more than a week ago, and old events (unless set already).
     env.setdefault("PREFECT_SERVER_SERVICES_DB_VACUUM_ENABLED", "events,flow_runs")
@@ -193,27 +170,58 @@ def _server_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _private_server(timeout_seconds: float) -> Iterator[str]:
-    """A server that lives exactly as long as this command (and dies with it, even on
-    SIGKILL, through a parent-death signal)."""
+def private_server(
+    *, timeout_seconds: float = 120.0, env: Mapping[str, str] | None = None
+) -> Iterator[tuple[str, str]]:
+    """A Prefect server for one command (or one test session), for the block's duration;
+    yields its API URL and its auth string (the client's `PREFECT_API_AUTH_STRING`).
+
+    It listens on loopback and refuses every request without the auth string
+    (`PREFECT_SERVER_API_AUTH_STRING`, random per server; only the health probe answers
+    without it). It ends with the block, and with the process that started it even when that
+    is killed (a parent-death signal). Its database is the one of `PREFECT_HOME`, so a
+    `prefect server start` there later shows the runs.
+
+    Args:
+        env: The environment to start it in (default: this process's).
+
+    Raises:
+        ConversionError: If the server does not come up, with the end of its log.
+    """
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile(
-        prefix="zerosafe-prefect-server-", suffix=".log", delete=False
-    )  # noqa: SIM115
-    proc = subprocess.Popen(
-        _server_command(port), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=_server_env(), start_new_session=True,
-        preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads yet
-    )  # fmt: skip
+    auth = secrets.token_urlsafe(32)
+    server_env = {**_server_env(env), "PREFECT_SERVER_API_AUTH_STRING": auth}
+    with tempfile.TemporaryDirectory(prefix="zerosafe-prefect-") as private:  # mode 0700
+        log = Path(private) / "server.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                _server_command(port), stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=server_env, start_new_session=True,
+                preexec_fn=_dies_with(os.getpid()),  # noqa: PLW1509 - no threads yet
+            )  # fmt: skip
+        try:
+            _wait_healthy(url, proc, log, timeout_seconds)
+            yield url + "/api", auth
+        finally:
+            _stop(proc)
+
+
+@contextlib.contextmanager
+def use_api(url: str, auth: str | None) -> Iterator[None]:
+    """Point this process's Prefect at `url` (with `auth`) for the block's duration."""
+    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
+    os.environ["PREFECT_API_URL"] = url
+    if auth is not None:
+        os.environ["PREFECT_API_AUTH_STRING"] = auth
     try:
-        _wait_healthy(url, proc, Path(log.name), timeout_seconds)
-        yield url
+        yield
     finally:
-        _stop(proc)
-        log.close()
-        with contextlib.suppress(OSError):
-            os.unlink(log.name)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _stop(proc: subprocess.Popen[Any]) -> None:
@@ -224,132 +232,3 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-@contextlib.contextmanager
-def local_server(*, timeout_seconds: float = 120.0) -> Iterator[str | None]:
-    """A Prefect server for the block's duration; yields its URL and sets `PREFECT_API_URL`.
-
-    Yields None (and starts nothing) when `PREFECT_API_URL` is set or the `prefect`
-    command cannot be found; Prefect then uses that server or its own temporary one.
-
-    Raises:
-        ConversionError: If the server does not come up, with the end of its log.
-    """
-    prefect = Path(sys.executable).parent / "prefect"
-    if os.environ.get("PREFECT_API_URL") or not prefect.exists():
-        yield None
-        return
-    if _idle_seconds() <= 0:
-        with _private_server(timeout_seconds) as url:
-            with _api_url(url):
-                yield url
-        return
-    home = _home()
-    clients = home / CLIENTS_DIR
-    mine = clients / str(os.getpid())
-    with _locked(home):
-        clients.mkdir(exist_ok=True)
-        mine.touch()  # the keeper stays up while this file names a live process
-        try:
-            url = _running(home) or _spawn_shared(home, timeout_seconds)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                mine.unlink()
-            raise
-    try:
-        with _api_url(url):
-            yield url
-    finally:
-        with contextlib.suppress(OSError):
-            mine.unlink()
-        with contextlib.suppress(OSError):
-            os.utime(home / STATE_NAME)  # idle from now on
-
-
-@contextlib.contextmanager
-def _api_url(url: str) -> Iterator[None]:
-    os.environ["PREFECT_API_URL"] = url + "/api"
-    try:
-        yield
-    finally:
-        os.environ.pop("PREFECT_API_URL", None)
-
-
-def stop_local_server(home: Path | None = None) -> bool:
-    """Stop the shared server of `home` (default: `PREFECT_HOME`); True if one was running."""
-    home = home or _home()
-    state = _read_state(home)
-    if not state or not pid_alive(int(state.get("pid", -1))):
-        return False
-    os.kill(int(state["pid"]), signal.SIGTERM)
-    deadline = time.monotonic() + 20
-    while pid_alive(int(state["pid"])) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return True
-
-
-def _busy(clients: Path) -> bool:
-    busy = False
-    for entry in clients.glob("*") if clients.is_dir() else []:
-        try:
-            pid = int(entry.name)
-        except ValueError:
-            continue
-        if pid_alive(pid):
-            busy = True
-        else:
-            with contextlib.suppress(OSError):
-                entry.unlink()  # a command killed before it could deregister
-    return busy
-
-
-def keep(port: int) -> int:
-    """The keeper: run the server, stop it once idle. Runs as `python -m zerosafe_app.flows.runtime keep`."""
-    home = _home()
-    idle = _idle_seconds()
-    url = f"http://127.0.0.1:{port}"
-    stopping = False
-
-    def on_term(_signum: int, _frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
-    proc = subprocess.Popen(
-        _server_command(port), env=_server_env(), stdin=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads here
-    )  # fmt: skip
-    state = home / STATE_NAME
-    state.write_text(json.dumps({"url": url, "pid": os.getpid(), "server_pid": proc.pid}))
-    try:
-        while not stopping and proc.poll() is None and not server_healthy(url):
-            time.sleep(0.2)  # idle time counts from when the server is up
-        last_used = time.monotonic()
-        while not stopping and proc.poll() is None and home.is_dir():
-            if _busy(home / CLIENTS_DIR):
-                last_used = time.monotonic()
-            with contextlib.suppress(OSError):
-                touched = time.time() - state.stat().st_mtime
-                last_used = max(last_used, time.monotonic() - touched)
-            if time.monotonic() - last_used > idle:
-                break
-            time.sleep(1.0)
-    finally:
-        current = _read_state(home)
-        if current and current.get("pid") == os.getpid():
-            with contextlib.suppress(OSError):
-                state.unlink()
-        _stop(proc)
-    return 0
-
-
-if __name__ == "__main__":  # the keeper
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m zerosafe_app.flows.runtime")
-    sub = parser.add_subparsers(dest="command", required=True)
-    k = sub.add_parser("keep", help="run a shared local Prefect server until it is idle")
-    k.add_argument("--port", type=int, required=True)
-    sys.exit(keep(parser.parse_args().port))

@@ -17,15 +17,13 @@ of (stage, job key, unit, the `fingerprint` computed here).
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import queue
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from zerosafe.pipeline import MergeReadiness
+from zerosafe.pipeline import MergeReadiness, merge_fingerprint, verify_fingerprint
 from zerosafe.stages.results import (
     ExtractResult,
     JobPlan,
@@ -37,7 +35,7 @@ from zerosafe_app.tasks.extract import extract, extract_is_present
 from zerosafe_app.tasks.merge import expected_shard_bytes, merge, shard_identity
 from zerosafe_app.tasks.verify import verify
 
-__all__ = ["StageResults", "StageScheduler", "Submit", "fingerprint"]
+__all__ = ["StageResults", "StageScheduler", "Submit"]
 
 
 class Future(Protocol):
@@ -52,11 +50,6 @@ class Submit(Protocol):
     """Submits `task(*args, **kwargs)`; `refresh` runs it even if a cached result exists."""
 
     def __call__(self, task: Any, *args: Any, refresh: bool = False, **kwargs: Any) -> Future: ...
-
-
-def fingerprint(*values: Any) -> str:
-    """A content fingerprint of JSON-able values, for a task's cache key."""
-    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 @dataclass
@@ -171,12 +164,10 @@ class StageScheduler:
 
     def _merge(self, index: int) -> None:
         shard = self.job.shards[index]
-        if index in self.reused:
-            key = "reused"
-        elif self.direct:
-            key = ""
-        else:
-            key = fingerprint([self.results.extracts[p].content_sha256 for p in shard.parts])
+        key = merge_fingerprint(
+            shard, direct=self.direct, reused=self.reused,
+            content_sha256={i: e.content_sha256 for i, e in self.results.extracts.items()},
+        )  # fmt: skip
         on_disk = shard_identity(self.task_job, index)
         fresh = on_disk is None or on_disk[0] != expected_shard_bytes(self.task_job, index)
         waits = [
@@ -194,7 +185,7 @@ class StageScheduler:
         self._ready["verify"].append(functools.partial(self._verify, index, result))
 
     def _verify(self, index: int, merged: MergeResult) -> None:
-        key = fingerprint(shard_identity(self.task_job, index), merged.tensors)
+        key = verify_fingerprint(shard_identity(self.task_job, index), merged.tensors)
         future = self._submit(
             verify, self.task_job, index, index + 1, len(self.job.shards), merged.tensors,
             fingerprint=key, wait_for=[self._futures[("merge", index)]],

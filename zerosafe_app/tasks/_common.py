@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -21,11 +20,9 @@ from zerosafe.pipeline import WorkLayout, peak_rss_bytes
 from zerosafe.plan.model import Plan, load_plan
 from zerosafe.stages.progress import NullProgress, Progress
 from zerosafe.stages.streaming import serial_torch
+from zerosafe.stages.unit_records import unit_key
 from zerosafe.units import format_bytes
 from zerosafe_app.tasks.credentials import storage_for
-
-CACHE_FORMAT = 1
-"""Bump when a stage's output bytes change for the same inputs: invalidates old caches."""
 
 _progress: Progress = NullProgress()
 
@@ -84,39 +81,23 @@ def context(job: Job) -> tuple[Plan, Storage, ConvertOptions, WorkLayout]:
 
 
 def cache_key(stage: str):  # type: ignore[no-untyped-def]
-    """A `cache_key_fn` naming the stage, the plan, the unit and what its inputs hold.
+    """A `cache_key_fn` naming the stage, the plan, the unit and what its inputs hold: the
+    engine's `unit_key`, which also keys the in-process driver's unit records, so both paths
+    agree on when a finished unit still holds.
 
     Keys never collide across stages (the stage is in the key) and change when an input's
-    content fingerprint changes. Options that change output bytes are already in the plan id;
-    of the rest only those that change a task's result are in the key (`direct` changes what
-    a merge reads, `allow_nonfinite` what verify reports, `file_sha256` whether verify hashes
-    the whole file), so e.g. `--keep-work` or another
-    memory budget on a re-run still finds every cached result.
+    content fingerprint changes; another memory budget or `--keep-work` on a rerun still finds
+    every cached result.
     """
 
     def key_fn(_ctx: Any, inputs: dict[str, Any]) -> str:
         job = inputs["job"]
         options = job["options"]
-        relevant = {
-            "direct": options.get("direct"),
-            "allow_nonfinite": options.get("allow_nonfinite"),
-        }
-        if stage == "verify" and options.get("file_sha256"):
-            # A verify cached without the file's SHA-256 cannot give it: verify again. Only
-            # when on, so every other key stays as it was (cached runs still resume).
-            relevant["file_sha256"] = True
-        blob = json.dumps(
-            [
-                CACHE_FORMAT,
-                stage,
-                job["job_key"],
-                inputs.get("index"),
-                inputs.get("fingerprint"),
-                relevant,
-            ],
-            sort_keys=True,
-        )
-        return f"zerosafe-{stage}-{hashlib.sha256(blob.encode()).hexdigest()[:40]}"
+        return unit_key(
+            stage, job["job_key"], inputs.get("index"), inputs.get("fingerprint"),
+            direct=options.get("direct"), allow_nonfinite=options.get("allow_nonfinite"),
+            file_sha256=bool(options.get("file_sha256")),
+        )  # fmt: skip
 
     return key_fn
 

@@ -19,7 +19,8 @@ from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
 from zerosafe.pipeline import parts_to_extract
 from zerosafe.stages.results import JobPlan, PublishResult
-from zerosafe_app.flows.schedule import StageScheduler, fingerprint
+from zerosafe.stages.unit_records import fingerprint
+from zerosafe_app.flows.schedule import StageScheduler
 from zerosafe_app.tasks._common import Job, cache_key
 from zerosafe_app.tasks.extract import extract
 from zerosafe_app.tasks.inspect import inspect

@@ -35,7 +35,7 @@ def _model(ckpt: Path, rank: int) -> Path:
 
 
 def _convert_fails(ckpt: Path, out: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
-    code = main(["convert", "--no-flow", str(ckpt), str(out), *extra])
+    code = main(["convert", "--via", "local", str(ckpt), str(out), *extra])
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("zerosafe: error: ") and err.count("\n") == 1, err
@@ -276,19 +276,19 @@ def test_latest_names_a_missing_tag_and_unknown_tag(
 
 def test_output_policy_noop_refuse_overwrite(sample_ckpt: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
-    assert main(["convert", "--no-flow", str(sample_ckpt), str(out)]) == 0
+    assert main(["convert", "--via", "local", str(sample_ckpt), str(out)]) == 0
     capsys.readouterr()
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    assert main(["convert", "--no-flow", str(sample_ckpt), str(out)]) == 0
+    assert main(["convert", "--via", "local", str(sample_ckpt), str(out)]) == 0
     assert "nothing to do" in capsys.readouterr().out
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
-    code = main(["convert", "--no-flow", str(sample_ckpt), str(out), "--dtype", "bf16"])
+    code = main(["convert", "--via", "local", str(sample_ckpt), str(out), "--dtype", "bf16"])
     err = capsys.readouterr().err
     assert code == 2 and "already holds a complete conversion" in err and "--overwrite" in err
     with pytest.raises(OutputExistsError):
         convert_checkpoint(str(sample_ckpt), str(out), ConvertOptions(dtype="bf16"))
     assert (
-        main(["convert", "--no-flow", str(sample_ckpt), str(out), "--dtype", "bf16", "--overwrite"])
+        main(["convert", "--via", "local", str(sample_ckpt), str(out), "--dtype", "bf16", "--overwrite"])
         == 0
     )
     from safetensors.torch import load_file
@@ -325,7 +325,7 @@ def test_layout_mismatch_is_named(sample_ckpt: Path, tmp_path: Path) -> None:
 def test_cli_error_is_one_line_for_subprocess(sample_ckpt: Path, tmp_path: Path) -> None:
     _optim(sample_ckpt, 0).unlink()
     proc = subprocess.run(
-        [sys.executable, "-m", "zerosafe_app.cli", "convert", "--no-flow", str(sample_ckpt), str(tmp_path / "o")],
+        [sys.executable, "-m", "zerosafe_app.cli", "convert", "--via", "local", str(sample_ckpt), str(tmp_path / "o")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2

@@ -125,7 +125,7 @@ def test_tensor_parallel_contents_are_refused(sample_ckpt: Path, tmp_path: Path,
     assert "contents differ from zero_pp_rank_0_mp_rank_00_model_states.pt" in text
     assert "does not record how each parameter is split across the model-parallel ranks" in text
     assert "universal_checkpoint_info" in text
-    code = main(["convert", "--no-flow", str(sample_ckpt), str(tmp_path / "out2")])
+    code = main(["convert", "--via", "local", str(sample_ckpt), str(tmp_path / "out2")])
     err_text = capsys.readouterr().err
     assert code == 2 and err_text.count("\n") == 1 and "tensor-parallel" in err_text
 

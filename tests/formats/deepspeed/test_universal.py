@@ -237,7 +237,7 @@ def test_missing_fp32_is_refused(made, tmp_path: Path, capsys) -> None:
     (folder / "zero" / "blocks.1.up.weight" / "fp32.pt").unlink()
     with pytest.raises(CheckpointFormatError, match=r"no fp32.pt for 1 trained param\(s\)"):
         convert_checkpoint(str(folder), str(tmp_path / "out"))
-    assert main(["convert", "--no-flow", str(folder), str(tmp_path / "out2")]) == 2
+    assert main(["convert", "--via", "local", str(folder), str(tmp_path / "out2")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("zerosafe: error: ") and err.count("\n") == 1, err
     assert "blocks.1.up.weight" in err and "ds_to_universal.py did not finish" in err
