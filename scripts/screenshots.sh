@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Take the README's screenshots of the Prefect UI: a real server (UI on), the `zerosafe`
+# Take docs/deployment.md's screenshots of the Prefect UI: a real server (UI on), the `zerosafe`
 # process pool, the deployments of deploy/prefect.yaml, one worker, one conversion of the
 # sample checkpoint; then headless Chromium photographs the `convert-job` run page and the
 # job's summary artifact into docs/. Needs `chromium` (Debian: apt-get install chromium).

@@ -8,8 +8,8 @@ world size 8, cold, runs interleaved), the flow converted in 91.6 and 97.6 s one
 time against 97.7 and 98.4 s with two, at 0.69 GB of peak memory against 0.81 GB, and its
 verifies re-read each shard from the page cache (with two merges, 3.8 GB of the shards had
 been evicted and were read from the disk again). Where the checkpoint is cached, or the device
-is solid-state or remote (NFS), parallel merges are faster (README, "Scaling with cores"), so
-they stay the default there.
+is solid-state or remote (NFS), parallel merges are faster (docs/performance.md, "Scaling with
+cores"), so they stay the default there.
 
 Residency is counted with the `cachestat` system call (Linux 6.5 and later), which reads
 nothing and starts no readahead; where it is missing, merges keep running in parallel. The device's

@@ -106,7 +106,7 @@ def test_deploy_arms_no_schedule_and_resuming_turns_watch_on(sqlite_stack: Stack
     time.sleep(10)
     assert not _scheduled_runs(stack), "a scheduled run exists right after deploy.sh"
 
-    # turned on as the README says, the server schedules watch runs on its cron
+    # turned on as docs/deployment.md says, the server schedules watch runs on its cron
     listed = stack.prefect("deployment", "schedule", "ls", "watch/watch").stdout
     (schedule_id,) = re.findall(
         r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", listed
