@@ -182,6 +182,44 @@ def test_sigkill_during_merges_then_resume(
     _same_output(out, reference)
 
 
+def test_sigkill_in_process_then_resume(
+    local_env: dict[str, str], medium_ckpt: Path, reference_small_shards: Path, tmp_path: Path
+) -> None:
+    """No Prefect API: the command runs the engine in its own process. Killed mid-run, the
+    next run keeps every unit it finds recorded with its output intact, and redoes the rest."""
+    out = tmp_path / "out"
+    args = _one_at_a_time(medium_ckpt, out)
+    proc = _start(local_env, *args)
+    work_root = out / ".zerosafe-work"
+
+    def records(stage: str) -> dict[str, int]:
+        works = list(work_root.iterdir()) if work_root.exists() else []
+        units = works[0] / "units" if works else None
+        if units is None or not units.exists():
+            return {}
+        return {p.name: p.stat().st_mtime_ns for p in units.glob(f"{stage}-*.json")}
+
+    _wait_for(lambda: len(records("merge")) >= 2, 600, "two merges to finish")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    merged_before, verified_before = records("merge"), records("verify")
+    total_merges = len(list(reference_small_shards.glob("model-*")))
+    assert not (out / "zerosafe-complete.json").exists()
+    assert 2 <= len(merged_before) < total_merges, "kill did not land while merges were in flight"
+
+    summary = convert_json(local_env, *args, "--keep-work")
+    assert summary["status"] == "converted" and summary["via"] == "local"
+    executed = summary["tasks_executed"]
+    assert executed["merge"] == total_merges - len(merged_before)
+    assert executed["verify"] == total_merges - len(verified_before)
+    assert any(note.startswith("resumed:") for note in summary["notes"]), summary["notes"]
+    after = records("merge")
+    assert set(after) == {f"merge-{i:05d}.json" for i in range(total_merges)}
+    # a kept unit's record is not written again
+    assert {name: after[name] for name in merged_before} == merged_before
+    _same_output(out, reference_small_shards)
+
+
 def _job_work_dir(env: dict[str, str], ckpt: Path, out: Path, *args: str) -> Path:
     job_key = json.loads(run_cli(env, "inspect", "--json", str(ckpt), *args).stdout)["job_key"]
     return out / ".zerosafe-work" / job_key[:16]
