@@ -571,11 +571,35 @@ def _convert_with_flow(
             stack.enter_context(use_api(*stack.enter_context(private_server())))
         from zerosafe_app.flows.convert import run_convert  # Prefect only from here on
 
-        return run_convert(
-            args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
-            show_progress=show_progress, quiet=args.quiet, storage_options=_storage_options(args),
-            mode=_requested_mode(args),
-        )  # fmt: skip
+        try:
+            return run_convert(
+                args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
+                show_progress=show_progress, quiet=args.quiet,
+                storage_options=_storage_options(args), mode=_requested_mode(args),
+            )  # fmt: skip
+        except Exception as e:
+            if not _lost_api(e):
+                raise
+            raise ConversionError(
+                f"the Prefect API at {os.environ.get('PREFECT_API_URL')} stopped answering "
+                f"({type(e).__name__}: {e}); nothing was marked complete and finished work is "
+                "kept: start the server again (or use --via local) and run the same command"
+            ) from e
+
+
+def _lost_api(error: BaseException) -> bool:
+    """Whether `error` (or what caused it) is the Prefect API going away mid-run: a refused
+    or dropped connection, or a timeout, from the HTTP client."""
+    import httpx
+
+    seen: BaseException | None = error
+    for _ in range(10):
+        if seen is None:
+            return False
+        if isinstance(seen, httpx.TransportError | ConnectionError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _print_summary(output: str, summary: Any, *, ran: str) -> None:

@@ -15,6 +15,7 @@ Nothing of it outlives the command.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
 import os
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PORT_ATTEMPTS = 5
 
 
 def configure_embedded_prefect(*, verbose: int = 0) -> None:
@@ -62,6 +64,8 @@ def configure_embedded_prefect(*, verbose: int = 0) -> None:
     level = "CRITICAL" if not verbose else "WARNING" if verbose == 1 else "INFO"
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", level)
     os.environ.setdefault("PREFECT_LOGGING_LOGGERS_PREFECT_LEVEL", level)
+    # Prefect's own background services (its event and log senders) log to their own handler.
+    os.environ.setdefault("PREFECT_INTERNAL_LOGGING_LEVEL", level)
 
 
 def _free_port() -> int:
@@ -169,6 +173,27 @@ def _server_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _status(url: str, auth: str | None) -> int:
+    request = urllib.request.Request(url)
+    if auth is not None:
+        token = base64.b64encode(auth.encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return 0
+
+
+def _holds_auth(url: str, auth: str) -> bool:
+    """Whether the server at `url` is the one started with `auth`: it refuses a request
+    without it and answers one with it."""
+    probe = f"{url}/api/admin/version"
+    return _status(probe, None) == 401 and _status(probe, auth) == 200
+
+
 @contextlib.contextmanager
 def private_server(
     *, timeout_seconds: float = 120.0, env: Mapping[str, str] | None = None
@@ -188,20 +213,31 @@ def private_server(
     Raises:
         ConversionError: If the server does not come up, with the end of its log.
     """
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     auth = secrets.token_urlsafe(32)
     server_env = {**_server_env(env), "PREFECT_SERVER_API_AUTH_STRING": auth}
     with tempfile.TemporaryDirectory(prefix="zerosafe-prefect-") as private:  # mode 0700
         log = Path(private) / "server.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                _server_command(port), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=server_env, start_new_session=True,
-                preexec_fn=_dies_with(os.getpid()),  # noqa: PLW1509 - no threads yet
-            )  # fmt: skip
+        for attempt in range(_PORT_ATTEMPTS):
+            # A free port can be taken by another process before the server binds it.
+            port = _free_port()
+            url = f"http://127.0.0.1:{port}"
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(
+                    _server_command(port), stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, env=server_env, start_new_session=True,
+                    preexec_fn=_dies_with(os.getpid()),  # noqa: PLW1509 - no threads yet
+                )  # fmt: skip
+            try:
+                _wait_healthy(url, proc, log, timeout_seconds)
+                if not _holds_auth(url, auth):  # another server answered on that port
+                    raise ConversionError(f"{url}: another server answers there")
+                break
+            except ConversionError:
+                _stop(proc)
+                taken = "already in use" in log.read_text(errors="replace") or proc.poll() is None
+                if attempt + 1 == _PORT_ATTEMPTS or not taken:
+                    raise
         try:
-            _wait_healthy(url, proc, log, timeout_seconds)
             yield url + "/api", auth
         finally:
             _stop(proc)

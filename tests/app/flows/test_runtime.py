@@ -177,3 +177,35 @@ def test_a_no_op_is_answered_without_the_flow(prefect_env: dict[str, str], tmp_p
     assert again.returncode == 0 and "nothing to do" in again.stdout
     imported = {line.split("|")[-1].strip() for line in again.stderr.splitlines()}
     assert "prefect" not in imported and "torch" not in imported
+
+
+@pytest.mark.slow
+def test_a_server_lost_mid_run_gives_one_line(
+    local_env: dict[str, str], tmp_path: Path
+) -> None:
+    """The Prefect API going away under a running flow: exit 2 and one line saying what to
+    do, not pages of traceback; the rerun (here in-process) completes."""
+    from bench.forge import forge_checkpoint, transformer_shapes
+
+    ckpt = tmp_path / "ckpt"
+    forge_checkpoint(ckpt, shapes=transformer_shapes("20M"), stage=3, world_size=2, dtype="bf16")
+    out = tmp_path / "out"
+    args = [str(ckpt), str(out), "--max-shard-size", "2MB", "--parallel", "1"]
+    with private_server(env=local_env) as (url, auth):
+        env = {**local_env, "PREFECT_API_URL": url, "PREFECT_API_AUTH_STRING": auth}
+        env["PREFECT_CLIENT_MAX_RETRIES"] = "1"  # give up on the lost server sooner
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "zerosafe_app.cli", "convert", *args],
+            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not list(out.glob(".zerosafe-work/*/pending/model-*")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no shard was written"
+            time.sleep(0.05)
+    # the server is stopped here, mid-run
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "stopped answering" in lines[0], err[-3000:]
+    assert convert_json(local_env, *args)["status"] == "converted"
