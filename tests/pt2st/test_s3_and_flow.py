@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.io.s3.support import MotoServer, object_keys, s3_client
+from tests.io.s3.support import ACCESS_KEY, SECRET_KEY, MotoServer, object_keys, s3_client
 from tests.pt2st.helpers import assert_same
 from zerosafe.errors import ConfigError
 from zerosafe.io.storage import Storage
@@ -77,6 +77,38 @@ def test_flow_on_s3(prefect_server: None, moto: MotoServer, bucket: str, tmp_pat
     assert result["status"] == "converted" and result["verify"]["ok"]
     assert result["destination"] == f"s3://{bucket}/ckpt/model.safetensors"
     assert_same(load_pt_like(result["destination"], storage_options=options), torch.load(pt))
+
+
+@pytest.mark.slow
+def test_flow_on_s3_with_credentials_from_a_secret_block(
+    prefect_server: None,
+    moto: MotoServer,
+    bucket: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 24, 11: `credentials=secret/NAME` reaches every task of the flow (each once built
+    `Storage(...)` itself, which refuses an unresolved block reference)."""
+    from prefect.blocks.system import Secret
+
+    from zerosafe_app.flows.pt2st import pt2st
+
+    pt = tmp_path / "model.pt"
+    torch.save(_checkpoint(), pt)
+    src = _upload(moto, bucket, "secret/model.pt", pt)
+    Secret(value={"aws_access_key_id": ACCESS_KEY, "aws_secret_access_key": SECRET_KEY}).save(
+        "zs-test-pt2st", overwrite=True
+    )
+    # Credentials only in the Secret block: none in this process's environment.
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    options = {"endpoint_url": moto.url, "credentials": "secret/zs-test-pt2st"}
+    result = pt2st(source=src, storage_options=options)
+    assert result["status"] == "converted" and result["verify"]["ok"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    got = load_pt_like(result["destination"], storage_options={"endpoint_url": moto.url})
+    assert_same(got, torch.load(pt))
 
 
 def test_flow_refuses_secrets_as_parameters(tmp_path: Path) -> None:

@@ -303,15 +303,12 @@ def _md(text: str) -> str:
 
 def _run_job(cfg: JobConfig) -> dict[str, Any]:
     started = time.monotonic()
-    started_wall = time.time()
     storage = storage_for(cfg.storage_options)
     with hold_destination(storage, cfg.source, cfg.destination):
-        return _run_held(cfg, storage, started=started, started_wall=started_wall).to_json()
+        return _run_held(cfg, storage, started=started).to_json()
 
 
-def _run_held(
-    cfg: JobConfig, storage: Storage, *, started: float, started_wall: float
-) -> RunSummary:
+def _run_held(cfg: JobConfig, storage: Storage, *, started: float) -> RunSummary:
     """Plan, then (holding the work area) run the stages and publish; the same steps as
     `zerosafe.pipeline.convert_checkpoint`, as tasks."""
     options = cfg.options()
@@ -332,14 +329,12 @@ def _run_held(
             f"`{cfg.destination}` already holds this conversion (job `{job.job_key[:16]}`); nothing to do.",
         )
         return RunSummary.already_complete(cfg.destination, job.job_key)
-    task_job = Job(
-        cfg.source, cfg.destination, job.work_url, job.job_key, options.as_dict(),
-        cfg.storage_options,
-    ).as_dict()  # fmt: skip
-    with hold_work(storage, job):
-        published, verifies = _run_stages(
-            cfg, options, job, task_job, storage, started=started, since=started_wall
-        )
+    with hold_work(storage, job) as run_id:
+        task_job = Job(
+            cfg.source, cfg.destination, job.work_url, job.job_key, options.as_dict(),
+            cfg.storage_options, run_id,
+        ).as_dict()  # fmt: skip
+        published, verifies = _run_stages(cfg, options, job, task_job, storage, started=started)
     summary = summarize(job, published, verifies, seconds=time.monotonic() - started)
     _summary_artifact(cfg, job, summary)
     return summary
@@ -353,7 +348,6 @@ def _run_stages(
     storage: Storage,
     *,
     started: float,
-    since: float,
 ) -> tuple[PublishResult, list[VerifyResult]]:
     """Schedule extract, merge and verify (`StageScheduler`), then publish."""
     results = _result_storage(job.work_url, cfg.storage_options)
@@ -384,7 +378,9 @@ def _run_stages(
     extracts = [done.extracts[i] for i in sorted(done.extracts)]
     merges = [done.merges[i] for i in range(len(job.shards))]
     verifies = [done.verifies[i] for i in range(len(job.shards))]
-    stats = _stats(job, options, storage, done, seconds=time.monotonic() - started, since=since)
+    stats = _stats(
+        job, options, storage, done, seconds=time.monotonic() - started, run_id=task_job["run_id"]
+    )
     try:
         published = publish(
             task_job, [e.to_json() for e in extracts], [m.to_json() for m in merges],
@@ -410,11 +406,11 @@ def _stats(
     done: StageResults,
     *,
     seconds: float,
-    since: float,
+    run_id: str,
 ) -> RunStats:
-    """The run's stats, with what the journal says of this run's tasks: which ran (not
-    cached) and each stage's own memory peak."""
-    journal = [e for e in read_journal(storage, job.work_url) if e["time"] >= since]
+    """The run's stats, with what the journal says of this run's tasks (its entries carry
+    the run id): which ran (not cached) and each stage's own memory peak."""
+    journal = read_journal(storage, job.work_url, run_id=run_id)
     growth, baseline = stage_memory(journal)
     return run_stats(
         job, options, extracts=list(done.extracts.values()), merges=list(done.merges.values()),

@@ -44,7 +44,8 @@ def lazify(
         checkpoint: The folder holding `latest`, or a tag folder (local, NFS, `s3://...`).
         tag: The tag; by default the one `latest` names.
         storage_options: fsspec options for URLs (`endpoint_url`, `region`, `profile`...);
-            never keys or secrets (refused: parameters are stored by Prefect).
+            never keys or secrets (refused: parameters are stored by Prefect), but
+            `credentials` may name a Prefect block that holds them (`secret/NAME`).
         memory: Memory budget of the files converted at once (`512MB`, `2GiB`).
         parallel: Files converted at once (fewer when `memory` is small).
         verify_output: Re-read each sibling written and compare every entry's checksum.

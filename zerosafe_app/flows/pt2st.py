@@ -17,9 +17,9 @@ from prefect.artifacts import create_markdown_artifact
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConfigError, VerificationError
 from zerosafe.io.s3 import find_secret_options
-from zerosafe.io.storage import Storage
 from zerosafe.pt2st import safetensors_path_for
 from zerosafe.units import format_bytes, parse_size
+from zerosafe_app.tasks.credentials import storage_for
 from zerosafe_app.tasks.pt2st import convert, inspect, verify
 
 __all__ = ["checked_memory", "pt2st"]
@@ -36,7 +36,8 @@ def checked_memory(storage_options: dict[str, Any] | None, memory: str) -> int:
     if secrets:
         raise ConfigError(
             f"{', '.join(secrets)}: credentials may not be flow parameters; give the workers "
-            "AWS credentials through their environment, profile or instance role"
+            "AWS credentials through their environment, profile or instance role, or name a "
+            "Prefect Secret block with `credentials=secret/NAME`"
         )
     try:
         return parse_size(memory)
@@ -59,7 +60,8 @@ def pt2st(
         source: The `.pt` file: a local or NFS path, or a URL (`s3://bucket/x.pt`).
         destination: The `.safetensors` file (default: `source` with `.safetensors`).
         storage_options: fsspec options for URLs (`endpoint_url`, `region`, `profile`...);
-            never keys or secrets (refused: parameters are stored by Prefect).
+            never keys or secrets (refused: parameters are stored by Prefect), but
+            `credentials` may name a Prefect block that holds them (`secret/NAME`).
         memory: Memory budget of the copy (`512MB`, `2GiB`).
         overwrite: Replace a destination that holds something else.
         verify_output: Re-read the output and compare every entry's checksum.
@@ -90,7 +92,7 @@ def pt2st(
             result["verify"] = verify(destination, summary.get("sha256"), storage_options)
         except VerificationError:
             if summary["status"] == "converted":  # ours, just written: leave nothing behind
-                Storage(storage_options).remove(destination)
+                storage_for(storage_options).remove(destination)
             raise
     if summary["status"] == "converted":
         create_markdown_artifact(

@@ -37,6 +37,10 @@ def progress() -> Progress:
     return _progress
 
 
+class WorkAreaConflictError(ConversionError):
+    """The work area holds the plan of another job: two conversions were given one `--work-dir`."""
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """The plain-data description every task gets (JSON-able, so Dask can ship it)."""
@@ -47,6 +51,9 @@ class Job:
     job_key: str
     options: dict[str, Any]
     storage_options: dict[str, Any]
+    run_id: str = ""
+    """The run holding the work area (`zerosafe.pipeline.hold_work`): journal entries carry
+    it, so a run's stats count its own tasks whatever the workers' clocks say."""
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -59,8 +66,16 @@ def job_of(data: dict[str, Any]) -> Job:
 @functools.lru_cache(maxsize=8)
 def _plan(work: str, job_key: str, storage_key: str) -> Plan:
     storage = storage_for(json.loads(storage_key))
-    plan = load_plan(storage, WorkLayout(work).plan)
-    assert plan.job_key == job_key, "work area holds another plan"
+    url = WorkLayout(work).plan
+    plan = load_plan(storage, url)
+    if plan.job_key != job_key:
+        # Each job plans into its work area before it holds it, so a second job given the
+        # same `--work-dir` replaces the first one's plan under its running tasks.
+        raise WorkAreaConflictError(
+            f"{url}: the work area holds the plan of another job ('{plan.job_key[:16]}', "
+            f"expected '{job_key[:16]}'): two conversions were given the same `--work-dir`. "
+            "Give each conversion its own `--work-dir` (or none) and run this one again."
+        )
     return plan
 
 
@@ -191,6 +206,7 @@ def record_run(
     entry = {
         "stage": stage,
         "index": index,
+        "run_id": job.run_id,
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "time": time.time(),
@@ -243,12 +259,19 @@ def stage_memory(entries: list[dict[str, Any]]) -> tuple[dict[str, int], int]:
     return growth, max(baselines.values(), default=0)
 
 
-def read_journal(storage: Storage, work: str) -> list[dict[str, Any]]:
-    """Every journal entry of a work area, oldest first."""
+def read_journal(storage: Storage, work: str, *, run_id: str | None = None) -> list[dict[str, Any]]:
+    """The journal entries of a work area, oldest first (by each writer's clock).
+
+    Args:
+        run_id: Only the entries of this run (`Job.run_id`); every entry when None. Runs are
+            told apart by id, never by time: workers' clocks need not agree with the flow's.
+    """
     folder = join_url(work, "journal")
     entries = [
         json.loads(storage.read_bytes(join_url(folder, n)))
         for n in storage.listdir(folder)
         if n.endswith(".json")
     ]
+    if run_id is not None:
+        entries = [e for e in entries if e.get("run_id") == run_id]
     return sorted(entries, key=lambda e: e["time"])

@@ -8,9 +8,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from zerosafe.formats.deepspeed.checkpoint import find_tag_dir
-from zerosafe.io.storage import Storage
 from zerosafe.lazy import lazify_file, list_pt_files
 from zerosafe_app.tasks._common import is_transient
+from zerosafe_app.tasks.credentials import storage_for
 
 _RETRIES: dict[str, Any] = {
     "retries": 3,
@@ -24,7 +24,7 @@ def list_files(
     checkpoint: str, tag: str | None = None, storage_options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Resolve the tag and list its `.pt` files (model states, optimizer states, experts)."""
-    storage = Storage(storage_options)
+    storage = storage_for(storage_options)
     tag, tag_url = find_tag_dir(storage, checkpoint, tag)
     return {"tag": tag, "tag_url": tag_url, "files": list_pt_files(storage, tag_url)}
 
@@ -43,4 +43,4 @@ def lazify_one(
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Convert one `.pt` into its sibling unless the sibling is current; verify it."""
-    return lazify_file(pt_url, storage=Storage(storage_options), memory=memory, verify=verify)
+    return lazify_file(pt_url, storage=storage_for(storage_options), memory=memory, verify=verify)

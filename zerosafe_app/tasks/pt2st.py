@@ -7,9 +7,9 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from zerosafe.io.storage import Storage
 from zerosafe.pt2st import convert_pt, inspect_pt, verify_pt
 from zerosafe_app.tasks._common import is_transient
+from zerosafe_app.tasks.credentials import storage_for
 
 _RETRIES: dict[str, Any] = {
     "retries": 3,
@@ -21,7 +21,7 @@ _RETRIES: dict[str, Any] = {
 @task(name="inspect", task_run_name="inspect", cache_policy=NO_CACHE, **_RETRIES)
 def inspect(source: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Read the pickle only; refuse what cannot be converted before anything is written."""
-    return inspect_pt(source, storage=Storage(storage_options))
+    return inspect_pt(source, storage=storage_for(storage_options))
 
 
 @task(name="convert", task_run_name="convert", cache_policy=NO_CACHE, **_RETRIES)
@@ -41,7 +41,7 @@ def convert(
     return convert_pt(
         source,
         destination,
-        storage=Storage(storage_options),
+        storage=storage_for(storage_options),
         memory=memory,
         overwrite=overwrite,
     )
@@ -55,4 +55,6 @@ def verify(
 ) -> dict[str, Any]:
     """Re-read the output: header (with the safetensors library when local), structure, and
     every entry's SHA-256 against the one recorded while writing."""
-    return verify_pt(destination, storage=Storage(storage_options), expected_sha256=expected_sha256)
+    return verify_pt(
+        destination, storage=storage_for(storage_options), expected_sha256=expected_sha256
+    )

@@ -10,7 +10,9 @@ import re
 import shutil
 import subprocess
 import time
-from datetime import datetime, timedelta, timezone
+from collections import Counter
+from collections.abc import Callable
+from datetime import datetime, timedelta
 from datetime import time as dt_time
 from pathlib import Path
 from typing import Any
@@ -446,56 +448,61 @@ def test_resumes_a_partially_converted_tag(
     assert fs.exists(f"{out}/zerosafe-complete.json")
 
 
-# Prefect's own worker channel records a worker heartbeat in a deferred SQLite transaction
-# (read the pool, then upsert the worker); another writer committing in between makes SQLite
-# refuse the upgrade at once, whatever the busy timeout. The server logs it and the worker
-# reconnects and heartbeats again; no run or task state is involved.
-_PREFECT_HEARTBEAT = "Worker channel heartbeat persistence failed"
-# Prefect's background service that stamps a work queue's `last_polled` after a worker polled
-# it (docket task `mark_work_queues_ready`) may also meet the lock on a slow disk (CI saw it
-# wait out the 60 s busy timeout once). The next poll, seconds later, stamps it again; no run
-# or task state is involved. The test then requires a later stamp.
-_PREFECT_QUEUE_POLL = "UPDATE work_queue SET last_polled="
-_RETRIED_FLUSH = re.compile(
-    r"task_run_recorder - Error flushing \d+ events \(\d+ to retry, 0 dropped\)"
-)
-"""Prefect's task-run recorder meeting a locked SQLite database: it keeps the events and writes
-them again (nothing dropped); the test still requires every task run's final state."""
+_LOCK_ERROR = re.compile(r"database is locked|deadlock detected|LockNotAvailable")
 
 
-def _wait_heartbeat_after(stack: Stack, when: datetime, timeout: float = 120) -> None:
+def _lock_kind(record: str) -> str:
+    """What met the lock, in a few words: the logger and the SQL statement's head, e.g.
+    `prefect.server.services... : UPDATE work_pool`."""
+    source = re.search(r"\| \w+ +\| ([\w.\-]+) - ", record)
+    sql = re.search(r"\[SQL: ((?:INSERT INTO|UPDATE|DELETE FROM) \w+|SELECT)", record)
+    return f"{source.group(1) if source else '?'}: {sql.group(1) if sql else '?'}"
+
+
+def _all_task_runs(stack: Stack, flow_run_id: Any, want: int, timeout: float = 120) -> list[Any]:
+    """The flow run's task runs, once there are `want` of them and all are final (their
+    states reach the database through events, shortly after the run ends) or `timeout`."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
     deadline = time.monotonic() + timeout
-    while True:
-        with stack.client() as client:
-            workers = client.read_workers_for_work_pool("zerosafe")
-        beats = [w.last_heartbeat_time for w in workers if w.last_heartbeat_time]
-        if any(b > when for b in beats):
-            return
-        assert time.monotonic() < deadline, f"no worker heartbeat since {when}: {beats}"
-        time.sleep(2)
-
-
-def _wait_queue_polled_after(stack: Stack, when: datetime, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        with stack.client() as client:
-            queues = client.read_work_queues(work_pool_name="zerosafe")
-        polls = [q.last_polled for q in queues if q.last_polled]
-        if any(p > when for p in polls):
-            return
-        assert time.monotonic() < deadline, f"no work queue polled since {when}: {polls}"
-        time.sleep(2)
+    with stack.client() as client:
+        while True:
+            tasks: list[Any] = []
+            while True:
+                page = client.read_task_runs(
+                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                    limit=200,
+                    offset=len(tasks),
+                )
+                tasks += page
+                if len(page) < 200:
+                    break
+            settled = all(t.state is not None and t.state.is_final() for t in tasks)
+            if (len(tasks) >= want and settled) or time.monotonic() > deadline:
+                return tasks
+            time.sleep(2)
 
 
 @pytest.mark.parametrize("stack_name", ["sqlite_stack", "postgres_stack"])
 def test_hundreds_of_tasks_on_one_server(
-    request: pytest.FixtureRequest, stack_name: str, tmp_path: Path
+    request: pytest.FixtureRequest,
+    stack_name: str,
+    tmp_path: Path,
+    record_property: Callable[[str, object], None],
 ) -> None:
-    """About 360 shards, so 700+ task runs, on one server: none lost, no lock errors on any
-    write the conversion makes (on SQLite, Prefect may retry a worker heartbeat, a work queue's
-    poll stamp or a task-run event flush that met the lock, dropping nothing; on PostgreSQL no
-    lock error at all)."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    """About 360 shards, so 700+ task runs, on one server. What zerosafe promises on either
+    database: every task run reaches a final state, nothing is converted twice, and the output
+    verifies and equals the engine's bit for bit.
+
+    Prefect's own background services (worker heartbeats, work-queue poll stamps, worker
+    health, event flushes) also write to the database; on SQLite some of those writes meet
+    its single-writer lock, and Prefect logs them and writes again later. They are counted
+    and printed as figures, not asserted on: the promise above is what a SQLite user relies
+    on. PostgreSQL is the strict stack: no lock error at all."""
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from zerosafe.verify.output import verify_output
 
     stack: Stack = request.getfixturevalue(stack_name)
     server_log = stack.home.parent / "server.log"
@@ -507,80 +514,63 @@ def test_hundreds_of_tasks_on_one_server(
     window = (datetime.now() - timedelta(seconds=1)).time()
     stack.prefect(
         "deployment", "run", "convert/default",
-        "--params", params_json(source=str(ckpt), destination=str(out), max_shard_size="1KB", dtype="bf16", mode="direct"),
+        "--params", params_json(source=str(ckpt), destination=str(out), max_shard_size="1KB",
+                                dtype="bf16", mode="direct", keep_work=True),
         "--watch", "--watch-timeout", "1200",
     )  # fmt: skip
     seconds = time.monotonic() - started
-    window_end = (datetime.now() + timedelta(seconds=1)).time()
-    ended_utc = datetime.now(timezone.utc)
     ours, manifest = load_output(out)
     shards = len(manifest["files"])
     with stack.client() as client:
-        from prefect.client.schemas.filters import FlowFilter, FlowFilterName
-        from prefect.client.schemas.sorting import FlowRunSort
-
         (job_run,) = client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=["convert-job"])),
             sort=FlowRunSort.START_TIME_DESC,
             limit=1,
         )
-        # Task-run states reach the database through events, shortly after the run ends:
-        # wait for them (a lost state would never arrive, and fail below).
-        deadline = time.monotonic() + 120
-        while True:
-            tasks: list[Any] = []
-            while True:
-                page = client.read_task_runs(
-                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[job_run.id])),
-                    limit=200,
-                    offset=len(tasks),
-                )
-                tasks += page
-                if len(page) < 200:
-                    break
-            settled = all(t.state is not None and t.state.is_final() for t in tasks)
-            if (len(tasks) >= 2 * shards + 2 and settled) or time.monotonic() > deadline:
-                break
-            time.sleep(2)
-    states = {}
-    for t in tasks:
-        states[t.state_name] = states.get(t.state_name, 0) + 1
+    # inspect, a merge and a verify per shard (direct mode: no extract), publish
+    tasks = _all_task_runs(stack, job_run.id, 2 * shards + 2)
+    window_end = (datetime.now() + timedelta(seconds=1)).time()
+    states = Counter(t.state_name for t in tasks)
     during = _log_records(server_log.read_text(errors="replace"), window, window_end)
-    locked = [
-        r for r in during if re.search(r"database is locked|deadlock detected|LockNotAvailable", r)
-    ]
-    heartbeats = [r for r in locked if _PREFECT_HEARTBEAT in r and "INSERT INTO worker " in r]
-    queue_polls = [r for r in locked if _PREFECT_QUEUE_POLL in r and "mark_work_queues_ready" in r]
-    print(
-        f"\n{stack_name}: {shards} shards, {len(tasks)} task runs in {seconds:.0f} s "
-        f"({len(tasks) / seconds:.1f} tasks/s): {states}; "
-        f"{len(heartbeats)} worker heartbeat(s) and {len(queue_polls)} work queue poll stamp(s) "
-        "refused by a locked database"
-    )
-    retried_count = sum(1 for r in locked if _RETRIED_FLUSH.search(r))
-    if retried_count:
-        print(f"{retried_count} task-run event flush(es) retried after a locked database")
+    locked = Counter(_lock_kind(r) for r in during if _LOCK_ERROR.search(r))
+    figures = {
+        "database": stack_name.removesuffix("_stack"), "shards": shards, "task_runs": len(tasks),
+        "seconds": round(seconds), "task_runs_per_second": round(len(tasks) / seconds, 1),
+        "states": dict(states), "prefect_lock_errors": sum(locked.values()),
+        "prefect_lock_errors_by_kind": dict(locked),
+    }  # fmt: skip
+    print(f"\n{stack_name}: {json.dumps(figures)}")
+    record_property("figures", figures)
+
+    # 1. Every task run reached a final state, and the run's were all successes.
     assert shards >= 250
     assert len(tasks) >= 2 * shards + 2
+    assert all(t.state is not None and t.state.is_final() for t in tasks), states
     assert set(states) <= {"Completed", "Cached"}, states
-    bookkeeping = heartbeats + queue_polls
-    retried = [r for r in locked if r not in bookkeeping and _RETRIED_FLUSH.search(r)]
-    others = [r for r in locked if r not in bookkeeping and r not in retried]
-    assert not others, others[0][-3000:]
-    if stack_name == "postgres_stack":
-        assert not bookkeeping and not retried, (bookkeeping + retried)[0][-3000:]
-    # After the load the worker must heartbeat, and its queue be stamped polled, again: a
-    # refusal costs nothing.
-    if heartbeats:
-        _wait_heartbeat_after(stack, ended_utc)
-    if queue_polls:
-        _wait_queue_polled_after(stack, ended_utc)
+    # 2. Nothing converted twice: one task run per unit, each executed once (the journal
+    #    holds an entry per execution), by one run of the job.
+    names = Counter(t.name for t in tasks)
+    assert [n for n, k in names.items() if k > 1] == []
+    entries = [json.loads(p.read_text()) for p in out.glob(".zerosafe-work/*/journal/*.json")]
+    executed = Counter((e["stage"], e["index"]) for e in entries)
+    assert sorted(executed) == sorted(
+        [("merge", i) for i in range(shards)]
+        + [("verify", i) for i in range(shards)]
+        + [("publish", 0)]
+    )
+    assert set(executed.values()) == {1} and len({e["run_id"] for e in entries}) == 1
+    assert manifest["stats"]["tasks_executed"] == {"extract": 0, "merge": shards, "verify": shards}
+    # 3. The output verifies, and equals the engine's bit for bit.
+    report = verify_output(str(out))
+    assert report["ok"], report["failures"][:5]
     ref = tmp_path / "ref"
     convert_checkpoint(
         str(ckpt), str(ref), ConvertOptions(dtype="bf16", max_shard_size=1000, direct=True)
     )
     theirs, _ = load_output(ref)
     assert set(ours) == set(theirs) and all(same_bytes(ours[k], theirs[k]) for k in ours)
+    if stack_name == "postgres_stack":
+        assert not locked, [r for r in during if _LOCK_ERROR.search(r)][0][-3000:]
 
 
 def test_deployment_run_pt2st(sqlite_stack: Stack, tmp_path: Path) -> None:

@@ -135,6 +135,35 @@ def test_resume_reruns_exactly_what_vanished(prefect_env: dict[str, str], tmp_pa
 
 
 @pytest.mark.slow
+def test_run_stats_count_this_runs_tasks_whatever_the_workers_clocks(
+    prefect_server: None, tmp_path: Path
+) -> None:
+    """Issue 24, 12: the stats once kept the journal entries stamped at or after the run's
+    start by the flow's clock, so entries a worker with a clock ahead wrote in an earlier run
+    counted again (and a worker behind lost this run's). They are selected by run id now."""
+    from zerosafe_app.flows.convert import convert
+
+    out = tmp_path / "out"
+    kw = {"max_shard_size": "20KB", "mode": "staged", "keep_work": True}
+    first = convert(source=str(SAMPLE_CKPT), destination=str(out), **kw)
+    assert first["tasks_executed"] == {"extract": 3, "merge": 5, "verify": 5}
+    work = work_dir(out)
+    first_names = {p.name for p in (work / "journal").glob("*.json")}
+    # That run's workers' clocks were an hour ahead.
+    for entry in (work / "journal").glob("*.json"):
+        data = json.loads(entry.read_text())
+        entry.write_text(json.dumps({**data, "time": data["time"] + 3600}))
+    (out / "zerosafe-complete.json").unlink()
+    (work / "intermediate" / "rank00001-part0000.safetensors").unlink()
+    second = convert(source=str(SAMPLE_CKPT), destination=str(out), **kw)
+    assert second["tasks_executed"] == {"extract": 1, "merge": 0, "verify": 0}
+    entries = {p.name: json.loads(p.read_text()) for p in (work / "journal").glob("*.json")}
+    first_runs = {e["run_id"] for n, e in entries.items() if n in first_names}
+    second_runs = {e["run_id"] for n, e in entries.items() if n not in first_names}
+    assert len(first_runs) == len(second_runs) == 1 and first_runs != second_runs
+
+
+@pytest.mark.slow
 def test_rerun_of_a_complete_conversion_reads_no_checkpoint_byte(
     prefect_env: dict[str, str], tmp_path: Path
 ) -> None:

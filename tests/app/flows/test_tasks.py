@@ -17,11 +17,12 @@ from prefect.logging import disable_run_logger
 from tests.app.flows.conftest import journal
 from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
+from zerosafe.errors import ConversionError
 from zerosafe.pipeline import parts_to_extract
 from zerosafe.stages.results import JobPlan, PublishResult
 from zerosafe.stages.unit_records import fingerprint
 from zerosafe_app.flows.schedule import StageScheduler
-from zerosafe_app.tasks._common import Job, cache_key
+from zerosafe_app.tasks._common import Job, WorkAreaConflictError, cache_key
 from zerosafe_app.tasks.extract import extract
 from zerosafe_app.tasks.inspect import inspect
 from zerosafe_app.tasks.merge import merge, reusable_shards
@@ -67,6 +68,23 @@ def test_each_task_in_order(tmp_path: Path) -> None:
     )
     assert (out / "zerosafe-complete.json").exists() and not (out / ".zerosafe-work").exists()
     assert JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(out), STAGED.as_dict())).is_done
+
+
+def test_a_work_area_holding_another_jobs_plan_is_a_one_line_error(tmp_path: Path) -> None:
+    """Issue 24, 12: two conversions given one `--work-dir`; the second's plan replaced the
+    first's, whose tasks then met an `assert` (gone under `python -O`, naming no fix)."""
+    work = str(tmp_path / "work")
+    first = STAGED.as_dict()
+    job = JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(tmp_path / "a"), first, work_dir=work))
+    other = ConvertOptions(max_shard_size=20_000, dtype="fp32")
+    inspect.fn(str(SAMPLE_CKPT), str(tmp_path / "b"), other.as_dict(), work_dir=work)
+    task_job = Job(str(SAMPLE_CKPT), str(tmp_path / "a"), work, job.job_key, first, {})
+    with pytest.raises(WorkAreaConflictError) as e:
+        extract.fn(task_job.as_dict(), 0, job.parts[0].rank, job.parts[0].label)
+    message = str(e.value)
+    assert isinstance(e.value, ConversionError) and "\n" not in message
+    assert message.startswith(f"{work}/plan: ") and job.job_key[:16] in message
+    assert "another job" in message and "its own `--work-dir`" in message
 
 
 def _inputs(stage: str, **changes: Any) -> dict[str, Any]:

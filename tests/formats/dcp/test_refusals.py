@@ -115,6 +115,34 @@ def test_transform_is_refused_by_name(flat: Path) -> None:
         read_dcp_layout(str(flat), Storage())
 
 
+@pytest.mark.parametrize("where", ["../elsewhere/__0_0.distcp", "absolute"])
+def test_storage_outside_the_folder_is_refused_at_plan_time(
+    flat: Path, tmp_path: Path, where: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 24, 13: a `relative_path` with `..` (or an absolute one) gave a KeyError, exit 1."""
+    # A real file there, so nothing but the path itself can refuse it.
+    outside = tmp_path / "elsewhere" / "__0_0.distcp"
+    outside.parent.mkdir()
+    shutil.copy(flat / "__0_0.distcp", outside)
+    found = str(outside) if where == "absolute" else where
+
+    def point_outside(meta: Any) -> None:
+        meta.storage_data[_storage_of(meta, "w", (0, 0))].relative_path = found
+
+    _edit_metadata(flat, point_outside)
+    with pytest.raises(CheckpointFormatError) as e:
+        read_dcp_layout(str(flat), Storage())
+    message = str(e.value)
+    assert message.startswith(f"{flat}/.metadata: ") and f"'{found}'" in message
+    assert "outside the checkpoint folder" in message and "\n" not in message
+    from zerosafe_app.cli import main
+
+    assert main(["convert", str(flat), str(tmp_path / "out"), "--no-flow"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "outside the checkpoint folder" in err
+    assert not list((tmp_path / "out").glob("*.safetensors"))
+
+
 class _Payload:
     def __reduce__(self) -> tuple[Any, ...]:
         return (os.getcwd, ())

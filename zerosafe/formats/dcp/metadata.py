@@ -214,6 +214,13 @@ def _tensor_meta(fqn: str, obj: Any, url: str) -> TensorMeta:
     )
 
 
+def _leaves_folder(path: str) -> bool:
+    """Whether a `relative_path` is absolute, a URL, or climbs out with `..`: a checkpoint's
+    chunks are always files in its own folder."""
+    parts = path.replace("\\", "/").split("/")
+    return path.startswith(("/", "\\")) or "://" in path or ".." in parts
+
+
 def _storage_entry(key: Any, value: Any, url: str) -> tuple[tuple[str, Any], StorageInfo]:
     k = _fields(key, f"{_METADATA}.MetadataIndex", url, "a storage_data key")
     fqn = k.get("fqn")
@@ -229,6 +236,13 @@ def _storage_entry(key: Any, value: Any, url: str) -> tuple[tuple[str, Any], Sto
         raise CheckpointFormatError(
             f"{url}: '{fqn}' storage is ({path!r}, {start!r}, {length!r}), expected "
             "(relative_path, offset, length); the metadata is corrupt"
+        )
+    if _leaves_folder(path):
+        raise CheckpointFormatError(
+            f"{url}: '{fqn}' is stored at relative_path '{path}', which points outside the "
+            "checkpoint folder (torch writes a file name inside it); this metadata was not "
+            "written by DCP's FileSystemWriter or was edited. Restore the checkpoint's own "
+            "'.metadata'."
         )
     transforms = tuple(str(t) for t in (v.get("transform_descriptors") or ()))
     info = StorageInfo(
