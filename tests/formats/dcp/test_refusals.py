@@ -137,7 +137,7 @@ def test_storage_outside_the_folder_is_refused_at_plan_time(
     assert "outside the checkpoint folder" in message and "\n" not in message
     from zerosafe_app.cli import main
 
-    assert main(["convert", str(flat), str(tmp_path / "out"), "--no-flow"]) == 2
+    assert main(["convert", str(flat), str(tmp_path / "out"), "--via", "local"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "outside the checkpoint folder" in err
     assert not list((tmp_path / "out").glob("*.safetensors"))
