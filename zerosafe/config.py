@@ -148,11 +148,13 @@ class ConvertOptions:
 
     select: tuple[str, ...] = ()
     """PyTorch DCP: key prefixes to convert (`model`, `optim.state`); a prefix matches whole
-    dotted components. Empty: the tensors under `model` (`model.` stripped), or every tensor
+    dotted components; dots around a prefix are ignored (`model.` is `model`) and one that is
+    only dots is refused. Empty: the tensors under `model` (`model.` stripped), or every tensor
     without a `model` key. Formats that hold one state dict (DeepSpeed) refuse it."""
     strip_prefix: str | None = None
     """PyTorch DCP: a prefix removed from the output names (`model`); `""` strips nothing;
-    None: `model` with the default selection, nothing with `select`."""
+    None: `model` with the default selection, nothing with `select`. Dots around it are
+    ignored; one that is only dots (`.`) is refused."""
 
     # The names these options had before 0.2, accepted for one release (`memory_bytes=` is
     # `memory=`; `check_finite=False` is `allow_nonfinite=True`). Not stored.

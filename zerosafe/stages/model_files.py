@@ -131,7 +131,7 @@ def list_model_files(storage: Storage, folder: str) -> tuple[list[str], list[str
     """
     names = set(storage.listdir(folder))
     found = [n for n in MODEL_FILE_NAMES if n in names]
-    if CHAT_TEMPLATES_DIR in names:
+    if CHAT_TEMPLATES_DIR in names and storage.isdir(join_url(folder, CHAT_TEMPLATES_DIR)):
         found += [
             f"{CHAT_TEMPLATES_DIR}/{n}"
             for n in storage.listdir(join_url(folder, CHAT_TEMPLATES_DIR))
