@@ -42,6 +42,24 @@ def normalize_dtype(name: str) -> str:
     return key
 
 
+def _dotted_prefix(field: str, prefix: str) -> str:
+    """A key prefix without the dots around it (`model.` is `model`).
+
+    Raises:
+        ConfigError: If nothing is left: `.` is no prefix, and matching on it selected or
+            stripped every name (issue 24: `--strip-prefix .` cut each name's first letter).
+    """
+    name = prefix.strip(".")
+    if not name:
+        raise ConfigError(
+            f"`{field}` '{prefix}' is empty once its dots are removed, expected a key prefix "
+            "such as 'model' or 'optim.state'; name one (the top-level keys are listed by "
+            "`zerosafe inspect`)"
+            + (", or leave it out for the default" if field == "select" else "")
+        )
+    return name
+
+
 MODES = ("auto", "direct", "staged")
 """How merges read the fp32 masters: `direct` in place, `staged` from intermediates that one
 extract per rank part writes first, `auto` by where the checkpoint is (`choose_mode`)."""
@@ -130,11 +148,13 @@ class ConvertOptions:
 
     select: tuple[str, ...] = ()
     """PyTorch DCP: key prefixes to convert (`model`, `optim.state`); a prefix matches whole
-    dotted components. Empty: the tensors under `model` (`model.` stripped), or every tensor
+    dotted components; dots around a prefix are ignored (`model.` is `model`) and one that is
+    only dots is refused. Empty: the tensors under `model` (`model.` stripped), or every tensor
     without a `model` key. Formats that hold one state dict (DeepSpeed) refuse it."""
     strip_prefix: str | None = None
     """PyTorch DCP: a prefix removed from the output names (`model`); `""` strips nothing;
-    None: `model` with the default selection, nothing with `select`."""
+    None: `model` with the default selection, nothing with `select`. Dots around it are
+    ignored; one that is only dots (`.`) is refused."""
 
     # The names these options had before 0.2, accepted for one release (`memory_bytes=` is
     # `memory=`; `check_finite=False` is `allow_nonfinite=True`). Not stored.
@@ -162,7 +182,11 @@ class ConvertOptions:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if isinstance(self.select, str) or not all(isinstance(p, str) for p in self.select):
             raise ConfigError(f"`select` must be a list of key prefixes (got {self.select!r})")
-        object.__setattr__(self, "select", tuple(self.select))
+        object.__setattr__(self, "select", tuple(_dotted_prefix("select", p) for p in self.select))
+        if self.strip_prefix:  # `""` keeps its meaning: strip nothing
+            object.__setattr__(
+                self, "strip_prefix", _dotted_prefix("strip_prefix", self.strip_prefix)
+            )
         # JSON (Prefect parameters, the job dict tasks get) turns the tuple into a list.
         object.__setattr__(self, "keep_fp32", tuple(self.keep_fp32))
         for pattern in self.keep_fp32:

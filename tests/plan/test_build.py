@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from zerosafe.config import ConvertOptions
-from zerosafe.errors import LayoutMismatchError
+from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
 from zerosafe.formats.base import SourceLayout, SourceTensor
 from zerosafe.plan.build import assign_shards, plan_layout, plan_parts
 from zerosafe.plan.model import Slot, SourceFile
@@ -135,3 +135,49 @@ def test_job_key_depends_on_files_tag_and_byte_options_only() -> None:
     assert plan_layout(layout, ConvertOptions(dtype="bf16")).job_key != base
     layout.tag = "other"
     assert plan_layout(layout, ConvertOptions()).job_key != base
+
+
+# -- issue 24 item 3: no two tensors get one output name ------------------------------------------
+
+
+def test_a_name_listed_twice_is_refused_before_writing() -> None:
+    """A reader that renames (pipeline-parallel layer files, MoE experts, a DCP selection)
+    and lists one output name twice: each safetensors header keeps a name once, so one tensor
+    would be lost, or two entries would name one tensor. The shipped sample's own layout,
+    its order damaged, is refused with both sources and the name."""
+    from tests.conftest import SAMPLE_CKPT
+    from zerosafe.formats.registry import read_source
+    from zerosafe.io.storage import Storage
+
+    options = ConvertOptions()
+    layout = read_source(Storage(), str(SAMPLE_CKPT), tag=None, options=options)
+    assert len(plan_layout(layout, options).tensors) == len(set(layout.order)) - 1  # 1 alias
+    layout.order.append(layout.order[2])
+    with pytest.raises(CheckpointFormatError, match=r"'embed.weight' twice.*output name"):
+        plan_layout(layout, options)
+
+
+def test_an_alias_named_like_a_tensor_is_refused() -> None:
+    slots = [_slot(0, 0, 4), _slot(1, 0, 4)]
+    tensors = {
+        "emb": _tensor("emb", (4,), ((0, 0, 4, 0),)),
+        "head": _tensor("head", (4,), ((1, 0, 4, 0),)),
+    }
+    layout = _layout(tensors, slots, order=["emb", "head"], aliases={"head": "emb"})
+    for tied in ("dedupe", "copy"):
+        with pytest.raises(
+            CheckpointFormatError,
+            match=r"'head' \(a tensor\) and 'head' \(an alias of 'emb'\) both have the output name 'head'",
+        ):
+            plan_layout(layout, ConvertOptions(tied=tied))  # type: ignore[arg-type]
+
+
+def test_dcp_renames_that_collide_name_both_keys() -> None:
+    from zerosafe.errors import ConfigError
+    from zerosafe.formats.dcp.reader import DcpSelection, select_tensors
+
+    keys = ["model.w", "w", "model.b"]
+    picked = select_tensors(keys, DcpSelection(select=("model",), strip_prefix="model"))
+    assert picked.pairs == [("model.w", "w"), ("model.b", "b")]
+    with pytest.raises(ConfigError, match=r"'model.w' and 'w' both become 'w'"):
+        select_tensors(keys, DcpSelection(select=("model", "w"), strip_prefix="model"))

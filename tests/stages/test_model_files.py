@@ -4,13 +4,19 @@ on the shipped ZeRO-3 sample (engine driver; the flow and real transformers are 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import stat
+import subprocess
+import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-from tests.conftest import SAMPLE_CKPT
+from tests.conftest import REPO, SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConfigError
 from zerosafe.pipeline import convert_checkpoint
@@ -167,3 +173,126 @@ def test_job_keys_without_new_options_do_not_change() -> None:
     key = job_key_of("t", [], ConvertOptions())
     assert job_key_of("t", [], ConvertOptions(keep_fp32=("norm",))) != key
     assert ConvertOptions(keep_fp32=["a"]).keep_fp32 == ("a",)  # type: ignore[arg-type]
+
+
+# -- issue 24: model files are copied safely (items 2, 4, 5, 6) -----------------------------------
+
+
+def _run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_model_files_from_the_output_are_refused(
+    hf_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 24 item 2: `--model-files OUT` on a complete output removed its config.json and
+    tokenizer files (the repair removes the copies, then copies from where they were), exit 0."""
+    out = tmp_path / "out"
+    convert_checkpoint(str(hf_ckpt), str(out))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    (out / "sub").mkdir()
+    for folder in (out, out / "sub", tmp_path / "out" / "."):
+        code, err = _run_cli(
+            capsys, "convert", "--no-flow", str(hf_ckpt), str(out), "--model-files", str(folder)
+        )
+        assert code == 2 and err.count("\n") == 1, err
+        assert "`--model-files`" in err and "inside the output" in err and str(out) in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert verify_output(str(out))["ok"]
+    # The checkpoint folder (where model files come from by default) inside the output, too.
+    (tmp_path / "config.json").write_text("{}")
+    code, err = _run_cli(capsys, "convert", "--no-flow", str(hf_ckpt), str(tmp_path), "--overwrite")
+    assert code == 2 and err.count("\n") == 1 and "inside the output" in err, err
+    assert (tmp_path / "config.json").exists() and (hf_ckpt / "config.json").exists()
+
+
+def test_a_link_out_of_the_folder_is_skipped_and_modes_are_never_widened(
+    hf_ckpt: Path, tmp_path: Path
+) -> None:
+    """Issue 24 item 4: a `tokenizer.model` linking to a 0600 file elsewhere was copied into
+    the output as a 0644 file."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not for upload")
+    secret.chmod(0o600)
+    (hf_ckpt / "tokenizer.model").symlink_to(secret)
+    (hf_ckpt / "tokenizer.json").chmod(0o600)
+    (hf_ckpt / "real").mkdir()
+    (hf_ckpt / "real" / "merges.txt").write_text("a b\n")
+    (hf_ckpt / "merges.txt").symlink_to("real/merges.txt")  # stays inside: copied
+    out = tmp_path / "out"
+    summary = convert_checkpoint(str(hf_ckpt), str(out))
+    assert not (out / "tokenizer.model").exists()
+    assert any("tokenizer.model" in w and "outside" in w for w in summary["warnings"]), summary
+    copied = [e["file"] for e in _manifest(out)["model_files"]]
+    assert "tokenizer.model" not in copied and "merges.txt" in copied
+    assert (out / "merges.txt").read_text() == "a b\n" and not (out / "merges.txt").is_symlink()
+    assert (out / "tokenizer.json").stat().st_mode & 0o777 == 0o600
+    assert verify_output(str(out))["ok"]
+    assert convert_checkpoint(str(hf_ckpt), str(out))["status"] == "already-complete"
+
+
+def _convert_in_subprocess(ckpt: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    # A child process, so that the hang this guards against fails the test instead of it.
+    return subprocess.run(
+        [sys.executable, "-m", "zerosafe_app.cli", "convert", "--no-flow", str(ckpt), str(out)],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+
+
+def test_a_fifo_named_like_a_model_file_is_skipped(hf_ckpt: Path, tmp_path: Path) -> None:
+    """Issue 24 item 5: a FIFO named `config.json` hung `convert` forever."""
+    (hf_ckpt / "config.json").unlink()
+    os.mkfifo(hf_ckpt / "config.json")
+    os.mkfifo(hf_ckpt / "vocab.txt")
+    out = tmp_path / "out"
+    done = _convert_in_subprocess(hf_ckpt, out)
+    assert done.returncode == 0, done.stderr
+    assert "config.json" in done.stderr and "not a regular file" in done.stderr
+    copied = [e["file"] for e in _manifest(out)["model_files"]]
+    assert "config.json" not in copied and "vocab.txt" not in copied and copied
+    assert verify_output(str(out))["ok"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
+def test_a_device_named_like_a_model_file_is_skipped(hf_ckpt: Path, tmp_path: Path) -> None:
+    """Issue 24 item 5: a device (`/dev/zero`'s) as a model file ran out of memory."""
+    (hf_ckpt / "config.json").unlink()
+    os.mknod(hf_ckpt / "config.json", 0o600 | stat.S_IFCHR, os.makedev(1, 5))
+    os.mknod(hf_ckpt / "tokenizer.model", 0o600 | stat.S_IFCHR, os.makedev(1, 5))
+    out = tmp_path / "out"
+    done = _convert_in_subprocess(hf_ckpt, out)
+    assert done.returncode == 0, done.stderr
+    assert "tokenizer.model" in done.stderr and "not a regular file" in done.stderr
+    assert not (out / "config.json").exists() and not (out / "tokenizer.model").exists()
+
+
+def test_model_files_are_streamed_within_the_memory_budget(hf_ckpt: Path, tmp_path: Path) -> None:
+    """Issue 24 item 6: a 1.5 GB tokenizer file was read whole (1.9 GB peak under a 64 MB
+    budget). Python's allocations while converting, copying and verifying stay far below it."""
+    big = hf_ckpt / "tokenizer.model"
+    with open(big, "wb") as f:
+        f.truncate(96 * 2**20)  # sparse: cheap to make, read as zeros
+    out = tmp_path / "out"
+    tracemalloc.start()
+    try:
+        convert_checkpoint(str(hf_ckpt), str(out), ConvertOptions(memory=64 * 2**20))
+        assert verify_output(str(out))["ok"]
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak_bytes < 40 * 2**20, peak_bytes
+    entry = next(e for e in _manifest(out)["model_files"] if e["file"] == "tokenizer.model")
+    assert entry["size_bytes"] == 96 * 2**20
+    assert entry["sha256"] == hashlib.sha256(bytes(96 * 2**20)).hexdigest()
+
+
+def test_a_config_over_the_cap_is_not_parsed(hf_ckpt: Path, capsys) -> None:
+    """Issue 24 item 6: config.json was parsed whatever its size; one over 16 MiB is not a
+    transformers config, so it is copied but not read, with a warning."""
+    (hf_ckpt / "config.json").write_text(
+        json.dumps({"tie_word_embeddings": False, "x": "y" * 2**24})
+    )
+    assert main(["inspect", str(hf_ckpt), "--json"]) == 0
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert len(warnings) == 1 and "config.json" in warnings[0] and "16 MiB" in warnings[0]

@@ -21,6 +21,7 @@ import os
 import posixpath
 import secrets
 import shutil
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -170,12 +171,22 @@ class LocalSource:
         self._counter = counter
         path = local_path(url)
         try:
-            self._fd = os.open(path, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO would otherwise wait for a writer; it changes
+            # nothing for a regular file, the only kind read past the check below.
+            self._fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
         except FileNotFoundError as e:
             raise CheckpointFormatError(f"{url}: file not found") from e
         except OSError as e:
             raise StorageError(f"{url}: cannot open for reading: {e.strerror}") from e
-        self.size_bytes = os.fstat(self._fd).st_size
+        st = os.fstat(self._fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self._fd)
+            self._fd = -1
+            raise CheckpointFormatError(
+                f"{url}: expected a regular file, found a FIFO, device or folder, which has no "
+                "fixed size to read; replace it with the file itself"
+            )
+        self.size_bytes = st.st_size
 
     def read_range(self, start: int, end: int) -> bytes:
         want = end - start
@@ -320,7 +331,9 @@ class LocalSink:
     the writer (measured here at 0.4 GB/s), and the fsync at commit has it all to do.
     """
 
-    def __init__(self, url: str, counter: IOCounter | None = None) -> None:
+    def __init__(
+        self, url: str, counter: IOCounter | None = None, *, max_mode: int | None = None
+    ) -> None:
         self.url = url
         self.bytes_written = 0
         self._counter = counter
@@ -328,8 +341,12 @@ class LocalSink:
         folder, name = os.path.split(self._path)
         os.makedirs(folder or ".", exist_ok=True)
         self._tmp_path = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.partial")
+        # Created with the narrower mode at once (the umask narrows it further), so the file
+        # is never readable by more users than `max_mode` allows, not even briefly.
+        mode = 0o666 if max_mode is None else 0o666 & max_mode
         try:
-            self._file = open(self._tmp_path, "wb", buffering=0)  # noqa: SIM115
+            fd = os.open(self._tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            self._file = open(fd, "wb", buffering=0)  # noqa: SIM115
         except OSError as e:
             raise StorageError(f"{url}: cannot create '{self._tmp_path}': {e.strerror}") from e
         self._done = False
@@ -587,10 +604,16 @@ class Storage:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def open_sink(self, url: str) -> Sink:
-        """Open `url` for a sequential write that is invisible until `commit`."""
+    def open_sink(self, url: str, *, max_mode: int | None = None) -> Sink:
+        """Open `url` for a sequential write that is invisible until `commit`.
+
+        Args:
+            url: Where the file goes.
+            max_mode: Local files: permission bits the file may have at most (a copy of a
+                0600 file passes 0o600); object stores have no modes and ignore it.
+        """
         if is_local(url):
-            return LocalSink(url, self.counter)
+            return LocalSink(url, self.counter, max_mode=max_mode)
         fs, path = self._fs(url)
         if _is_s3(url):
             return S3MultipartSink(fs, url, path, self.counter, self.transfer)
@@ -690,9 +713,10 @@ class Storage:
         return shutil.disk_usage(path).free
 
     @contextlib.contextmanager
-    def sink(self, url: str) -> Iterator[Sink]:
-        """A sink committed when the block ends normally and aborted on any exception."""
-        sink = self.open_sink(url)
+    def sink(self, url: str, *, max_mode: int | None = None) -> Iterator[Sink]:
+        """A sink committed when the block ends normally and aborted on any exception
+        (`max_mode` as in `open_sink`)."""
+        sink = self.open_sink(url, max_mode=max_mode)
         try:
             yield sink
         except BaseException:

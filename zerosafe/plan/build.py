@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import dtype_info
-from zerosafe.errors import LayoutMismatchError
+from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
 from zerosafe.formats.base import SourceLayout, SourceTensor
 from zerosafe.io.storage import Storage
 from zerosafe.plan.model import (
@@ -52,10 +52,12 @@ def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
     """The plan of converting `layout` under `options`; no I/O.
 
     Raises:
+        CheckpointFormatError: If two tensors would get one output name.
         LayoutMismatchError: If a tensor's fragments do not tile it exactly.
     """
     kept = _kept_tensors(layout, options)
     names, aliases = _output_names(layout, kept, options)
+    _check_output_names(layout, names)
     owners = [layout.aliases.get(n, n) for n in names]
     dtypes = [output_dtype(layout.tensors[o], options) for o in owners]
     sizes = [
@@ -150,6 +152,35 @@ def _kept_tensors(layout: SourceLayout, options: ConvertOptions) -> set[str]:
         for name, t in layout.tensors.items()
         if not (options.exclude_frozen and t.role == "frozen")
     }
+
+
+def _check_output_names(layout: SourceLayout, names: list[str]) -> None:
+    """Refuse a layout in which two tensors would get one output name, before anything is
+    written: a safetensors header keeps each name once, so one of them would be lost
+    silently (issue 24). Readers build the names (a DCP selection strips a prefix, pipeline
+    and MoE readers rename layer and expert files); this is the check they all share.
+
+    Raises:
+        CheckpointFormatError: Naming both sources and the output name.
+    """
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise CheckpointFormatError(
+                f"{layout.where}: the {layout.format} reader lists '{name}' twice, so two "
+                f"tensors would get the output name '{name}' and one would be lost; the "
+                "checkpoint's names are not understood. Please report it with `zerosafe "
+                "inspect --json` output"
+            )
+        seen.add(name)
+    for alias, target in layout.aliases.items():
+        if alias in layout.tensors:
+            raise CheckpointFormatError(
+                f"{layout.where}: '{alias}' (a tensor) and '{alias}' (an alias of '{target}') "
+                f"both have the output name '{alias}', so one would be lost; the checkpoint's "
+                "tied names are not understood. Please report it with `zerosafe inspect "
+                "--json` output"
+            )
 
 
 def _output_names(

@@ -13,6 +13,16 @@ https://huggingface.co/docs/transformers/main_classes/tokenizer
 
 Copies go through the job's pending folder and are moved into place by publish with the
 shards, before the completion marker (`zerosafe.stages.output.publish`).
+
+What is copied is only what belongs to the folder, as a regular file (issue 24). On a local
+filesystem a name that is a FIFO, a device, a socket or a folder is skipped with a warning
+(reading it would hang or never end), and so is a symbolic link whose target lies outside
+the folder: such a link can pull a private file (a 0600 key, another user's data) into an
+output that is about to be uploaded. Skipping rather than refusing keeps the conversion going,
+since none of these files is needed for the weights; the warning names each one and the fix.
+A link that stays inside the folder is copied as the file it points to. A copy never gets a
+wider mode than its source (a 0600 file stays 0600), and every file is streamed in bounded
+chunks; `config.json` is parsed only up to `CONFIG_MAX_BYTES`.
 """
 
 from __future__ import annotations
@@ -20,20 +30,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import posixpath
+import stat
 from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import ALIASES
 from zerosafe.errors import CheckpointFormatError, ConfigError
-from zerosafe.io.storage import Storage, is_local, join_url
+from zerosafe.io.storage import Storage, is_local, join_url, local_path, normalize_url
 
 __all__ = [
     "CHAT_TEMPLATES_DIR",
+    "CONFIG_MAX_BYTES",
     "MODEL_FILE_NAMES",
     "check_model_config",
+    "check_model_files_outside",
     "copy_model_files",
     "find_model_files",
+    "list_model_files",
     "model_files_folder",
     "model_files_report",
 ]
@@ -70,6 +85,12 @@ MODEL_FILE_NAMES = (
 """Files copied when present, by exact name."""
 CHAT_TEMPLATES_DIR = "additional_chat_templates"
 """Named chat templates (`additional_chat_templates/NAME.jinja`): copied too."""
+CONFIG_MAX_BYTES = 16 * 2**20
+"""The largest `config.json` parsed for the plan-time checks. Real configs are kilobytes
+(the largest on the Hub, with long `id2label` tables, a few MB); a bigger one is copied but
+not read, so a huge or endless file cannot exhaust memory."""
+COPY_CHUNK_BYTES = 8 * 2**20
+"""Bytes per read when copying or hashing a model file, unless the job's budget gives less."""
 
 
 def model_files_folder(source: dict[str, Any], options: ConvertOptions) -> str | None:
@@ -92,41 +113,152 @@ def model_files_folder(source: dict[str, Any], options: ConvertOptions) -> str |
 
 
 def find_model_files(storage: Storage, folder: str) -> list[str]:
-    """The model files in `folder`, as names relative to it (in copy order)."""
+    """The model files in `folder` that are copied, as names relative to it (in copy order):
+    regular files only, see `list_model_files`."""
+    return list_model_files(storage, folder)[0]
+
+
+def list_model_files(storage: Storage, folder: str) -> tuple[list[str], list[str]]:
+    """The model files in `folder` to copy, and a warning for each one skipped.
+
+    Only names in `MODEL_FILE_NAMES` (and `additional_chat_templates/*.jinja`) count. On a
+    local filesystem each must be a regular file, or a symbolic link to one inside `folder`:
+    a FIFO, device or socket, and a link leaving `folder`, are skipped (see the module
+    docstring). Object stores hold only plain objects.
+
+    Returns:
+        `(names, warnings)`: names relative to `folder`, in copy order.
+    """
     names = set(storage.listdir(folder))
     found = [n for n in MODEL_FILE_NAMES if n in names]
-    if CHAT_TEMPLATES_DIR in names:
+    if CHAT_TEMPLATES_DIR in names and storage.isdir(join_url(folder, CHAT_TEMPLATES_DIR)):
         found += [
             f"{CHAT_TEMPLATES_DIR}/{n}"
             for n in storage.listdir(join_url(folder, CHAT_TEMPLATES_DIR))
             if n.endswith(".jinja")
         ]
-    return found
+    if not is_local(folder):
+        return found, []
+    kept, warnings = [], []
+    for name in found:
+        why = _not_copied_because(folder, name)
+        if why is None:
+            kept.append(name)
+        else:
+            warnings.append(why)
+    return kept, warnings
+
+
+def _not_copied_because(folder: str, name: str) -> str | None:
+    """Why the local model file `folder/name` is not copied, or None when it is a regular
+    file (or a link to one) inside `folder`. Decided from `lstat`/`stat`, never by opening
+    it: opening a FIFO blocks until a writer comes."""
+    path = os.path.join(local_path(folder), name)
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            target = os.path.realpath(path)
+            root = os.path.realpath(local_path(folder))
+            if os.path.commonpath([root, target]) != root:
+                return (
+                    f"{path}: a symbolic link to '{target}', outside {folder}; not copied, so "
+                    "no file from elsewhere lands in the output. If it belongs to the model, "
+                    "copy the file itself into the folder (`cp -L`)"
+                )
+            st = os.stat(path)
+    except OSError as e:  # a dangling link, or removed meanwhile
+        return f"{path}: cannot be read ({e.strerror}); not copied"
+    if not stat.S_ISREG(st.st_mode):
+        return (
+            f"{path}: not a regular file (a {_kind_of(st.st_mode)}); not copied. Replace it "
+            "with the file itself, or remove it"
+        )
+    return None
+
+
+def _kind_of(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "folder" if stat.S_ISDIR(mode) else "special file"
+
+
+def check_model_files_outside(folder: str, out_url: str) -> None:
+    """Refuse to copy model files from the output folder itself or from inside it.
+
+    Publishing removes the copies an output already holds before moving the new ones in,
+    so copying from there would delete them (issue 24: `--model-files OUT` removed the
+    output's config.json and tokenizer, and the run still succeeded).
+
+    Raises:
+        ConfigError: If `folder` is `out_url` or inside it.
+    """
+    inner, outer = normalize_url(folder), normalize_url(out_url)
+    if inner != outer and not inner.startswith(outer.rstrip("/") + "/"):
+        return
+    raise ConfigError(
+        f"{folder}: expected the folder model files are copied from (`--model-files`, by "
+        f"default the checkpoint folder) to be outside the output, found it inside the output "
+        f"{out_url} (or the output itself); publishing replaces the model files there, so they "
+        "would be removed, not copied. Pass `--model-files DIR` with the folder holding "
+        "config.json and the tokenizer files, convert into another output folder, or pass "
+        "`--no-model-files`"
+    )
 
 
 def copy_model_files(
-    storage: Storage, folder: str, names: list[str], dest: str
+    storage: Storage,
+    folder: str,
+    names: list[str],
+    dest: str,
+    *,
+    chunk_bytes: int = COPY_CHUNK_BYTES,
 ) -> list[dict[str, Any]]:
-    """Copy `names` from `folder` into `dest` (each written atomically), byte for byte.
+    """Copy `names` from `folder` into `dest` (each written atomically), byte for byte, in
+    reads of at most `chunk_bytes`. A local copy's mode is never wider than its source's.
+    A name that stopped being a regular file inside `folder` since it was listed is skipped
+    with a warning, as `list_model_files` would.
 
     Returns:
         Manifest entries: `file`, `size_bytes`, `sha256`, and `source`, `source_size_bytes`,
         `source_version` (what a later run compares to see the source changed).
+
+    Raises:
+        CheckpointFormatError: If a file shrinks while it is copied.
     """
     entries = []
     for name in names:
         src = join_url(folder, name)
+        max_mode = None
+        if is_local(folder):
+            why = _not_copied_because(folder, name)
+            if why is not None:
+                log.warning("%s", why)
+                continue
+            max_mode = stat.S_IMODE(os.stat(local_path(src)).st_mode)
         ident = storage.identity(src)
-        data = storage.read_bytes(src)
         target = join_url(dest, name)
         if is_local(target):
             storage.makedirs(posixpath.dirname(target))
-        storage.write_bytes(target, data)
+        digest = hashlib.sha256()
+        source = storage.open_source(src)
+        try:
+            with storage.sink(target, max_mode=max_mode) as sink:
+                for start in range(0, source.size_bytes, chunk_bytes):
+                    data = source.read_range(start, min(start + chunk_bytes, source.size_bytes))
+                    digest.update(data)
+                    sink.write(data)
+            size_bytes = source.size_bytes
+        finally:
+            source.close()
         entries.append(
             {
                 "file": name,
-                "size_bytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
+                "size_bytes": size_bytes,
+                "sha256": digest.hexdigest(),
                 "source": src,
                 "source_size_bytes": ident.size_bytes,
                 "source_version": ident.version,
@@ -135,17 +267,43 @@ def copy_model_files(
     return entries
 
 
+def sha256_of(
+    storage: Storage, url: str, *, chunk_bytes: int = COPY_CHUNK_BYTES
+) -> tuple[int, str]:
+    """`(size_bytes, sha256 hex digest)` of a file, read in chunks of `chunk_bytes`."""
+    digest = hashlib.sha256()
+    source = storage.open_source(url)
+    try:
+        for start in range(0, source.size_bytes, chunk_bytes):
+            digest.update(source.read_range(start, min(start + chunk_bytes, source.size_bytes)))
+        return source.size_bytes, digest.hexdigest()
+    finally:
+        source.close()
+
+
 def read_config(storage: Storage, folder: str) -> dict[str, Any] | None:
     """`folder/config.json` parsed, or None when there is none.
 
     Raises:
-        CheckpointFormatError: If it is not a JSON object.
+        CheckpointFormatError: If it is larger than `CONFIG_MAX_BYTES` or not a JSON object.
     """
     url = join_url(folder, "config.json")
     if not storage.exists(url):
         return None
+    source = storage.open_source(url)
     try:
-        config = json.loads(storage.read_bytes(url))
+        if source.size_bytes > CONFIG_MAX_BYTES:
+            raise CheckpointFormatError(
+                f"{url}: expected a transformers config of at most "
+                f"{CONFIG_MAX_BYTES // 2**20} MiB, found {source.size_bytes} bytes; it is copied "
+                "but not checked. Fix or remove it, pass `--model-files DIR` with a good one, "
+                "or `--no-model-files`"
+            )
+        raw = source.read_range(0, source.size_bytes)
+    finally:
+        source.close()
+    try:
+        config = json.loads(raw)
     except ValueError as e:
         raise CheckpointFormatError(
             f"{url}: expected a transformers config (JSON), found invalid JSON ({e}); fix or "
@@ -212,7 +370,7 @@ def model_files_report(
     folder = model_files_folder(source, options)
     if folder is None:
         return [], []
-    names = find_model_files(storage, folder)
+    names, skipped = list_model_files(storage, folder)
     if options.model_files is not None and not names:
         what = "is not a folder" if not storage.isdir(folder) else "holds none of them"
         raise ConfigError(
@@ -224,14 +382,24 @@ def model_files_report(
         return [
             f"no config.json or tokenizer files in {folder} to copy; from_pretrained needs a "
             "config: pass `--model-files DIR`"
-        ], []
+        ], skipped
     notes = [f"copies {len(names)} model file(s) from {folder}: {', '.join(names)}"]
-    config = read_config(storage, folder)
-    if config is None:
+    if "config.json" not in names:
         notes.append(f"no config.json in {folder}; from_pretrained needs one")
-        return notes, []
+        return notes, skipped
     where = join_url(folder, "config.json")
+    size_bytes = storage.identity(where).size_bytes
+    if size_bytes > CONFIG_MAX_BYTES:
+        return notes, [
+            *skipped,
+            f"{where}: {size_bytes} bytes, over the {CONFIG_MAX_BYTES // 2**20} MiB a "
+            "transformers config can be; copied as is but not checked (dtype, tied weights). "
+            "Is it the right file?",
+        ]
+    config = read_config(storage, folder)
+    if config is None:  # removed since it was listed
+        return notes, skipped
     warnings = check_model_config(config, where, out_dtype=options.dtype, aliases=aliases)
     if config.get("auto_map"):
         notes.append(f"{where} names remote code (`auto_map`); its *.py files are not copied")
-    return notes, warnings
+    return notes, [*skipped, *warnings]

@@ -23,7 +23,12 @@ from zerosafe.config import ConvertOptions
 from zerosafe.errors import OutputExistsError, VerificationError
 from zerosafe.io.storage import FileIdentity, Storage, is_local, join_url
 from zerosafe.plan.model import Plan
-from zerosafe.stages.model_files import copy_model_files, find_model_files, model_files_folder
+from zerosafe.stages.model_files import (
+    check_model_files_outside,
+    copy_model_files,
+    find_model_files,
+    model_files_folder,
+)
 from zerosafe.stages.results import MergeResult, RunStats, VerifyResult
 
 __all__ = [
@@ -306,10 +311,17 @@ def quick_done(
     storage: Storage, ckpt_url: str, tag: str | None, out_url: str, options: ConvertOptions
 ) -> str | None:
     """The job key if `out_url` already holds this exact conversion, checked from file stats
-    alone (no checkpoint byte is read); None otherwise or when unsure."""
+    alone (no checkpoint byte is read); None otherwise or when unsure.
+
+    Raises:
+        ConfigError: If `options.model_files` is `out_url` or inside it: the first check of
+            every conversion, so it is refused before anything is read or planned.
+    """
     from zerosafe.formats.registry import quick_identities
     from zerosafe.plan.model import job_key_of
 
+    if options.model_files is not None:
+        check_model_files_outside(options.model_files, out_url)
     if options.overwrite or not storage.exists(join_url(out_url, MARKER_NAME)):
         return None
     try:
@@ -436,7 +448,11 @@ def prepare_output(
 
     Raises:
         OutputExistsError: If the folder holds another conversion and `overwrite` is off.
+        ConfigError: If `model_files_from` is `out_url` or inside it (checked first, before
+            anything is removed).
     """
+    if isinstance(model_files_from, str):
+        check_model_files_outside(model_files_from, out_url)
     state = inspect_output(
         storage, out_url, job_key, model_files_from=model_files_from, file_sha256=file_sha256
     )
@@ -525,7 +541,9 @@ def _stage_model_files(
     folder = model_files_folder(plan.source, options)
     if folder is None:
         return []
-    return copy_model_files(storage, folder, find_model_files(storage, folder), pending)
+    return copy_model_files(
+        storage, folder, find_model_files(storage, folder), pending, chunk_bytes=options.chunk_bytes
+    )
 
 
 def _published_model_files(

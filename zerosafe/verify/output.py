@@ -12,7 +12,6 @@ it, a witness that owes nothing to the fp32 partitions.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -24,6 +23,7 @@ from zerosafe.dtypes import dtype_info, torch_dtype
 from zerosafe.errors import CheckpointFormatError, ConversionError
 from zerosafe.io.lease import DESTINATION_LEASE_NAME
 from zerosafe.io.storage import Storage, join_url, normalize_url
+from zerosafe.stages.model_files import sha256_of
 from zerosafe.stages.output import (
     INDEX_NAME,
     MANIFEST_NAME,
@@ -401,10 +401,10 @@ def _check_model_files(storage: Storage, out_url: str, manifest: dict[str, Any])
         if not storage.exists(url):
             failures.append(Failure(name, "*", "model file", f"in {MANIFEST_NAME} but missing"))
             continue
-        data = storage.read_bytes(url)
-        if len(data) != entry.get("size_bytes"):
-            found = f"{len(data)} bytes, copied as {entry.get('size_bytes')}"
-        elif hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+        size_bytes, sha256 = sha256_of(storage, url)  # streamed: a model file may be GBs
+        if size_bytes != entry.get("size_bytes"):
+            found = f"{size_bytes} bytes, copied as {entry.get('size_bytes')}"
+        elif sha256 != entry.get("sha256"):
             found = "its SHA-256 differs from the copy's"
         else:
             continue

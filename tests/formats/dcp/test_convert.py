@@ -211,3 +211,46 @@ def test_selection_options_leave_other_job_keys_alone() -> None:
     assert "strip_prefix" not in ConvertOptions().identity()
     assert ConvertOptions(select=["a"]).identity()["select"] == ["a"]  # type: ignore[arg-type]
     assert ConvertOptions(strip_prefix="").identity()["strip_prefix"] == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (("--select", "model", "--strip-prefix", "."), "--strip-prefix"),
+        (("--strip-prefix", ".."), "--strip-prefix"),
+        (("--select", "."), "--select"),
+        (("--select", ""), "--select"),
+        (("--select", "model", "--select", "..."), "--select"),
+    ],
+)
+def test_a_prefix_empty_after_removing_dots_is_refused(
+    args: tuple[str, ...],
+    flag: str,
+    dcp_checkpoint: Checkpoint,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 24 item 1: `--select model --strip-prefix .` wrote 'odel.w' (the first character
+    of every name cut), exit 0, and verify said OK; `--select .` selected every tensor."""
+    out = tmp_path / "out"
+    code, _, err = run(
+        capsys, "convert", str(dcp_checkpoint("fsdp2")), str(out), "--no-flow", *args
+    )
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"`{flag}`" in err and "empty once its dots are removed" in err
+    assert not list(out.glob("*.safetensors"))
+
+
+def test_dots_around_a_prefix_are_only_spelling(
+    dcp_checkpoint: Checkpoint,
+    dcp_oracle: Oracle,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    src = dcp_checkpoint("fsdp2")
+    dotted = convert(capsys, src, tmp_path / "a", "--select", "model.", "--strip-prefix", "model.")
+    assert_matches(load_output(tmp_path / "a"), model_oracle(dcp_oracle("fsdp2")), "fp32")
+    plain = ConvertOptions(select=("model",), strip_prefix="model")
+    assert ConvertOptions(select=("model.",), strip_prefix="model.") == plain
+    assert dotted["job_key"] == convert(capsys, src, tmp_path / "b", "--select", "model",
+                                        "--strip-prefix", "model")["job_key"]  # fmt: skip
