@@ -234,7 +234,7 @@ def test_a_prefix_empty_after_removing_dots_is_refused(
     of every name cut), exit 0, and verify said OK; `--select .` selected every tensor."""
     out = tmp_path / "out"
     code, _, err = run(
-        capsys, "convert", str(dcp_checkpoint("fsdp2")), str(out), "--no-flow", *args
+        capsys, "convert", str(dcp_checkpoint("fsdp2")), str(out), "--via", "local", *args
     )
     assert code == 2 and err.count("\n") == 1, err
     assert f"`{flag}`" in err and "empty once its dots are removed" in err
