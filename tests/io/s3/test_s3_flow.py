@@ -95,14 +95,17 @@ def test_killed_run_leaves_nothing_done_and_resumes(
         env=env,
         cwd=REPO,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
     client = s3_client(moto.url)
     try:
         deadline = time.monotonic() + 180
         while True:
-            assert proc.poll() is None, "the run ended before it could be killed"
+            assert proc.poll() is None, (
+                f"the run ended before it could be killed: {proc.stderr.read()[-3000:]}"
+            )  # type: ignore[union-attr]
             assert time.monotonic() < deadline, "no upload of the output started"
             uploads = [
                 u
