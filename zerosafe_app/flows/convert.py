@@ -17,6 +17,7 @@ import json
 import re
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
@@ -38,6 +39,7 @@ from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConversionError, VerificationError
 from zerosafe.io.storage import Storage, is_local, join_url
 from zerosafe.pipeline import (
+    cleanup_warning,
     hold_destination,
     hold_work,
     parts_to_extract,
@@ -54,7 +56,7 @@ from zerosafe_app.tasks._common import progress as task_progress
 from zerosafe_app.tasks.credentials import storage_for
 from zerosafe_app.tasks.inspect import inspect
 from zerosafe_app.tasks.merge import reusable_shards
-from zerosafe_app.tasks.publish import publish
+from zerosafe_app.tasks.publish import finish, publish
 
 __all__ = ["convert", "run_convert"]
 
@@ -335,7 +337,14 @@ def _run_held(cfg: JobConfig, storage: Storage, *, started: float) -> RunSummary
             cfg.storage_options, run_id,
         ).as_dict()  # fmt: skip
         published, verifies = _run_stages(cfg, options, job, task_job, storage, started=started)
+        cleanup = finish(task_job, return_state=True)
     summary = summarize(job, published, verifies, seconds=time.monotonic() - started)
+    if cleanup.is_failed():  # the output is complete: say what is left, do not fail the run
+        warning = cleanup_warning(
+            cfg.destination, job.work_url, cleanup.result(raise_on_failure=False)
+        )
+        get_run_logger().warning("%s", warning)
+        summary = replace(summary, warnings=(*summary.warnings, warning))
     _summary_artifact(cfg, job, summary)
     return summary
 
