@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import IntegrityError, StorageError, VerificationError
 from zerosafe.formats.safetensors import HeaderEntry, build_header
-from zerosafe.io.lease import destination_lease, work_lease
+from zerosafe.io.lease import Lease, destination_lease, work_lease
 from zerosafe.io.residency import serial_merge_reason
 from zerosafe.io.storage import Storage, is_local, join_url, local_path, normalize_url
 from zerosafe.plan.build import plan_checkpoint
@@ -134,29 +134,30 @@ def peak_rss_bytes() -> int:
 
 
 @contextlib.contextmanager
-def hold_destination(storage: Storage, source: str, destination: str) -> Iterator[str]:
+def hold_destination(storage: Storage, source: str, destination: str) -> Iterator[Lease]:
     """Hold the output folder for this job, from before it is inspected (and, with
-    `--overwrite`, cleared) until it is published; yields the run id.
+    `--overwrite`, cleared) until it is published; yields the `Lease` (`check` it before
+    publishing).
 
     Raises:
         LeaseHeldError: If another live run converts into `destination`.
     """
     job = f"{source} -> {destination}"
-    with destination_lease(storage, destination, job=job, clean=[destination]) as run_id:
-        yield run_id
+    with destination_lease(storage, destination, job=job, clean=[destination]) as lease:
+        yield lease
 
 
 @contextlib.contextmanager
-def hold_work(storage: Storage, job: JobPlan) -> Iterator[str]:
+def hold_work(storage: Storage, job: JobPlan) -> Iterator[Lease]:
     """Hold the job's work area for this run (it may live outside the output folder, with
-    `--work-dir`); removes temporary files a killed run left there. Yields the run id.
+    `--work-dir`); removes temporary files a killed run left there. Yields the `Lease`.
 
     Raises:
         LeaseHeldError: If another live run of this job works there.
     """
     clean = [pending_url(job.destination, job.job_key), join_url(job.work_url, "intermediate")]
-    with work_lease(storage, job.work_url, clean=clean) as run_id:
-        yield run_id
+    with work_lease(storage, job.work_url, clean=clean) as lease:
+        yield lease
 
 
 # -- 2. plan --------------------------------------------------------------------------------------
@@ -688,7 +689,7 @@ def convert_checkpoint(
     ckpt_url, out_url = normalize_url(ckpt_url), normalize_url(out_url)
     work_url = normalize_url(work_url) if work_url else None
     started = time.monotonic()
-    with hold_destination(storage, ckpt_url, out_url):
+    with hold_destination(storage, ckpt_url, out_url) as out_lease:
         job, plan = plan_job_and_load(
             storage, ckpt_url, out_url, options, tag=tag, work_url=work_url
         )
@@ -696,10 +697,11 @@ def convert_checkpoint(
             return RunSummary.already_complete(out_url, job.job_key)
         for warning in job.warnings:
             log.warning("%s", warning)
-        with hold_work(storage, job):
+        with hold_work(storage, job) as work_lease:
             return _run_held(
-                job, plan, storage, options, progress or NullProgress(), started=started
-            )
+                job, plan, storage, options, progress or NullProgress(), started=started,
+                leases=(out_lease, work_lease),
+            )  # fmt: skip
 
 
 def _run_held(
@@ -710,6 +712,7 @@ def _run_held(
     progress: Progress,
     *,
     started: float,
+    leases: Sequence[Lease] = (),
 ) -> RunSummary:
     work = WorkLayout(job.work_url)
     units = _UnitRunner(job, plan, storage, work, options, progress)
@@ -719,6 +722,8 @@ def _run_held(
         seconds=time.monotonic() - started, tasks_executed=units.executed,
         peak_rss_bytes=peak_rss_bytes(),
     )  # fmt: skip
+    for lease in leases:  # another run took over: it owns the output now
+        lease.check()
     published = publish_job(
         plan, storage, job.destination, work, options,
         extracts=extracts, merges=merges, verifies=verifies, stats=stats,
