@@ -311,9 +311,7 @@ def _run_job(cfg: JobConfig) -> dict[str, Any]:
         return _run_held(cfg, storage, out_lease, started=started).to_json()
 
 
-def _run_held(
-    cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: float
-) -> RunSummary:
+def _run_held(cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: float) -> RunSummary:
     """Plan, then (holding the work area) run the stages and publish; the same steps as
     `zerosafe.pipeline.convert_checkpoint`, as tasks."""
     options = cfg.options()
