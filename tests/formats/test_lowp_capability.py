@@ -27,7 +27,9 @@ def test_check_lowp_on_zero3_is_refused_before_any_work(sample_ckpt: Path, tmp_p
 def test_check_lowp_on_zero3_is_one_line_exit_2(
     sample_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["convert", "--no-flow", "--check-lowp", str(sample_ckpt), str(tmp_path / "o")])
+    code = main(
+        ["convert", "--via", "local", "--check-lowp", str(sample_ckpt), str(tmp_path / "o")]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith("zerosafe: error: ") and err.count("\n") == 1, err
