@@ -11,12 +11,15 @@ longer exists (a run killed with SIGKILL); a stale lease is taken over, a live o
 - `work_lease`: `WORK/lease.json`, so two runs of one job never share a work area (which can
   live outside the output folder with `--work-dir`).
 
-Every write of a lease is conditional, so two runs never both believe they hold it:
+Lease writes are conditional where the store has conditional writes, so two runs never both
+believe they hold one:
 
 - S3 (and S3-compatible stores that implement conditional writes): a lease is created with
   `PUT` + `If-None-Match: *`, and taken over or refreshed with `PUT` + `If-Match: <ETag>` of
   the version read (https://docs.aws.amazon.com/AmazonS3/latest/userguide/conditional-writes.html).
-  A store that ignores these headers is not protected: use one that honours them.
+  A store that answers `NotImplemented` stops the run with one line (`StorageError`); one
+  that silently ignores the headers is not protected: use a store that honours them. The
+  release reads the lease and deletes it if it is still this run's (a plain `DELETE`).
 - Local folders (NFS included): a lease is created with `link(2)` of a finished temporary
   file, which fails where the lease exists; a take-over, a heartbeat and a release compare
   and replace under a guard file created with `O_CREAT|O_EXCL` (`lease.json.guard`).
@@ -43,7 +46,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from zerosafe.errors import ConversionError
+from zerosafe.errors import ConversionError, StorageError
 from zerosafe.io.storage import Storage, is_local, join_url, local_path
 
 __all__ = [
@@ -251,7 +254,16 @@ class _S3LeaseFile:
                     response["Body"] = await body.read()
             return response
 
-        result: dict[str, Any] = sync(self.fs.loop, call)
+        try:
+            result: dict[str, Any] = sync(self.fs.loop, call)
+        except OSError as e:
+            if _s3_code(e) == "NotImplemented" and ("IfMatch" in kwargs or "IfNoneMatch" in kwargs):
+                raise StorageError(
+                    f"s3://{self.path}: this store does not implement conditional writes "
+                    "(`If-None-Match`/`If-Match` on PUT), which zerosafe's leases need to keep "
+                    "two runs apart; use a store that does (AWS S3 does)."
+                ) from e
+            raise
         return result
 
     def read(self) -> tuple[dict[str, Any], Any] | None:
