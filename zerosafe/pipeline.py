@@ -11,8 +11,10 @@ parallel Prefect tasks):
 4. The units of work: `extract_unit` per part (staged mode); `merge_unit` per shard once the
    parts it reads are extracted (`MergeReadiness`); `verify_unit` per shard once it is merged.
 5. `publish_job`: the CRC ledgers, the optional 16-bit check, the index, the manifest and,
-   last, the completion marker (a failed check discards the run's work); then `finish_job`
-   removes the work files. `summarize` makes the `RunSummary`.
+   last, the completion marker (a failed check discards the run's work); a publish whose
+   marker is written is a no-op, so it is safe to retry. Then `finish_job` removes the work
+   files, a step of its own: where it fails the output is still complete, and the run warns
+   (`cleanup_warning`) instead of failing. `summarize` makes the `RunSummary`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass, replace
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import IntegrityError, StorageError, VerificationError
 from zerosafe.formats.safetensors import HeaderEntry, build_header
-from zerosafe.io.lease import destination_lease, work_lease
+from zerosafe.io.lease import Lease, destination_lease, work_lease
 from zerosafe.io.residency import serial_merge_reason
 from zerosafe.io.storage import Storage, is_local, join_url, local_path, normalize_url
 from zerosafe.plan.build import plan_checkpoint
@@ -42,6 +44,7 @@ from zerosafe.stages.output import (
     pending_url,
     prepare_output,
     quick_done,
+    read_complete_manifest,
     reusable_shard,
     reusable_shards,
     shard_location,
@@ -78,6 +81,7 @@ __all__ = [
     "MergeReadiness",
     "WorkLayout",
     "check_free_space",
+    "cleanup_warning",
     "convert_checkpoint",
     "expected_shard_bytes",
     "extract_unit",
@@ -130,29 +134,30 @@ def peak_rss_bytes() -> int:
 
 
 @contextlib.contextmanager
-def hold_destination(storage: Storage, source: str, destination: str) -> Iterator[str]:
+def hold_destination(storage: Storage, source: str, destination: str) -> Iterator[Lease]:
     """Hold the output folder for this job, from before it is inspected (and, with
-    `--overwrite`, cleared) until it is published; yields the run id.
+    `--overwrite`, cleared) until it is published; yields the `Lease` (`check` it before
+    publishing).
 
     Raises:
         LeaseHeldError: If another live run converts into `destination`.
     """
     job = f"{source} -> {destination}"
-    with destination_lease(storage, destination, job=job, clean=[destination]) as run_id:
-        yield run_id
+    with destination_lease(storage, destination, job=job, clean=[destination]) as lease:
+        yield lease
 
 
 @contextlib.contextmanager
-def hold_work(storage: Storage, job: JobPlan) -> Iterator[str]:
+def hold_work(storage: Storage, job: JobPlan) -> Iterator[Lease]:
     """Hold the job's work area for this run (it may live outside the output folder, with
-    `--work-dir`); removes temporary files a killed run left there. Yields the run id.
+    `--work-dir`); removes temporary files a killed run left there. Yields the `Lease`.
 
     Raises:
         LeaseHeldError: If another live run of this job works there.
     """
     clean = [pending_url(job.destination, job.job_key), join_url(job.work_url, "intermediate")]
-    with work_lease(storage, job.work_url, clean=clean) as run_id:
-        yield run_id
+    with work_lease(storage, job.work_url, clean=clean) as lease:
+        yield lease
 
 
 # -- 2. plan --------------------------------------------------------------------------------------
@@ -543,10 +548,17 @@ def publish_job(
     A failed check is never kept: the run's intermediates, cached results and pending shards
     are discarded, so the next run reads the source again.
 
+    A publish whose marker this job already wrote (a retry after the marker) is a no-op
+    that returns what the first publish returned, read back from the manifest.
+
     Raises:
         IntegrityError: If a record read does not match its CRC.
         VerificationError: If a shard (or the 16-bit check) failed; nothing is published.
     """
+    published = _already_published(storage, destination, plan.job_key)
+    if published is not None:
+        log.info("%s: already published by this job; nothing to do", destination)
+        return published
     try:
         return _publish_checked(
             plan, storage, destination, work, options,
@@ -592,12 +604,36 @@ def _publish_checked(
     )
 
 
+def _already_published(storage: Storage, destination: str, job_key: str) -> PublishResult | None:
+    """The result a publish of `job_key` returned, if its marker is written (a repair removes
+    the marker at plan time, so a marker of this job here is this run's)."""
+    manifest = read_complete_manifest(storage, destination)
+    if manifest is None or manifest.get("job_key") != job_key:
+        return None
+    return PublishResult(
+        files=tuple(f["file"] for f in manifest["files"]),
+        num_tensors=len(manifest["tensors"]),
+        integrity=manifest["integrity"],
+        stats=RunStats.from_json(manifest["stats"]),
+    )
+
+
 def finish_job(
     storage: Storage, *, destination: str, job_key: str, work_url: str, keep_work: bool
 ) -> None:
     """After a publish: remove the pending folder, the work area (unless `keep_work`) and
-    the output's work folder once empty."""
+    the output's work folder once empty. Safe to run again."""
     finish_work(storage, destination, job_key, work_url, keep=keep_work)
+
+
+def cleanup_warning(destination: str, work_url: str, error: object) -> str:
+    """What a run says when its output is published but removing its work files failed: the
+    output is complete, so the run does not fail; `zerosafe clean` removes what is left."""
+    return (
+        f"{destination}: converted and verified, but removing the work files in {work_url} "
+        f"failed ({error}); the output is complete. Run `zerosafe clean {destination} "
+        "--older-than 0 --apply` to remove them."
+    )
 
 
 def summarize(
@@ -653,7 +689,7 @@ def convert_checkpoint(
     ckpt_url, out_url = normalize_url(ckpt_url), normalize_url(out_url)
     work_url = normalize_url(work_url) if work_url else None
     started = time.monotonic()
-    with hold_destination(storage, ckpt_url, out_url):
+    with hold_destination(storage, ckpt_url, out_url) as out_lease:
         job, plan = plan_job_and_load(
             storage, ckpt_url, out_url, options, tag=tag, work_url=work_url
         )
@@ -661,10 +697,11 @@ def convert_checkpoint(
             return RunSummary.already_complete(out_url, job.job_key)
         for warning in job.warnings:
             log.warning("%s", warning)
-        with hold_work(storage, job):
+        with hold_work(storage, job) as work_lease:
             return _run_held(
-                job, plan, storage, options, progress or NullProgress(), started=started
-            )
+                job, plan, storage, options, progress or NullProgress(), started=started,
+                leases=(out_lease, work_lease),
+            )  # fmt: skip
 
 
 def _run_held(
@@ -675,6 +712,7 @@ def _run_held(
     progress: Progress,
     *,
     started: float,
+    leases: Sequence[Lease] = (),
 ) -> RunSummary:
     work = WorkLayout(job.work_url)
     units = _UnitRunner(job, plan, storage, work, options, progress)
@@ -684,17 +722,24 @@ def _run_held(
         seconds=time.monotonic() - started, tasks_executed=units.executed,
         peak_rss_bytes=peak_rss_bytes(),
     )  # fmt: skip
+    for lease in leases:  # another run took over: it owns the output now
+        lease.check()
     published = publish_job(
         plan, storage, job.destination, work, options,
         extracts=extracts, merges=merges, verifies=verifies, stats=stats,
     )  # fmt: skip
-    finish_job(
-        storage, destination=job.destination, job_key=job.job_key, work_url=job.work_url,
-        keep_work=options.keep_work,
-    )  # fmt: skip
     summary = summarize(job, published, verifies, seconds=time.monotonic() - started)
     if units.resumed:
         summary = replace(summary, notes=(*summary.notes, units.resumed))
+    try:
+        finish_job(
+            storage, destination=job.destination, job_key=job.job_key, work_url=job.work_url,
+            keep_work=options.keep_work,
+        )  # fmt: skip
+    except (StorageError, OSError) as e:
+        warning = cleanup_warning(job.destination, job.work_url, e)
+        log.warning("%s", warning)
+        summary = replace(summary, warnings=(*summary.warnings, warning))
     return summary
 
 

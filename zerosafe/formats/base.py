@@ -73,6 +73,10 @@ class SourceLayout:
     fp32 masters (`fp32`), DCP's chunks (`chunk`); other slots count as `other`."""
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    lowp_missing: str | None = None
+    """Why this checkpoint keeps no 16-bit copy of its trained weights for `check_lowp` to
+    compare with (`ZeRO-3 saves no 16-bit copy...`), or None where it keeps one; the
+    option is refused at plan time where it is set (`zerosafe.formats.registry.read_source`)."""
     checks: tuple[Callable[[Plan], None], ...] = ()
     """Format checks that need the finished plan (run by `plan_layout`, before it returns)."""
     native: Any = None
@@ -100,6 +104,12 @@ class FormatReader(Protocol):
     selects: bool
     """Whether the format takes `ConvertOptions.select` and `strip_prefix` (DCP: a
     checkpoint holds more than one state dict); other readers refuse them."""
+
+    lowp_copy: bool
+    """Whether checkpoints of this format can keep a 16-bit copy of the trained weights beside
+    the masters (DeepSpeed ZeRO-1/2), the witness `check_lowp` compares with; a format that
+    never does refuses the option before anything is read. Whether one checkpoint does is
+    `SourceLayout.lowp_missing`."""
 
     def detect(self, storage: Storage, url: str) -> bool:
         """Whether `url` holds this format, from a listing (no file is opened)."""

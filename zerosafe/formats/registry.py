@@ -71,8 +71,11 @@ def check_options(reader: FormatReader, url: str, options: ConvertOptions) -> No
     """Refuse options the format has no use for, before anything is read.
 
     Raises:
-        ConfigError: For `select`/`strip_prefix` on a format that holds one state dict.
+        ConfigError: For `select`/`strip_prefix` on a format that holds one state dict, or
+            `check_lowp` on a format that keeps no 16-bit copy (`FormatReader.lowp_copy`).
     """
+    if options.check_lowp and not reader.lowp_copy:
+        raise _no_lowp_copy(url, f"a {reader.title} checkpoint keeps no 16-bit copy")
     if reader.selects:
         return
     given = [
@@ -95,11 +98,23 @@ def read_source(
     """Detect the format of `url` and read its metadata into a `SourceLayout`.
 
     Raises:
-        ConfigError: For options the format refuses (`check_options`).
+        ConfigError: For options the format refuses (`check_options`), or `check_lowp` on a
+            checkpoint that keeps no 16-bit copy (`SourceLayout.lowp_missing`).
     """
     reader = detect_format(storage, url, tag)
     check_options(reader, url, options)
-    return reader.read(storage, url, tag=tag, options=options)
+    layout = reader.read(storage, url, tag=tag, options=options)
+    if options.check_lowp and layout.lowp_missing is not None:
+        raise _no_lowp_copy(layout.where, layout.lowp_missing)
+    return layout
+
+
+def _no_lowp_copy(url: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"{url}: `--check-lowp` compares the output with the 16-bit weights DeepSpeed ZeRO-1/2 "
+        f"saves beside its fp32 masters, but {why}; drop `--check-lowp` (verify and "
+        "`verify --against` still check the output)"
+    )
 
 
 def quick_identities(

@@ -10,11 +10,31 @@ longer exists (a run killed with SIGKILL); a stale lease is taken over, a live o
   dtype, shard size or source) never write one folder at once.
 - `work_lease`: `WORK/lease.json`, so two runs of one job never share a work area (which can
   live outside the output folder with `--work-dir`).
+
+Lease writes are conditional where the store has conditional writes, so two runs never both
+believe they hold one:
+
+- S3 (and S3-compatible stores that implement conditional writes): a lease is created with
+  `PUT` + `If-None-Match: *`, and taken over or refreshed with `PUT` + `If-Match: <ETag>` of
+  the version read (https://docs.aws.amazon.com/AmazonS3/latest/userguide/conditional-writes.html).
+  A store that answers `NotImplemented` stops the run with one line (`StorageError`); one
+  that silently ignores the headers is not protected: use a store that honours them. The
+  release reads the lease and deletes it if it is still this run's (a plain `DELETE`).
+- Local folders (NFS included): a lease is created with `link(2)` of a finished temporary
+  file, which fails where the lease exists; a take-over, a heartbeat and a release compare
+  and replace under a guard file created with `O_CREAT|O_EXCL` (`lease.json.guard`).
+- Other fsspec stores (no conditional write): write, wait, and read back, as before; two
+  runs started within a write's latency of each other can both proceed there.
+
+Each heartbeat replaces only the version this run wrote. Where another run took the lease
+over (this run's heartbeats stalled past `STALE_SECONDS`), the heartbeat stops and
+`Lease.check()`, which the drivers call before publishing, raises `LeaseLostError`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -23,14 +43,17 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from zerosafe.errors import ConversionError
+from zerosafe.errors import ConversionError, StorageError
 from zerosafe.io.storage import Storage, is_local, join_url, local_path
 
 __all__ = [
     "DESTINATION_LEASE_NAME",
+    "Lease",
     "LeaseHeldError",
+    "LeaseLostError",
     "STALE_SECONDS",
     "destination_lease",
     "destination_lease_url",
@@ -44,10 +67,16 @@ log = logging.getLogger(__name__)
 DESTINATION_LEASE_NAME = ".zerosafe-lease.json"
 STALE_SECONDS = 90
 HEARTBEAT_SECONDS = 15
+_GUARD_WAIT_SECONDS = 2.0
+"""How long a local writer waits for another's guard (held for a few file operations)."""
 
 
 class LeaseHeldError(ConversionError):
     """Another live run holds the work area."""
+
+
+class LeaseLostError(ConversionError):
+    """Another run took over a lease this run held: this run must not publish."""
 
 
 def pid_alive(pid: int) -> bool:
@@ -85,6 +114,276 @@ def _clean_partials(storage: Storage, folders: list[str]) -> None:
                     os.unlink(os.path.join(local_path(folder), name))
 
 
+class _Conflict(Exception):
+    """A conditional write found another version than the one it expected."""
+
+
+class _LeaseFile(Protocol):
+    """One lease file, written only conditionally. A version is opaque: an ETag, or the bytes
+    last read."""
+
+    def read(self) -> tuple[dict[str, Any], Any] | None:
+        """`(lease, version)`, `{}` for unreadable content; None if there is no lease."""
+        ...
+
+    def create(self, data: bytes) -> Any:
+        """Write `data` where no lease exists; returns its version.
+
+        Raises:
+            FileExistsError: If a lease exists.
+        """
+        ...
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        """Replace the lease at `version` with `data`; returns the new version.
+
+        Raises:
+            _Conflict: If the lease is absent or at another version.
+        """
+        ...
+
+    def remove(self, version: Any) -> None:
+        """Remove the lease if it is still at `version`."""
+        ...
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    try:
+        held = json.loads(raw)
+    except ValueError:
+        return {}
+    return held if isinstance(held, dict) else {}
+
+
+@dataclass
+class _LocalLeaseFile:
+    path: str
+
+    def read(self) -> tuple[dict[str, Any], Any] | None:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        return _parse(raw), raw
+
+    def _finished_temp(self, data: bytes) -> str:
+        folder, name = os.path.split(self.path)
+        # Not `.partial`: a run holding the output removes those (`_clean_partials`).
+        tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+    def create(self, data: bytes) -> Any:
+        tmp = self._finished_temp(data)
+        try:
+            os.link(tmp, self.path)  # atomic, and fails where the lease exists
+        finally:
+            os.unlink(tmp)
+        return data
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        guard = self.path + ".guard"
+        deadline = time.monotonic() + _GUARD_WAIT_SECONDS
+        while True:
+            try:
+                os.close(os.open(guard, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+                break
+            except FileExistsError:
+                with contextlib.suppress(OSError):  # a writer killed while holding it
+                    if time.time() - os.stat(guard).st_mtime > STALE_SECONDS:
+                        os.unlink(guard)
+                        continue
+                if time.monotonic() > deadline:
+                    raise _Conflict(f"{guard} is held") from None
+                time.sleep(0.01)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(guard)
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        with self._guard():
+            current = self.read()
+            if current is None or current[1] != version:
+                raise _Conflict(self.path)
+            os.replace(self._finished_temp(data), self.path)
+        return data
+
+    def remove(self, version: Any) -> None:
+        with self._guard():
+            current = self.read()
+            if current is not None and current[1] == version:
+                os.unlink(self.path)
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    seen: BaseException | None = exc
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            return str(response.get("Error", {}).get("Code"))
+        seen = seen.__cause__
+    return None
+
+
+_S3_CONFLICTS = {"PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey", "412", "409"}
+
+
+@dataclass
+class _S3LeaseFile:
+    fs: Any
+    path: str
+
+    def _call(self, method: str, **kwargs: Any) -> dict[str, Any]:
+        from fsspec.asyn import sync
+
+        bucket, key = self.path.split("/", 1)
+
+        async def call() -> dict[str, Any]:
+            response: dict[str, Any] = await self.fs._call_s3(
+                method, Bucket=bucket, Key=key, **kwargs
+            )
+            if "Body" in response:
+                async with response["Body"] as body:
+                    response["Body"] = await body.read()
+            return response
+
+        try:
+            result: dict[str, Any] = sync(self.fs.loop, call)
+        except OSError as e:
+            if _s3_code(e) == "NotImplemented" and ("IfMatch" in kwargs or "IfNoneMatch" in kwargs):
+                raise StorageError(
+                    f"s3://{self.path}: this store does not implement conditional writes "
+                    "(`If-None-Match`/`If-Match` on PUT), which zerosafe's leases need to keep "
+                    "two runs apart; use a store that does (AWS S3 does)."
+                ) from e
+            raise
+        return result
+
+    def read(self) -> tuple[dict[str, Any], Any] | None:
+        try:
+            response = self._call("get_object")
+        except FileNotFoundError:
+            return None
+        return _parse(response["Body"]), response["ETag"]
+
+    def create(self, data: bytes) -> Any:
+        try:
+            return self._call("put_object", Body=data, IfNoneMatch="*")["ETag"]
+        except OSError as e:
+            if _s3_code(e) in _S3_CONFLICTS:
+                raise FileExistsError(errno.EEXIST, f"s3://{self.path} exists") from e
+            raise
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        try:
+            return self._call("put_object", Body=data, IfMatch=version)["ETag"]
+        except OSError as e:
+            if isinstance(e, FileNotFoundError) or _s3_code(e) in _S3_CONFLICTS:
+                raise _Conflict(f"s3://{self.path}") from e
+            raise
+
+    def remove(self, version: Any) -> None:
+        current = self.read()
+        if current is not None and current[1] == version:
+            self._call("delete_object")  # TODO: `If-Match` where the store takes it on DELETE
+
+
+@dataclass
+class _PlainLeaseFile:
+    """A store without conditional writes: write, wait, read back (see the module docstring)."""
+
+    storage: Storage
+    url: str
+
+    def read(self) -> tuple[dict[str, Any], Any] | None:
+        if not self.storage.exists(self.url):
+            return None
+        raw = self.storage.read_bytes(self.url)
+        return _parse(raw), raw
+
+    def _write_and_confirm(self, data: bytes) -> Any:
+        self.storage.write_bytes(self.url, data)
+        # Two runs that both saw no lease: the later writer wins; the other notices here.
+        time.sleep(0.05)
+        current = self.read()
+        if current is None or current[1] != data:
+            raise _Conflict(self.url)
+        return data
+
+    def create(self, data: bytes) -> Any:
+        if self.storage.exists(self.url):
+            raise FileExistsError(errno.EEXIST, f"{self.url} exists")
+        try:
+            return self._write_and_confirm(data)
+        except _Conflict as e:
+            raise FileExistsError(errno.EEXIST, f"{self.url} exists") from e
+
+    def replace(self, data: bytes, version: Any) -> Any:
+        current = self.read()
+        if current is None or current[1] != version:
+            raise _Conflict(self.url)
+        return self._write_and_confirm(data)
+
+    def remove(self, version: Any) -> None:
+        current = self.read()
+        if current is not None and current[1] == version:
+            self.storage.remove(self.url)
+
+
+def _lease_file(storage: Storage, url: str) -> _LeaseFile:
+    if is_local(url):
+        return _LocalLeaseFile(local_path(url))
+    if url.startswith(("s3://", "s3a://")):
+        fs, path = storage.filesystem(url)
+        return _S3LeaseFile(fs, path)
+    return _PlainLeaseFile(storage, url)
+
+
+@dataclass
+class Lease:
+    """A lease this run holds for the duration of a `with` block (`work_lease`,
+    `destination_lease`)."""
+
+    url: str
+    run_id: str
+    lost: str | None = None
+    """Why the lease is no longer this run's (set by the heartbeat, or `check`), else None."""
+    _file: _LeaseFile | None = field(default=None, repr=False)
+
+    def check(self) -> None:
+        """Re-read the lease now; call before publishing.
+
+        Raises:
+            LeaseLostError: If another run took it over (or it was removed).
+        """
+        if self.lost is None and self._file is not None:
+            current = self._file.read()
+            if current is None or current[0].get("run_id") != self.run_id:
+                self._lose(current[0] if current else None)
+        if self.lost is not None:
+            raise LeaseLostError(self.lost)
+
+    def _lose(self, held: dict[str, Any] | None) -> None:
+        who = (
+            f"run {held.get('run_id')}, {_holder(held, time.time())}"
+            if held
+            else "the lease file was removed"
+        )
+        self.lost = (
+            f"{self.url}: another run took over this run's lease ({who}), so this run stopped "
+            "before publishing; were its heartbeats stalled (a paused machine, an unreachable "
+            f"store) for over {STALE_SECONDS} s? Let the other run finish, then run the "
+            "command again."
+        )
+
+
 @contextlib.contextmanager
 def _held(
     storage: Storage,
@@ -93,56 +392,83 @@ def _held(
     refuse: Callable[[dict[str, Any], float], str],
     info: dict[str, Any] | None = None,
     clean: list[str] | None = None,
-) -> Iterator[str]:
-    """Hold the lease file `url` for the duration of the block; yields the run id."""
+) -> Iterator[Lease]:
+    """Hold the lease file `url` for the duration of the block."""
     run_id = uuid.uuid4().hex
-    now = time.time()
-    if storage.exists(url):
-        try:
-            held = json.loads(storage.read_bytes(url))
-        except (ValueError, OSError):
-            held = {}
-        if not isinstance(held, dict):
-            held = {}
-        if held and not lease_is_stale(held, now):
-            raise LeaseHeldError(refuse(held, now))
-        if held:
-            log.info("taking over the stale lease of run %s", held.get("run_id"))
-    stop = threading.Event()
+    lease_file = _lease_file(storage, url)
 
-    def write() -> None:
-        body = {
-            **(info or {}),
-            "run_id": run_id,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "heartbeat": time.time(),
-        }
-        storage.write_bytes(url, json.dumps(body).encode())
-
-    def beat() -> None:
-        while not stop.wait(HEARTBEAT_SECONDS):
-            with contextlib.suppress(Exception):
-                write()
+    def body() -> bytes:
+        return json.dumps(
+            {
+                **(info or {}),
+                "run_id": run_id,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "heartbeat": time.time(),
+            }
+        ).encode()
 
     storage.makedirs(url.rsplit("/", 1)[0])
-    write()
-    # Two runs that both saw no lease: the later writer wins; the other notices and stops.
-    time.sleep(0.05)
-    current = json.loads(storage.read_bytes(url))
-    if current.get("run_id") != run_id:
-        raise LeaseHeldError(refuse(current, time.time()))
+    version = _take(lease_file, body(), refuse)
+    lease = Lease(url=url, run_id=run_id, _file=lease_file)
+    stop = threading.Event()
+
+    def beat() -> None:
+        nonlocal version
+        while not stop.wait(HEARTBEAT_SECONDS):
+            try:
+                version = lease_file.replace(body(), version)
+            except _Conflict:
+                current = lease_file.read()
+                if current is not None and current[0].get("run_id") == run_id:
+                    version = current[1]  # our own write, read back differently: go on
+                    continue
+                lease._lose(current[0] if current else None)
+                log.warning("%s", lease.lost)
+                return
+            except Exception as e:  # a storage hiccup: the next beat tries again
+                log.debug("lease heartbeat of %s failed: %s", url, e)
+
     _clean_partials(storage, clean or [])
     thread = threading.Thread(target=beat, name="zerosafe-lease", daemon=True)
     thread.start()
     try:
-        yield run_id
+        yield lease
     finally:
         stop.set()
         thread.join(timeout=5)
-        with contextlib.suppress(Exception):
-            if storage.exists(url) and json.loads(storage.read_bytes(url)).get("run_id") == run_id:
-                storage.remove(url)
+        if lease.lost is None:
+            with contextlib.suppress(Exception):
+                lease_file.remove(version)
+
+
+def _take(
+    lease_file: _LeaseFile, data: bytes, refuse: Callable[[dict[str, Any], float], str]
+) -> Any:
+    """Create the lease, or take over a stale one; returns the version written.
+
+    Raises:
+        LeaseHeldError: If a live run holds it, or another run took it first.
+    """
+    for _ in range(2):  # a lease removed between the create and the read: create again
+        try:
+            return lease_file.create(data)
+        except FileExistsError:
+            current = lease_file.read()
+        if current is not None:
+            break
+    else:
+        raise LeaseHeldError(refuse({}, time.time()))
+    held, version = current
+    if held and not lease_is_stale(held, time.time()):
+        raise LeaseHeldError(refuse(held, time.time()))
+    if held:
+        log.info("taking over the stale lease of run %s", held.get("run_id"))
+    try:
+        return lease_file.replace(data, version)
+    except _Conflict:  # another run took it over first
+        latest = lease_file.read()
+        raise LeaseHeldError(refuse(latest[0] if latest else {}, time.time())) from None
 
 
 def _holder(held: dict[str, Any], now: float) -> str:
@@ -153,8 +479,10 @@ def _holder(held: dict[str, Any], now: float) -> str:
 
 
 @contextlib.contextmanager
-def work_lease(storage: Storage, work_url: str, *, clean: list[str] | None = None) -> Iterator[str]:
-    """Hold the lease on `work_url` for the duration of the block; yields the run id.
+def work_lease(
+    storage: Storage, work_url: str, *, clean: list[str] | None = None
+) -> Iterator[Lease]:
+    """Hold the lease on `work_url` for the duration of the block; yields the `Lease`.
 
     Args:
         clean: Folders whose leftover temporary files are removed once the lease is held.
@@ -170,8 +498,8 @@ def work_lease(storage: Storage, work_url: str, *, clean: list[str] | None = Non
             f"for it to finish, or, if it is gone, delete {url} and run again."
         )
 
-    with _held(storage, url, refuse=refuse, clean=clean) as run_id:
-        yield run_id
+    with _held(storage, url, refuse=refuse, clean=clean) as lease:
+        yield lease
 
 
 def destination_lease_url(out_url: str) -> str:
@@ -182,8 +510,9 @@ def destination_lease_url(out_url: str) -> str:
 @contextlib.contextmanager
 def destination_lease(
     storage: Storage, out_url: str, *, job: str, clean: list[str] | None = None
-) -> Iterator[str]:
-    """Hold the output folder for one job at a time, whatever its options.
+) -> Iterator[Lease]:
+    """Hold the output folder for one job at a time, whatever its options; yields the
+    `Lease`.
 
     Two different jobs (another dtype, shard size or source) into one folder would mix their
     files under one completion marker, or delete each other's; the second is refused.
@@ -206,5 +535,5 @@ def destination_lease(
         )
 
     storage.ensure_folder(out_url)
-    with _held(storage, url, refuse=refuse, info={"job": job}, clean=clean) as run_id:
-        yield run_id
+    with _held(storage, url, refuse=refuse, info={"job": job}, clean=clean) as lease:
+        yield lease

@@ -3,7 +3,7 @@
 - Abandoned work areas: a job's folder (`OUT/.zerosafe-work/<job>/`, or a `--work-dir`) that
   holds a plan or a lease, whose lease is absent or stale (`zerosafe.io.lease`), and that nothing
   has touched for `--older-than`. The work area of a complete output converted with
-  `--keep-work` is kept.
+  `--keep-work` is kept; that of a run whose cleanup failed after publishing is not.
 - Unfinished S3 multipart uploads under TARGET: a killed run never completes or aborts them,
   so their parts stay, billed, until aborted (S3 API `ListMultipartUploads`,
   `AbortMultipartUpload`). Uploads under a live run's output or work area are left alone.
@@ -136,7 +136,13 @@ def _kept_by_complete_output(storage: Storage, work_url: str) -> bool:
         return False
     manifest = read_complete_manifest(storage, out_url)
     job = posixpath.basename(work_url.rstrip("/"))
-    return manifest is not None and str(manifest.get("job_key", "")).startswith(job)
+    # A run whose cleanup failed after publishing leaves its work area too; manifests record
+    # whether `--keep-work` asked to keep it (before they did, every one counts as kept).
+    return (
+        manifest is not None
+        and str(manifest.get("job_key", "")).startswith(job)
+        and bool(manifest.get("keep_work", True))
+    )
 
 
 def find_leftovers(

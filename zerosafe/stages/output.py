@@ -664,6 +664,7 @@ def publish(
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": plan.source,
         "options": {**options.identity(), "direct": options.direct},
+        "keep_work": options.keep_work,
         "files": [
             {
                 "file": m.file,

@@ -639,15 +639,14 @@ def lowp_cross_check(
     Returns:
         `(checked, mismatched, why_skipped)`; reads the 16-bit weights and the output tensors.
     """
-    from zerosafe.formats.deepspeed.save_identity import module_copies
+    from zerosafe.formats.deepspeed.save_identity import lowp_copy_missing, module_copies
 
     checked = mismatched = 0
     skipped_why = None
     copies = module_copies(ckpt)
-    if ckpt.stage == 3:
-        return 0, 0, "ZeRO-3 saves no 16-bit copy of trained params"
-    if ckpt.train_dtype == "float32":
-        return 0, 0, "trained in fp32: the module copy is the same fp32 data"
+    missing = lowp_copy_missing(ckpt)
+    if missing is not None:
+        return 0, 0, missing
     sources: dict[str, Any] = {}
     try:
         lowp_names = ckpt.param_names + [fp.name for fp in ckpt.frozen]

@@ -17,6 +17,7 @@ import json
 import re
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
@@ -36,8 +37,10 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConversionError, VerificationError
+from zerosafe.io.lease import Lease
 from zerosafe.io.storage import Storage, is_local, join_url
 from zerosafe.pipeline import (
+    cleanup_warning,
     hold_destination,
     hold_work,
     parts_to_extract,
@@ -54,7 +57,7 @@ from zerosafe_app.tasks._common import progress as task_progress
 from zerosafe_app.tasks.credentials import storage_for
 from zerosafe_app.tasks.inspect import inspect
 from zerosafe_app.tasks.merge import reusable_shards
-from zerosafe_app.tasks.publish import publish
+from zerosafe_app.tasks.publish import finish, publish
 
 __all__ = ["convert", "run_convert"]
 
@@ -304,11 +307,11 @@ def _md(text: str) -> str:
 def _run_job(cfg: JobConfig) -> dict[str, Any]:
     started = time.monotonic()
     storage = storage_for(cfg.storage_options)
-    with hold_destination(storage, cfg.source, cfg.destination):
-        return _run_held(cfg, storage, started=started).to_json()
+    with hold_destination(storage, cfg.source, cfg.destination) as out_lease:
+        return _run_held(cfg, storage, out_lease, started=started).to_json()
 
 
-def _run_held(cfg: JobConfig, storage: Storage, *, started: float) -> RunSummary:
+def _run_held(cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: float) -> RunSummary:
     """Plan, then (holding the work area) run the stages and publish; the same steps as
     `zerosafe.pipeline.convert_checkpoint`, as tasks."""
     options = cfg.options()
@@ -329,13 +332,23 @@ def _run_held(cfg: JobConfig, storage: Storage, *, started: float) -> RunSummary
             f"`{cfg.destination}` already holds this conversion (job `{job.job_key[:16]}`); nothing to do.",
         )
         return RunSummary.already_complete(cfg.destination, job.job_key)
-    with hold_work(storage, job) as run_id:
+    with hold_work(storage, job) as work_lease:
         task_job = Job(
             cfg.source, cfg.destination, job.work_url, job.job_key, options.as_dict(),
-            cfg.storage_options, run_id,
+            cfg.storage_options, work_lease.run_id,
         ).as_dict()  # fmt: skip
-        published, verifies = _run_stages(cfg, options, job, task_job, storage, started=started)
+        published, verifies = _run_stages(
+            cfg, options, job, task_job, storage, started=started,
+            leases=(out_lease, work_lease),
+        )  # fmt: skip
+        cleanup = finish(task_job, return_state=True)
     summary = summarize(job, published, verifies, seconds=time.monotonic() - started)
+    if cleanup.is_failed():  # the output is complete: say what is left, do not fail the run
+        warning = cleanup_warning(
+            cfg.destination, job.work_url, cleanup.result(raise_on_failure=False)
+        )
+        get_run_logger().warning("%s", warning)
+        summary = replace(summary, warnings=(*summary.warnings, warning))
     _summary_artifact(cfg, job, summary)
     return summary
 
@@ -348,6 +361,7 @@ def _run_stages(
     storage: Storage,
     *,
     started: float,
+    leases: tuple[Lease, ...],
 ) -> tuple[PublishResult, list[VerifyResult]]:
     """Schedule extract, merge and verify (`StageScheduler`), then publish."""
     results = _result_storage(job.work_url, cfg.storage_options)
@@ -381,6 +395,8 @@ def _run_stages(
     stats = _stats(
         job, options, storage, done, seconds=time.monotonic() - started, run_id=task_job["run_id"]
     )
+    for lease in leases:  # another run took over: it owns the output now
+        lease.check()
     try:
         published = publish(
             task_job, [e.to_json() for e in extracts], [m.to_json() for m in merges],

@@ -17,6 +17,7 @@ of (stage, job key, unit, the `fingerprint` computed here).
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
@@ -36,6 +37,8 @@ from zerosafe_app.tasks.merge import expected_shard_bytes, merge, shard_identity
 from zerosafe_app.tasks.verify import verify
 
 __all__ = ["StageResults", "StageScheduler", "Submit"]
+
+log = logging.getLogger(__name__)
 
 
 class Future(Protocol):
@@ -109,18 +112,39 @@ class StageScheduler:
     def run(self) -> StageResults:
         """Submit every task as it becomes ready; returns once every one has finished.
 
+        After a failure nothing more is submitted, and every task in flight is waited for
+        before the error is raised: the caller releases its leases then, and a task still
+        writing would race a next run that takes them (as the sequential driver shuts its
+        executor down with `wait=True`).
+
         Raises:
-            Exception: The first failed task's error.
+            Exception: The first failed task's error, once no task of the job runs.
         """
-        self._fill()
-        while self._in_flight:
-            stage, index, future = self._done.get()
-            self._in_flight -= 1
-            self._merges_in_flight -= stage == "merge"
-            getattr(self, f"_{stage}_done")(index, future.result())
+        try:
             self._fill()
+            while self._in_flight:
+                stage, index, future = self._next_done()
+                getattr(self, f"_{stage}_done")(index, future.result())
+                self._fill()
+        except BaseException:
+            self._drain()
+            raise
         assert not self._readiness.waiting, f"shards never became ready: {self._readiness.waiting}"
         return self.results
+
+    def _next_done(self) -> tuple[str, int, Future]:
+        stage, index, future = self._done.get()
+        self._in_flight -= 1
+        self._merges_in_flight -= stage == "merge"
+        return stage, index, future
+
+    def _drain(self) -> None:
+        """Wait for every task in flight to end, whatever its outcome. None waits on the
+        failed one: a task is submitted only once the tasks it reads from are done."""
+        if self._in_flight:
+            log.info("a task failed; waiting for the %d task(s) still running", self._in_flight)
+        while self._in_flight:
+            self._next_done()
 
     def _fill(self) -> None:
         while self._limit is None or self._in_flight < self._limit:

@@ -71,7 +71,7 @@ def test_flow_matches_engine_and_names_its_tasks(prefect_server: None, tmp_path:
         )
         names = sorted(t.name for t in tasks)
         assert names == sorted(
-            ["inspect", "publish"]
+            ["inspect", "publish", "finish"]
             + [f"extract rank {r} part 0" for r in range(3)]
             + [f"merge shard {i}/{n}" for i in range(1, n + 1)]
             + [f"verify shard {i}/{n}" for i in range(1, n + 1)]

@@ -26,7 +26,7 @@ from zerosafe_app.tasks._common import Job, WorkAreaConflictError, cache_key
 from zerosafe_app.tasks.extract import extract
 from zerosafe_app.tasks.inspect import inspect
 from zerosafe_app.tasks.merge import merge, reusable_shards
-from zerosafe_app.tasks.publish import publish
+from zerosafe_app.tasks.publish import finish, publish
 from zerosafe_app.tasks.verify import verify
 
 STAGED = ConvertOptions(max_shard_size=20_000, dtype="bf16")
@@ -66,7 +66,9 @@ def test_each_task_in_order(tmp_path: Path) -> None:
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
     )
-    assert (out / "zerosafe-complete.json").exists() and not (out / ".zerosafe-work").exists()
+    assert (out / "zerosafe-complete.json").exists()
+    finish.fn(task_job)
+    assert not (out / ".zerosafe-work").exists()
     assert JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(out), STAGED.as_dict())).is_done
 
 

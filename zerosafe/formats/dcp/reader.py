@@ -57,6 +57,7 @@ class DcpReader:
     title = FORMAT_NAME
     looks_like = "a folder holding `.metadata` and `__R_S.distcp` files"
     selects = True
+    lowp_copy = False
 
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)
@@ -75,12 +76,6 @@ class DcpReader:
     ) -> SourceLayout:
         url = normalize_url(url)
         _tag_of(url, tag)
-        if options.check_lowp:
-            raise ConfigError(
-                f"{url}: `check_lowp` compares with the 16-bit weights DeepSpeed "
-                "ZeRO-1/2 saves beside its fp32 masters; a PyTorch DCP checkpoint keeps no such "
-                "copy. Drop --check-lowp (verify and `verify --against` still check the output)."
-            )
         selection = DcpSelection(select=options.select, strip_prefix=options.strip_prefix)
         return read_dcp_layout(url, storage, selection)
 

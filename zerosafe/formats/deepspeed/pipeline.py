@@ -37,7 +37,7 @@ from zerosafe.formats.deepspeed.model_parallel import (
     parallel_dims,
     tensor_parallel_refusal,
 )
-from zerosafe.formats.deepspeed.save_identity import check_one_save
+from zerosafe.formats.deepspeed.save_identity import check_one_save, lowp_copy_missing
 from zerosafe.formats.torch_zip import TensorRecord
 from zerosafe.io.storage import Storage
 
@@ -549,7 +549,7 @@ def pipeline_layout(ckpt: PipelineCheckpoint, options: ConvertOptions) -> Source
             functools.partial(check_module_copy_sample, ckpt),
             functools.partial(_check_tied_copies, ckpt, copies),
         ),
-        native=ckpt,
+        native=ckpt, lowp_missing=lowp_copy_missing(ckpt),
     )  # fmt: skip
     if options.exclude_frozen:
         for lt in ckpt.frozen:

@@ -36,7 +36,7 @@ from zerosafe.formats.deepspeed.layout import (
     zero12_partition_pieces,
 )
 from zerosafe.formats.deepspeed.moe import describe_moe
-from zerosafe.formats.deepspeed.save_identity import check_module_copy_sample
+from zerosafe.formats.deepspeed.save_identity import check_module_copy_sample, lowp_copy_missing
 from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
 from zerosafe.plan.model import Slot, SourceFile
@@ -56,6 +56,7 @@ class DeepSpeedReader:
     title = "DeepSpeed ZeRO"
     looks_like = "a folder holding `latest`, or a tag folder holding `*_model_states.pt`"
     selects = False
+    lowp_copy = True
 
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)
@@ -149,7 +150,7 @@ def zero_layout(ckpt: ZeroCheckpoint | PipelineCheckpoint, options: ConvertOptio
         metadata_bytes=metadata_bytes_of(ckpt.files),
         notes=list(ckpt.notes), warnings=list(ckpt.warnings),
         checks=(functools.partial(check_module_copy_sample, ckpt),),
-        native=ckpt,
+        native=ckpt, lowp_missing=lowp_copy_missing(ckpt),
     )  # fmt: skip
     if options.exclude_frozen:  # counted and named by the planner's note
         for fp in ckpt.frozen:

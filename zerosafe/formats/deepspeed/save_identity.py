@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from zerosafe.formats.deepspeed.pipeline import PipelineCheckpoint
     from zerosafe.plan.model import Plan
 
-__all__ = ["check_module_copy_sample", "check_one_save", "module_copies"]
+__all__ = ["check_module_copy_sample", "check_one_save", "lowp_copy_missing", "module_copies"]
 
 SAMPLE_PARAMS = 8
 """Params the module-copy sample looks at (the first ones of the flat layout)."""
@@ -50,6 +50,16 @@ SAMPLE_EXPERTS = 16
 """MoE: expert files the sample looks at (the first expert of each expert-parallel rank)."""
 
 _MODEL_FIELDS = ("global_steps", "global_samples", "skipped_steps", "ds_version", "ds_config")
+
+
+def lowp_copy_missing(ckpt: ZeroCheckpoint | PipelineCheckpoint) -> str | None:
+    """Why `ckpt` keeps no 16-bit copy of its trained params for `check_lowp` to compare
+    with, or None where it keeps one (ZeRO-1/2 trained in bf16 or fp16)."""
+    if ckpt.stage == 3:
+        return "ZeRO-3 saves no 16-bit copy of trained params"
+    if ckpt.train_dtype == "float32":
+        return "trained in fp32: the module copy is the same fp32 data"
+    return None
 
 
 def _canonical(value: Any) -> str:

@@ -57,7 +57,12 @@ from zerosafe.formats.deepspeed.reader import (
     _SlotBuilder,
     metadata_bytes_of,
 )
-from zerosafe.formats.deepspeed.save_identity import SAMPLE_ELEMENTS, SAMPLE_PARAMS, check_one_save
+from zerosafe.formats.deepspeed.save_identity import (
+    SAMPLE_ELEMENTS,
+    SAMPLE_PARAMS,
+    check_one_save,
+    lowp_copy_missing,
+)
 from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
@@ -106,6 +111,7 @@ class UniversalReader:
         "holding `zero/<param>/fp32.pt` and `*_model_states.pt` (ds_to_universal.py's output)"
     )
     selects = False
+    lowp_copy = True
 
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)
@@ -548,7 +554,7 @@ def universal_layout(uckpt: UniversalCheckpoint, options: ConvertOptions) -> Sou
         metadata_bytes=metadata_bytes_of(ckpt.files),
         notes=list(ckpt.notes), warnings=list(ckpt.warnings),
         checks=(functools.partial(check_masters_sample, uckpt),),
-        native=ckpt,
+        native=ckpt, lowp_missing=lowp_copy_missing(ckpt),
     )  # fmt: skip
 
 
