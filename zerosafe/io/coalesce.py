@@ -39,6 +39,7 @@ from zerosafe.io.storage import ByteSource
 
 __all__ = [
     "MAX_GAP_BYTES",
+    "OPEN_PER_FILE",
     "WASTE_DIVISOR",
     "PlannedRead",
     "Prefetcher",
@@ -53,6 +54,9 @@ at 30 ms to first byte and ~100 MB/s per connection, 1 MiB costs about a third o
 WASTE_DIVISOR = 32
 """A request reads through gaps only while they total at most 1/32 of the bytes it was asked
 for: a small checkpoint's Adam moments (between its fp32 records) stay in the bucket."""
+OPEN_PER_FILE = 4
+"""Requests one file keeps open at once: reads alternate between a rank's optimizer groups
+(weights; biases and norms), which lie apart in its file."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,14 +86,22 @@ class Request:
 
 
 def plan_requests(
-    reads: Sequence[PlannedRead], *, budget: int, max_request: int, max_gap: int = MAX_GAP_BYTES
+    reads: Sequence[PlannedRead],
+    *,
+    budget: int,
+    max_request: int,
+    max_gap: int = MAX_GAP_BYTES,
+    open_per_file: int = OPEN_PER_FILE,
 ) -> tuple[list[Request], list[int]]:
     """Coalesce `reads` (in the order they are consumed) into ranged requests.
 
-    A read joins its file's open request when it starts at the request's end or at most
-    `max_gap` bytes past it, the request stays within `max_request` bytes, the gaps within
-    1/`WASTE_DIVISOR` of the bytes asked for, and the open requests together within `budget`.
-    A read larger than `max_request` is the caller's to split.
+    A read joins an open request of its file when it lies within `max_gap` bytes of the
+    request's range (on either side: the whole range is fetched before its first read), the
+    range stays within `max_request` bytes, the gaps within 1/`WASTE_DIVISOR` of the bytes asked
+    for, and the open requests together within `budget`. A file keeps up to `open_per_file`
+    requests open (a ZeRO optimizer group per region: weights, then biases and norms, read in
+    turn); past that, or past the budget, the least recently used request closes. A read larger
+    than `max_request` is the caller's to split.
 
     Returns:
         The requests, in the order their first read comes (the order to fetch them), and for
@@ -99,42 +111,52 @@ def plan_requests(
         raise ValueError(f"budget {budget} is below one request of {max_request} bytes")
     requests: list[Request] = []
     owner: list[int] = []
-    open_: OrderedDict[Hashable, int] = OrderedDict()  # file -> request index, by last use
+    lru: OrderedDict[int, None] = OrderedDict()  # open request indices, least recent first
+    by_file: dict[Hashable, list[int]] = {}
     held = 0  # bytes of the open requests: what must be held at once
 
-    def close(file: Hashable) -> None:
+    def close(index: int) -> None:
         nonlocal held
-        held -= requests[open_.pop(file)].nbytes
+        del lru[index]
+        by_file[requests[index].file].remove(index)
+        held -= requests[index].nbytes
 
     for i, read in enumerate(reads):
         if read.nbytes > max_request:
             raise ValueError(f"read of {read.nbytes} bytes is over max_request {max_request}")
-        index = open_.get(read.file)
-        if index is not None:
+        end = read.offset + read.nbytes
+        joined = False
+        for index in by_file.get(read.file, ()):
             req = requests[index]
-            gap = read.offset - req.end
-            grow = gap + read.nbytes
+            if read.offset > req.end + max_gap or end < req.start - max_gap:
+                continue
+            lo, hi = min(req.start, read.offset), max(req.end, end)
+            grow = (hi - lo) - req.nbytes
+            useful = req.useful + read.nbytes
             if (
-                0 <= gap <= max_gap
-                and req.nbytes + grow <= max_request
-                and (req.nbytes - req.useful + gap) * WASTE_DIVISOR <= req.useful + read.nbytes
+                hi - lo <= max_request
+                and (hi - lo - useful) * WASTE_DIVISOR <= useful
                 and held + grow <= budget
             ):
-                req.end += grow
-                req.last = i
-                req.useful += read.nbytes
+                req.start, req.end, req.last, req.useful = lo, hi, i, useful
                 held += grow
-                open_.move_to_end(read.file)
+                lru.move_to_end(index)
                 owner.append(index)
-                continue
-            close(read.file)
+                joined = True
+                break
+        if joined:
+            continue
+        mine = by_file.setdefault(read.file, [])
+        if len(mine) >= open_per_file:
+            close(min(mine, key=lambda j: requests[j].last))
         while held + read.nbytes > budget:
-            close(next(iter(open_)))
-        requests.append(Request(read.file, read.offset, read.offset + read.nbytes, i, i))
-        requests[-1].useful = read.nbytes
-        open_[read.file] = len(requests) - 1
+            close(next(iter(lru)))
+        requests.append(Request(read.file, read.offset, end, i, i, read.nbytes))
+        index = len(requests) - 1
+        lru[index] = None
+        mine.append(index)
         held += read.nbytes
-        owner.append(len(requests) - 1)
+        owner.append(index)
     return requests, owner
 
 
