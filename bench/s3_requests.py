@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "reported", "s3-requests.json"))
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop moto on the way out
 
     from bench.forge import forge_checkpoint, transformer_shapes
     from zerosafe.config import ConvertOptions

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -66,6 +65,9 @@ class PlannedRead:
     file: Hashable
     offset: int
     nbytes: int
+    stream: Hashable = None
+    """What the read is part of (a record: a rank's optimizer group), whose reads go forward
+    together; the budget is shared between the streams."""
 
 
 @dataclass(slots=True)
@@ -79,6 +81,8 @@ class Request:
     last: int
     useful: int = 0
     """Bytes the reads asked for (the rest are gaps read through)."""
+    reserved: int = 0
+    """The most the range may grow to (counted against the budget while it is open)."""
 
     @property
     def nbytes(self) -> int:
@@ -95,13 +99,17 @@ def plan_requests(
 ) -> tuple[list[Request], list[int]]:
     """Coalesce `reads` (in the order they are consumed) into ranged requests.
 
-    A read joins an open request of its file when it lies within `max_gap` bytes of the
-    request's range (on either side: the whole range is fetched before its first read), the
-    range stays within `max_request` bytes, the gaps within 1/`WASTE_DIVISOR` of the bytes asked
-    for, and the open requests together within `budget`. A file keeps up to `open_per_file`
-    requests open (a ZeRO optimizer group per region: weights, then biases and norms, read in
-    turn); past that, or past the budget, the least recently used request closes. A read larger
-    than `max_request` is the caller's to split.
+    A request's whole range is fetched before its first read and held until its last, so
+    growing it later would add to the bytes held at every position since its first read. Each
+    request therefore reserves, when it opens, the most it may grow to: its stream's share of
+    `budget` (`PlannedRead.stream`: a ZeRO rank's file holds one record per optimizer group,
+    read in turn; `budget` is split evenly, but a stream never gets more than it still has to
+    read, the rest going to the others), at most `max_request` and at least its first read. The reservations of
+    the open requests stay within `budget` (the oldest close to make room), which bounds the
+    bytes held at any position. A read joins an open request of its file when it lies within
+    `max_gap` bytes of its range (on either side), the range stays within the reservation and
+    the gaps within 1/`WASTE_DIVISOR` of the bytes asked for; a file keeps up to
+    `open_per_file` requests open. A read larger than `max_request` is the caller's to split.
 
     Returns:
         The requests, in the order their first read comes (the order to fetch them), and for
@@ -109,17 +117,23 @@ def plan_requests(
     """
     if budget < max_request:
         raise ValueError(f"budget {budget} is below one request of {max_request} bytes")
+    left: list[int] = [0] * len(reads)  # bytes its stream still reads, from each read on
+    totals: dict[tuple[Hashable, Hashable], int] = {}
+    for i in range(len(reads) - 1, -1, -1):
+        key = (reads[i].file, reads[i].stream)
+        totals[key] = left[i] = totals.get(key, 0) + reads[i].nbytes
+    share = _fair_share(list(totals.values()), budget, max_request)
     requests: list[Request] = []
     owner: list[int] = []
-    lru: OrderedDict[int, None] = OrderedDict()  # open request indices, least recent first
+    open_: dict[int, None] = {}  # open request indices, oldest first
     by_file: dict[Hashable, list[int]] = {}
-    held = 0  # bytes of the open requests: what must be held at once
+    held = 0  # reservations of the open requests
 
     def close(index: int) -> None:
         nonlocal held
-        del lru[index]
+        del open_[index]
         by_file[requests[index].file].remove(index)
-        held -= requests[index].nbytes
+        held -= requests[index].reserved
 
     for i, read in enumerate(reads):
         if read.nbytes > max_request:
@@ -131,16 +145,9 @@ def plan_requests(
             if read.offset > req.end + max_gap or end < req.start - max_gap:
                 continue
             lo, hi = min(req.start, read.offset), max(req.end, end)
-            grow = (hi - lo) - req.nbytes
             useful = req.useful + read.nbytes
-            if (
-                hi - lo <= max_request
-                and (hi - lo - useful) * WASTE_DIVISOR <= useful
-                and held + grow <= budget
-            ):
+            if hi - lo <= req.reserved and (hi - lo - useful) * WASTE_DIVISOR <= useful:
                 req.start, req.end, req.last, req.useful = lo, hi, i, useful
-                held += grow
-                lru.move_to_end(index)
                 owner.append(index)
                 joined = True
                 break
@@ -149,15 +156,30 @@ def plan_requests(
         mine = by_file.setdefault(read.file, [])
         if len(mine) >= open_per_file:
             close(min(mine, key=lambda j: requests[j].last))
-        while held + read.nbytes > budget:
-            close(next(iter(lru)))
-        requests.append(Request(read.file, read.offset, end, i, i, read.nbytes))
+        reserve = max(read.nbytes, min(share, left[i] + left[i] // WASTE_DIVISOR))
+        for index in list(open_):  # oldest first: they have had their chance to grow
+            if held + reserve <= budget:
+                break
+            close(index)
+        requests.append(Request(read.file, read.offset, end, i, i, read.nbytes, reserve))
         index = len(requests) - 1
-        lru[index] = None
+        open_[index] = None
         mine.append(index)
-        held += read.nbytes
+        held += reserve
         owner.append(index)
     return requests, owner
+
+
+def _fair_share(totals: list[int], budget: int, cap: int) -> int:
+    """The largest `share` with `sum(min(share, t) for t in totals) <= budget` (water-filling),
+    at most `cap`: streams that need less than an even split leave the rest to the others."""
+    remaining, count = budget, len(totals)
+    for t in sorted(totals):
+        if t * count >= remaining:
+            return max(1, min(cap, remaining // count))
+        remaining -= t
+        count -= 1
+    return cap
 
 
 class _Gate:

@@ -153,7 +153,7 @@ def _prefetch_jobs(
         for pos in range(0, job.nbytes, step):
             n = min(step, job.nbytes - pos)
             pieces.append((job, pos, n))
-            reads.append(PlannedRead(job.source.url, job.offset + pos, n))
+            reads.append(PlannedRead(job.source.url, job.offset + pos, n, job.crc_key))
     requests, owner = plan_requests(reads, budget=budget, max_request=max_request)
     wanted = [0] * len(requests)
     for index, read in zip(owner, reads, strict=True):
