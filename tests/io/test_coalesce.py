@@ -220,11 +220,10 @@ def merge_request_bound(merge: dict[str, int], options: Any) -> int:
     """Requests a merge may make with coalescing: two header reads per intermediate, and its
     bytes in requests of the budget shared by the streams (a rank's optimizer groups and
     buffers, each one record), plus one partial request per stream."""
-    from zerosafe.stages.streaming import PREFETCH_BUFFERS
+    from zerosafe.stages.streaming import prefetch_limits
 
-    share = PREFETCH_BUFFERS * options.chunk_bytes
-    max_request = min(8 << 20, share // 4)
-    per_stream = min(max_request, (share - max_request) // merge["streams"])
+    limits = prefetch_limits(options.chunk_bytes)
+    per_stream = min(limits.max_request, limits.budget // merge["streams"])
     return 2 * merge["files"] + -(-merge["bytes"] // per_stream) + merge["streams"]
 
 

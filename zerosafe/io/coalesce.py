@@ -4,24 +4,23 @@ A merge reads each tensor's fragments from every rank's file in output order: te
 ranks 0..N-1, then tensor 1 from ranks 0..N-1, and so on. Read one by one, that is one ranged
 GET per fragment (about 6,700 per merge of an 80B model at world size 256), each paying the
 store's time to first byte. Yet in each rank's file the fragments of consecutive tensors lie
-side by side. `plan_requests` walks the reads in output order and grows one open request per
-file while the next read continues it (or follows it within `max_gap` bytes, read and
-discarded), up to `max_request` bytes; every open request's bytes stay held from its first read
-to its last, so it also keeps the sum of open requests within `budget`, closing the least
-recently used when a read does not fit. `Prefetcher` then fetches the requests in the order
-they are first needed, `in_flight` at once, and lends the reads as views of the fetched
-buffers (`RequestView.view_range`, which the copy pipeline uses as it does for memory-mapped
-local files).
+side by side. `plan_requests` walks the reads in output order and keeps a few requests open per
+file; a read joins one when it lies within `max_gap` bytes of its range (the gap is read and
+discarded), up to what the request reserved of the budget when it opened. `Prefetcher` then
+fetches the requests in the order they are first needed, `in_flight` at once, and lends the
+reads as views of the fetched buffers (`RequestView.view_range`, which the copy pipeline uses
+as it does for memory-mapped local files).
 
-Memory: every fetched buffer is counted from before its request is sent until the buffer is
-freed (the last view of it dropped), and nothing is sent while that count would pass
-`budget`, so the prefetched bytes never exceed it. Because the plan keeps the bytes that must
-be held at once within the same budget, the next request needed always fits once the views
-already consumed are dropped: fetching cannot deadlock the reader.
+Memory: a request's whole range is fetched before its first read and held until its last, so
+the plan counts, at every read, the reservations of the requests open there, and keeps them
+within `budget`. The prefetcher counts every buffer from before its request is sent until the
+buffer is freed (its last view dropped) and sends nothing while that count would pass `budget`:
+the prefetched bytes never exceed it, and because the plan fits the same budget, the next
+request needed always fits once the views already consumed are dropped (no deadlock).
 
-Bytes are counted in the storage's `IOCounter` by the source's own `readinto_at` (one request
-per coalesced read, gap bytes included, as they go over the wire); CRCs are taken over the
-bytes each read asked for, as before, so the integrity ledgers are unchanged.
+Bytes are counted in the storage's `IOCounter` by the source's own `read_range` (one request per
+coalesced read, gap bytes included, as they go over the wire); CRCs are taken over the bytes
+each read asked for, as before, so the integrity ledgers are unchanged.
 """
 
 from __future__ import annotations

@@ -28,9 +28,10 @@ from zerosafe.formats.crc import CrcLedger
 from zerosafe.formats.safetensors import SafetensorsStreamWriter
 from zerosafe.io.buffers import allocate_buffer, pin_mmap_threshold
 from zerosafe.io.coalesce import PlannedRead, Prefetcher, plan_requests
+from zerosafe.io.s3 import TransferSettings
 from zerosafe.io.storage import ByteSource, is_local
 
-__all__ = ["CopyJob", "copy_stream"]
+__all__ = ["CopyJob", "PrefetchLimits", "copy_stream", "prefetch_limits"]
 
 try:  # the same CRC-32 (zip's), computed with SIMD: 5-6x zlib's speed on the benchmark machine
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -125,24 +126,38 @@ def _coalescable(source: ByteSource) -> bool:
     return not is_local(source.url) and not hasattr(source, "view_range")
 
 
+@dataclass(frozen=True, slots=True)
+class PrefetchLimits:
+    """How coalesced reads are sized for one copy (see `prefetch_limits`)."""
+
+    max_request: int
+    budget: int
+    in_flight: int
+
+
+def prefetch_limits(chunk_bytes: int, settings: TransferSettings | None = None) -> PrefetchLimits:
+    """Of the `PREFETCH_BUFFERS * chunk_bytes` given to fetched requests, one request's worth is
+    kept for the copy out of each response and the rest is the plan's budget; a request is at
+    most the storage's `range_size` (and a quarter of the share), and `2 * max_requests` are in
+    flight (the two readers of the uncoalesced path each had `max_requests`)."""
+    settings = settings or TransferSettings()
+    share = PREFETCH_BUFFERS * chunk_bytes
+    max_request = max(4096, min(settings.range_bytes, share // 4))
+    return PrefetchLimits(max_request, share - max_request, 2 * settings.max_requests)
+
+
 def _prefetch_jobs(
     jobs: list[CopyJob], chunk_bytes: int
 ) -> tuple[list[CopyJob], Prefetcher] | None:
-    """`jobs` rewritten to read from coalesced requests fetched ahead, and their fetcher; None
-    unless every job reads a remote source.
-
-    Of the `PREFETCH_BUFFERS * chunk_bytes` given to fetched requests, one request's worth is
-    kept for the copy out of each response; a request is at most the storage's `range_size`
-    (and a quarter of the share), and `2 * max_requests` are in flight (the two readers of the
-    uncoalesced path each had `max_requests`)."""
+    """`jobs` rewritten to read from coalesced requests fetched ahead (`prefetch_limits`), and
+    their fetcher; None unless every job reads a remote source."""
     if not COALESCE_READS or not jobs or not all(_coalescable(j.source) for j in jobs):
         return None
-    share = PREFETCH_BUFFERS * chunk_bytes
     settings = getattr(jobs[0].source, "transfer", None)
-    range_bytes = getattr(settings, "range_bytes", 8 << 20)
-    in_flight = 2 * getattr(settings, "max_requests", 4)
-    max_request = max(4096, min(range_bytes, share // 4))
-    budget = share - max_request
+    limits = prefetch_limits(
+        chunk_bytes, settings if isinstance(settings, TransferSettings) else None
+    )
+    max_request, budget, in_flight = limits.max_request, limits.budget, limits.in_flight
     pieces: list[tuple[CopyJob, int, int]] = []  # (job, position in it, bytes)
     reads: list[PlannedRead] = []
     sources: dict[str, ByteSource] = {}
