@@ -59,6 +59,6 @@ def test_merge_requests_follow_bytes_not_fragments(
     print(f"\nmerge: {merge}, GETs on the wire {wire}")
     assert wire == [merge["requests"]]  # the storage counter counts what goes over the wire
     assert merge["requests"] <= merge_request_bound(merge, options)
-    assert merge["requests"] * 5 < merge["fragments"]
+    assert merge["requests"] * 4 < merge["fragments"]
     assert trace.gates and all(0 < g.peak <= g.limit for g in trace.gates)
     assert all(g.held == 0 for g in trace.gates)
