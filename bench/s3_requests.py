@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -175,6 +176,43 @@ def convert_once(
     }
 
 
+_LOG_LINE = re.compile(r"\[\d+/\w+/\d+ (\d+):(\d+):(\d+)\] \"(\w+) (\S+)")
+
+
+def server_phases(moto_log: Path, label: str, bucket: str) -> dict[str, dict[str, int]]:
+    """From moto's request log (1 s stamps): per phase of run `label`, its requests and when
+    they came, in seconds from the run's first request. Phases by key: the checkpoint (plan and
+    extract), the intermediates (written by extracts, read by merges and publish's checks), the
+    unpublished output (`pending/`: merge writes, verify reads), and the rest (leases, publish)."""
+    rows = []
+    for line in moto_log.read_text(errors="replace").splitlines():
+        m = _LOG_LINE.search(line)
+        if m:
+            h, mi, sec, method, path = m.groups()
+            rows.append((int(h) * 3600 + int(mi) * 60 + int(sec), method, path.split("?")[0]))
+    mine = [i for i, r in enumerate(rows) if f"/{bucket}/out-{label}" in r[2]]
+    if not mine:
+        return {}
+    seg = rows[mine[0] : mine[-1] + 1]
+    t0 = seg[0][0]
+    out: dict[str, dict[str, int]] = {}
+    for t, method, path in seg:
+        if f"/{bucket}/ckpt/" in path:
+            kind = "checkpoint"
+        elif "/intermediate" in path:
+            kind = "intermediates"
+        elif "/pending/" in path:
+            kind = "pending_output"
+        elif f"/out-{label}" in path:
+            kind = "other"
+        else:
+            continue
+        entry = out.setdefault(f"{kind} {method}", {"requests": 0, "from_s": t - t0})
+        entry["requests"] += 1
+        entry["to_s"] = t - t0
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", default="200M")
@@ -229,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, coalesce in (("before", False), ("after", True)):
             run = convert_once(label, coalesce, src, bucket, proxy)
             run["same_as_local"] = s3_sha256(endpoint, bucket, f"out-{label}") == want
+            run["server_phases"] = server_phases(work / "moto.log", label, bucket)
             runs.append(run)
             print(json.dumps(run), flush=True)
     finally:
@@ -246,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            "load_average_at_end": [round(x, 1) for x in os.getloadavg()],
         },
         "config": {
             "params": args.params,
