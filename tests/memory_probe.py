@@ -2,6 +2,9 @@
 
     python tests/memory_probe.py engine|flow CKPT OUT OPTIONS_JSON
 
+With `ZEROSAFE_PROBE_WARM=URL` (a small checkpoint on the same object store as CKPT), it also
+converts that before taking the baseline, so the store's client libraries are not counted.
+
 First converts the shipped sample (so every lazy import and allocator warm-up is done), takes
 the RSS then as the baseline, and reports the peak RSS of the real conversion above it.
 Separate from pytest so the peak is this process's own (ru_maxrss would be inherited).
@@ -40,6 +43,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as warm:
         run(str(REPO / "examples" / "zero3-bf16-ws3"), os.path.join(warm, "o"))
+    warm_url = os.environ.get("ZEROSAFE_PROBE_WARM")
+    if warm_url:  # an object-store run: load its client stack (s3fs, botocore) before the baseline
+        run(warm_url, warm_url.rstrip("/") + "-out")
     with PeakRSS(every_s=0.005) as m:
         summary = run(ckpt, out)
     print(

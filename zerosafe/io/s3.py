@@ -81,11 +81,15 @@ class TransferSettings:
     part_bytes: int = 8 * MIB
     """Multipart part size (storage option `part_size`); S3 wants at least 5 MiB."""
     range_bytes: int = 8 * MIB
-    """A large read is split into ranged GETs of this size (storage option `range_size`)."""
+    """A large read is split into ranged GETs of this size (storage option `range_size`); it is
+    also the largest request that the copy pipeline's coalesced reads make
+    (`zerosafe.io.coalesce`)."""
     max_requests: int = 4
-    """Ranged GETs or part uploads in flight at once per reader or writer (`max_requests`).
+    """Ranged GETs or part uploads in flight at once per reader or writer (`max_requests`); a
+    copy's coalesced reads keep `2 * max_requests` in flight.
     Memory: a writer holds `(max_requests + 1) * part_bytes`; a read in flight holds at most
-    `max_requests * range_bytes` of response bodies besides its own buffer."""
+    `max_requests * range_bytes` of response bodies besides its own buffer (coalesced reads
+    count their responses in the copy's budget)."""
 
     def __post_init__(self) -> None:
         if self.part_bytes < 1 or self.range_bytes < 1 or self.max_requests < 1:

@@ -244,6 +244,8 @@ class FsspecSource:
         self._path = path
         self._counter = counter
         self._settings = settings or TransferSettings()
+        self.transfer = self._settings
+        """Its storage's transfer settings (the copy pipeline sizes coalesced reads by them)."""
         self._async = bool(getattr(fs, "async_impl", False)) and hasattr(fs, "_cat_file")
 
     def _check_bounds(self, start: int, end: int) -> None:

@@ -249,7 +249,9 @@ def extract_part(
     storage.makedirs(intermediate_url)
     writer = SafetensorsStreamWriter(storage.open_sink(url), entries, metadata)
     try:
-        copy_stream(jobs, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes)
+        bytes_read = copy_stream(
+            jobs, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
+        )
         writer.finish()
     except BaseException:
         writer.abort()
@@ -274,7 +276,7 @@ def extract_part(
         rank=part.rank,
         file=url,
         file_bytes=writer.file_bytes,
-        bytes_read=sum(j.nbytes for j in jobs),
+        bytes_read=bytes_read,
         content_sha256=content,
         ledger=ledger.to_json(),
         seconds=round(time.monotonic() - started, 3),
@@ -352,14 +354,6 @@ def merge_shard(
     entries = [HeaderEntry(t.name, t.out_dtype, t.shape) for t in tensors]
     url = join_url(out_url, spec.file_name)
     ledger = CrcLedger()
-    bytes_read = 0
-
-    def count(n: int) -> None:
-        nonlocal bytes_read
-        bytes_read += n
-        if on_bytes is not None:
-            on_bytes(n)
-
     storage.makedirs(out_url)
     # Output shards are checked by their per-tensor checksum (verify); only intermediates
     # need CRCs.
@@ -368,12 +362,12 @@ def merge_shard(
         checksum=TENSOR_CHECKSUM,
     )  # fmt: skip
     try:
-        copy_stream(
+        bytes_read = copy_stream(
             _merge_jobs(plan, shard, locator),
             writer,
             chunk_bytes=chunk_bytes,
             ledger=ledger,
-            on_bytes=count,
+            on_bytes=on_bytes,
         )
         writer.finish()
     except BaseException:

@@ -4,6 +4,11 @@ Reader threads fill fixed buffers with `readinto` (no per-chunk allocation), the
 thread casts chunk by chunk with torch (round-to-nearest-even), and a writer thread hashes and
 appends to the output. All buffers come from one pool of `PIPELINE_BUFFERS` chunks, so a task
 holds at most `PIPELINE_BUFFERS * chunk_bytes` of data whatever the size of a tensor.
+
+From an object store (every source remote), the reads are instead coalesced into fewer, larger
+ranged requests fetched ahead and concurrently (`zerosafe.io.coalesce`): `PREFETCH_BUFFERS`
+chunks' worth of the budget go to the fetched requests, which lend the reads as views, and
+the pool keeps the other chunks for cast output and the write queue. The bound is the same.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from zerosafe.dtypes import dtype_info, torch_dtype
 from zerosafe.formats.crc import CrcLedger
 from zerosafe.formats.safetensors import SafetensorsStreamWriter
 from zerosafe.io.buffers import allocate_buffer, pin_mmap_threshold
-from zerosafe.io.storage import ByteSource
+from zerosafe.io.coalesce import PlannedRead, Prefetcher, plan_requests
+from zerosafe.io.s3 import TransferSettings
+from zerosafe.io.storage import ByteSource, is_local
 
-__all__ = ["CopyJob", "copy_stream"]
+__all__ = ["CopyJob", "PrefetchLimits", "copy_stream", "prefetch_limits"]
 
 try:  # the same CRC-32 (zip's), computed with SIMD: 5-6x zlib's speed on the benchmark machine
     from zlib_ng.zlib_ng import crc32 as _crc32
@@ -45,6 +52,12 @@ _CAST_THREADS = max(1, min(2, os.cpu_count() or 1))
 _PARALLEL_CAST_MIN = 8 * _CAST_STEP
 """Elements below which a chunk is cast by the caller alone (a helper's hand-off costs more)."""
 assert _READ_AHEAD + _WRITE_QUEUE + 3 <= PIPELINE_BUFFERS
+PREFETCH_BUFFERS = PIPELINE_BUFFERS - (_WRITE_QUEUE + 2)
+"""Chunks of the budget that coalesced object-store reads may hold; the pool keeps the rest
+for cast output (one being cast, the write queue, one being written)."""
+COALESCE_READS = True
+"""Coalesce and prefetch reads when every source is remote (off: one ranged read per chunk of
+each fragment, as before; the benchmark's baseline)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +121,85 @@ def _chunk_need(job: CopyJob, chunk_bytes: int) -> int:
     return elems * max(src_size, out_size)
 
 
-def _read(job: CopyJob, pos: int, n: int, buf: bytearray) -> tuple[int | None, memoryview]:
-    """Read a chunk (into `buf`, or as a view of a `zerosafe.io.mapped.MappedSource`) and CRC it."""
+def _coalescable(source: ByteSource) -> bool:
+    """A remote source read by ranged requests (not a local file, not already lending views)."""
+    return not is_local(source.url) and not hasattr(source, "view_range")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchLimits:
+    """How coalesced reads are sized for one copy (see `prefetch_limits`)."""
+
+    max_request: int
+    budget: int
+    in_flight: int
+
+
+def prefetch_limits(chunk_bytes: int, settings: TransferSettings | None = None) -> PrefetchLimits:
+    """Of the `PREFETCH_BUFFERS * chunk_bytes` given to fetched requests, one request's worth is
+    kept for the copy out of each response and the rest is the plan's budget; a request is at
+    most the storage's `range_size` (and a quarter of the share), and `2 * max_requests` are in
+    flight (the two readers of the uncoalesced path each had `max_requests`)."""
+    settings = settings or TransferSettings()
+    share = PREFETCH_BUFFERS * chunk_bytes
+    max_request = max(4096, min(settings.range_bytes, share // 4))
+    return PrefetchLimits(max_request, share - max_request, 2 * settings.max_requests)
+
+
+def _prefetch_jobs(
+    jobs: list[CopyJob], chunk_bytes: int
+) -> tuple[list[CopyJob], Prefetcher] | None:
+    """`jobs` rewritten to read from coalesced requests fetched ahead (`prefetch_limits`), and
+    their fetcher; None unless every job reads a remote source."""
+    if not COALESCE_READS or not jobs or not all(_coalescable(j.source) for j in jobs):
+        return None
+    settings = getattr(jobs[0].source, "transfer", None)
+    limits = prefetch_limits(
+        chunk_bytes, settings if isinstance(settings, TransferSettings) else None
+    )
+    max_request, budget, in_flight = limits.max_request, limits.budget, limits.in_flight
+    pieces: list[tuple[CopyJob, int, int]] = []  # (job, position in it, bytes)
+    reads: list[PlannedRead] = []
+    sources: dict[str, ByteSource] = {}
+    for job in jobs:
+        itemsize = dtype_info(job.src_dtype).itemsize
+        step = max(itemsize, max_request - max_request % itemsize)
+        sources.setdefault(job.source.url, job.source)
+        for pos in range(0, job.nbytes, step):
+            n = min(step, job.nbytes - pos)
+            pieces.append((job, pos, n))
+            reads.append(PlannedRead(job.source.url, job.offset + pos, n, job.crc_key))
+    requests, owner = plan_requests(reads, budget=budget, max_request=max_request)
+    wanted = [0] * len(requests)
+    for index, read in zip(owner, reads, strict=True):
+        wanted[index] += read.nbytes
+    prefetcher = Prefetcher(
+        [(r, sources[str(r.file)]) for r in requests], wanted, budget=budget, in_flight=in_flight
+    )
+    out = [
+        CopyJob(
+            job.tensor,
+            prefetcher.views[index],
+            job.offset + pos,
+            n,
+            job.src_dtype,
+            job.out_dtype,
+            job.crc_key,
+            job.crc_offset + pos,
+        )  # fmt: skip
+        for (job, pos, n), index in zip(pieces, owner, strict=True)
+    ]
+    return out, prefetcher
+
+
+def _read(job: CopyJob, pos: int, n: int, buf: bytearray | None) -> tuple[int | None, memoryview]:
+    """Read a chunk (into `buf`, or as a view of a `zerosafe.io.mapped.MappedSource` or of a
+    prefetched request) and CRC it."""
     view_range = getattr(job.source, "view_range", None)
     if view_range is not None:  # a mapped source lends its pages: no copy into `buf`
         view = view_range(job.offset + pos, n)
     else:
+        assert buf is not None
         view = memoryview(buf)[:n]
         job.source.readinto_at(job.offset + pos, view)
     return (_crc32(view) if job.crc_key is not None else None), view
@@ -194,7 +280,7 @@ class _Writer(threading.Thread):
         super().__init__(name="zerosafe-writer", daemon=True)
         self.writer = writer
         self.pool = pool
-        self.queue: queue.Queue[tuple[int, memoryview, bytearray] | None] = queue.Queue(
+        self.queue: queue.Queue[tuple[int, memoryview, bytearray | None] | None] = queue.Queue(
             _WRITE_QUEUE
         )
         self.error: BaseException | None = None
@@ -205,13 +291,16 @@ class _Writer(threading.Thread):
             if item is None:
                 return
             index, view, buf = item
+            del item  # a prefetched request's buffer goes with its last view: drop it here
             try:
                 if self.error is None:
                     self.writer.write(index, view)
             except BaseException as e:  # re-raised by the producer
                 self.error = e
             finally:
-                self.pool.release(buf)
+                del view
+                if buf is not None:
+                    self.pool.release(buf)
 
 
 def copy_stream(
@@ -222,7 +311,7 @@ def copy_stream(
     ledger: CrcLedger | None = None,
     on_bytes: Callable[[int], None] | None = None,
     num_readers: int = 2,
-) -> None:
+) -> int:
     """Run `jobs` in order into `writer` (which must be positioned at their first tensor).
 
     Args:
@@ -232,15 +321,27 @@ def copy_stream(
         ledger: Receives the CRC32 of every range read whose job names a `crc_key`.
         on_bytes: Called with the source bytes of each chunk once it is queued for writing.
         num_readers: Threads reading at once.
+
+    Returns:
+        Bytes read from the sources: the jobs' bytes, or with coalesced reads the requests'
+        whole ranges (gaps read through included), as they went over the wire.
     """
     pin_mmap_threshold()
     jobs = list(jobs)
     biggest = max((_chunk_need(j, chunk_bytes) for j in jobs), default=0)
-    pool = _BufferPool(PIPELINE_BUFFERS, min(chunk_bytes, biggest))
+    prefetch = _prefetch_jobs(jobs, chunk_bytes)
+    prefetcher = None
+    buffers = PIPELINE_BUFFERS
+    if prefetch is not None:  # reads are views of fetched requests: the pool is for casts
+        jobs, prefetcher = prefetch
+        buffers -= PREFETCH_BUFFERS
+    pool = _BufferPool(buffers, min(chunk_bytes, biggest))
     write_thread = _Writer(writer, pool)
     write_thread.start()
     chunks = _chunks(jobs, chunk_bytes)
-    pending: deque[tuple[CopyJob, int, int, bytearray, Future[tuple[int | None, memoryview]]]]
+    pending: deque[
+        tuple[CopyJob, int, int, bytearray | None, Future[tuple[int | None, memoryview]]]
+    ]
     pending = deque()
     try:
         with (
@@ -257,7 +358,7 @@ def copy_stream(
                 if item is None:
                     return
                 job, pos, n = item
-                buf = pool.acquire()
+                buf = None if prefetcher is not None else pool.acquire()
                 pending.append((job, pos, n, buf, readers.submit(_read, job, pos, n, buf)))
 
             try:
@@ -268,8 +369,10 @@ def copy_stream(
                     try:
                         crc, data = future.result()
                     except BaseException:
-                        pool.release(buf)
+                        if buf is not None:
+                            pool.release(buf)
                         raise
+                    del future
                     submit_next()
                     if crc is not None and ledger is not None and job.crc_key is not None:
                         ledger.add(job.crc_key, job.crc_offset + pos, n, crc)
@@ -281,19 +384,29 @@ def copy_stream(
                             data, job.src_dtype, out_buf, job.out_dtype,
                             casters if _CAST_THREADS > 1 else None,
                         )  # fmt: skip
-                        pool.release(buf)
-                    del data  # a mapped chunk is unmapped once its last view goes
+                        if buf is not None:
+                            pool.release(buf)
+                    # A mapped chunk is unmapped once its last view goes; a prefetched
+                    # request's buffer is freed, and leaves the budget, with its last view.
+                    del data
                     if write_thread.error is not None:
-                        pool.release(out_buf)
+                        if out_buf is not None:
+                            pool.release(out_buf)
                         raise write_thread.error
                     write_thread.queue.put((job.tensor, view, out_buf))
+                    del view, out_buf, buf
                     if on_bytes is not None:
                         on_bytes(n)
             finally:
-                for _, _, _, _, future in pending:  # stop reads nobody will consume
-                    future.cancel()
+                for _, _, _, _, pending_read in pending:  # stop reads nobody will consume
+                    pending_read.cancel()
+                if prefetcher is not None:  # readers waiting on a request fail, not hang
+                    prefetcher.close()
     finally:
         write_thread.queue.put(None)
         write_thread.join()
     if write_thread.error is not None:
         raise write_thread.error
+    if prefetcher is not None:
+        return prefetcher.fetched_bytes
+    return sum(j.nbytes for j in jobs)

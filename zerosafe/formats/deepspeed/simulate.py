@@ -12,8 +12,12 @@ The predicted wall time is a model, not a measurement: `workers` workers each ru
 moves its bytes (reads plus writes) at `min(task_rate, bandwidth / tasks running)`, i.e. the
 storage's aggregate bandwidth is shared and one task cannot go faster than its own copy
 pipeline (`task_rate`, measured by bench/run.py); with `request_latency` (an object store's
-time to first byte) each ranged read also waits that long, spread over the task's two reader
-threads, which lowers that task's rate. Staged mode runs every extract before the
+time to first byte) each ranged request also waits that long, which lowers that task's rate.
+On an object store extracts and merges coalesce their reads (`zerosafe.io.coalesce`, sized by
+`zerosafe.stages.streaming.prefetch_limits`): the requests counted are the ones the engine's
+own planner makes of the plan's fragments (read in place; intermediates hold the same pieces
+in the same order), their waits spread over the requests in flight; verify's chunk reads wait
+spread over its two reader threads. Staged mode runs every extract before the
 first merge (under ZeRO-3 each output shard needs pieces of every rank), and a shard's verify
 follows its merge in the same slot.
 
@@ -49,8 +53,10 @@ from zerosafe.formats.deepspeed.checkpoint import LoadedFile, ZeroCheckpoint
 from zerosafe.formats.deepspeed.layout import zero3_partition_numel
 from zerosafe.formats.deepspeed.reader import build_plan
 from zerosafe.formats.torch_zip import StorageRef, TensorRecord, TorchZipFile, ZipRecord
+from zerosafe.io.coalesce import PlannedRead, plan_requests
 from zerosafe.io.storage import FileIdentity
 from zerosafe.plan.model import Plan
+from zerosafe.stages.streaming import prefetch_limits
 from zerosafe.units import format_bytes
 
 __all__ = [
@@ -58,6 +64,7 @@ __all__ = [
     "SimulatedSpec",
     "llama_shapes",
     "load_spec",
+    "merge_requests",
     "predict_seconds",
     "render_simulation",
     "simulate_plan",
@@ -345,20 +352,37 @@ def _task_loads(
         return -(-nbytes // chunk)
 
     wait = request_latency / _READERS_PER_TASK
+    limits = prefetch_limits(chunk)
+    coalesced_wait = request_latency / limits.in_flight
     extract = []
     if not options.direct:
         for i in range(len(plan.parts)):
             b = plan.part_bytes(i)
-            extract.append((2 * b, reads(b) * wait))
+            extract.append((2 * b, -(-b // limits.max_request) * coalesced_wait))
     merge = []
     for i, shard in enumerate(plan.shards):
-        requests = 0
-        for t in plan.shard_tensors(i):
-            for slot, _, numel, _ in plan.fragments.for_tensor(t.index):
-                requests += reads(numel * plan.slots[slot].itemsize)
-        requests += reads(shard.data_bytes)  # verify
-        merge.append((plan.shard_source_bytes(i) + 2 * shard.data_bytes, requests * wait))
+        lat = merge_requests(plan, i, chunk) * coalesced_wait if request_latency else 0.0
+        lat += reads(shard.data_bytes) * wait  # verify
+        merge.append((plan.shard_source_bytes(i) + 2 * shard.data_bytes, lat))
     return {"extract": extract, "merge_verify": merge}
+
+
+def merge_requests(plan: Plan, shard: int, chunk_bytes: int) -> int:
+    """Ranged requests a merge of `shard` makes on an object store: the engine's coalescing
+    plan (`zerosafe.io.coalesce.plan_requests`) of its fragments, at the sizes the copy
+    pipeline uses for `chunk_bytes` and the default transfer settings."""
+    limits = prefetch_limits(chunk_bytes)
+    reads = []
+    for t in plan.shard_tensors(shard):
+        for slot_index, start, numel, _ in plan.fragments.for_tensor(t.index):
+            slot = plan.slots[slot_index]
+            offset, nbytes = slot.byte_offset + start * slot.itemsize, numel * slot.itemsize
+            step = limits.max_request - limits.max_request % slot.itemsize
+            for pos in range(0, nbytes, step):
+                n = min(step, nbytes - pos)
+                reads.append(PlannedRead(slot.file, offset + pos, n, slot_index))
+    requests, _ = plan_requests(reads, budget=limits.budget, max_request=limits.max_request)
+    return len(requests)
 
 
 def predict_seconds(
@@ -410,6 +434,11 @@ def simulation_report(
         frag_per_shard.append(
             sum(len(plan.fragments.for_tensor(t.index)) for t in plan.shard_tensors(i))
         )
+    requests_per_shard = (
+        [merge_requests(plan, i, options.chunk_bytes) for i in range(len(plan.shards))]
+        if request_latency
+        else []
+    )
     predictions = [
         {
             "workers": w,
@@ -451,6 +480,8 @@ def simulation_report(
             "merge_output_bytes": _spread([s.data_bytes for s in plan.shards]),
             "verify": _spread([s.data_bytes for s in plan.shards]),
             "reads_per_merge": _spread(frag_per_shard),
+            # with request latency (an object store): the coalesced ranged requests
+            "requests_per_merge": _spread(requests_per_shard),
         },
         "memory": {
             "budget_bytes": options.memory,
@@ -496,8 +527,13 @@ def render_simulation(r: dict[str, Any]) -> str:
     m, o = t["merge_source_bytes"], t["merge_output_bytes"]
     lines.append(
         f"  merge    {m['count']:5d}  reads {format_bytes(m['median'])} each (max "
-        f"{format_bytes(m['max'])}) in ~{t['reads_per_merge']['median']:,} ranged reads, "
-        f"writes {format_bytes(o['median'])}"
+        f"{format_bytes(m['max'])}) in ~{t['reads_per_merge']['median']:,} ranged reads"
+        + (
+            f" (~{t['requests_per_merge']['median']:,} coalesced requests from an object store)"
+            if t.get("requests_per_merge", {}).get("count")
+            else ""
+        )
+        + f", writes {format_bytes(o['median'])}"
     )
     lines.append(
         f"  verify   {t['verify']['count']:5d}  reads {format_bytes(t['verify']['median'])} each"
