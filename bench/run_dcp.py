@@ -8,7 +8,7 @@ AdamW moments, 3x the model in all), then, on the same files and in the same run
 
 - `io-limit`: reading the model's chunk bytes once plus writing the output bytes once
   (fsynced), serial (`bench/_iolimit.py`);
-- `zerosafe`: `zerosafe convert --no-flow` (the engine; direct mode on a local disk);
+- `zerosafe`: `zerosafe convert --via local` (the engine; direct mode on a local disk);
 - `torch`: `dcp_to_torch_save` then `torch.load` and `safetensors.torch.save_file` of the model
   part, the way users convert today (`bench/_dcp_torch_convert.py`).
 
