@@ -489,15 +489,17 @@ def _check_before_starting(args: argparse.Namespace, options: Any) -> str | None
     return quick_done(storage, source, args.tag, output, options)
 
 
-def _preload(module: str) -> None:
-    """Import `module` in a background thread: torch takes a second to import and the merge
-    needs it only after the checkpoint is read and planned (and, with the flow, after Prefect
-    is imported and the run created), so its import overlaps that work. A later `import` of
-    it waits for this one (the import lock), never runs it twice."""
+def _preload(module: str, then: Callable[[], None] | None = None) -> None:
+    """Import `module` in a background thread, then call `then` there: torch takes a second to
+    import and the merge needs it only after the checkpoint is read and planned (and, with the
+    flow, after Prefect is imported and the run created), so its import overlaps that work. A
+    later `import` of it waits for this one (the import lock), never runs it twice."""
 
     def load() -> None:
         with contextlib.suppress(Exception):  # the real import reports any problem
             importlib.import_module(module)
+            if then is not None:
+                then()
 
     threading.Thread(target=load, name=f"zerosafe-preload-{module}", daemon=True).start()
 
@@ -532,11 +534,12 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if done is not None:  # complete and intact: no checkpoint byte read, nothing started
         summary = RunSummary.already_complete(args.output, done)
     elif via == "local":
-        _preload("torch")
-        from zerosafe.pipeline import convert_checkpoint
         from zerosafe.stages.streaming import serial_torch
 
-        serial_torch()  # this process runs its own threads (see serial_torch)
+        # This process runs its own threads (see serial_torch): set once torch is imported,
+        # beside the planning, not before it.
+        _preload("torch", then=serial_torch)
+        from zerosafe.pipeline import convert_checkpoint
         summary = convert_checkpoint(
             args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
             progress=TerminalProgress() if show_progress else NullProgress(), storage=_storage(args),
