@@ -165,7 +165,17 @@ def convert(
         conf: A YAML job file (see conf/example.yaml); the other parameters override it.
     """
     log = get_run_logger()
-    params = {k: v for k, v in locals().items() if k not in ("conf", "log")}
+    params = dict(
+        source=source, destination=destination, tag=tag, select=select,
+        strip_prefix=strip_prefix, dtype=dtype, max_shard_size=max_shard_size, memory=memory,
+        max_parallel_tasks=max_parallel_tasks, mode=mode, tied=tied,
+        exclude_frozen=exclude_frozen, overwrite=overwrite, keep_work=keep_work,
+        allow_nonfinite=allow_nonfinite, check_lowp=check_lowp, file_sha256=file_sha256,
+        keep_fp32=keep_fp32, model_files=model_files, copy_model_files=copy_model_files,
+        extract_part_size=extract_part_size, work_dir=work_dir, runner=runner,
+        dask_address=dask_address, storage_options=storage_options,
+        timeout_seconds=timeout_seconds,
+    )  # fmt: skip
     try:
         cfg = load_job_config(conf, **params)
     except ConversionError as e:
