@@ -1,0 +1,482 @@
+"""`zerosafe convert CKPT OUT --to universal`: a DeepSpeed universal checkpoint, written as
+restartable units in bounded memory, verified, and published with a marker written last.
+
+The lifecycle, in this process (`convert_to_universal`):
+
+1. inspect: plan every file from the pickles (`zerosafe.training_state.universal_plan`).
+2. units: the optimizer state (and, ZeRO-1/2, the module copies), the model states copies,
+   then the trained params in order, grouped so each unit writes about `unit_bytes`. A param
+   streams from its byte runs into its `.pt` files (`zerosafe.training_state.torch_save`) in
+   chunks of `chunk_bytes`, never whole in memory, whatever its size. Each finished unit is
+   recorded with what it wrote (`zerosafe.stages.unit_records`); a rerun keeps every recorded
+   unit whose files are all there with their recorded sizes, and redoes the rest.
+3. verify: every written `.pt` is reopened with zerosafe's restricted reader: its pickle must
+   describe the expected tensor (dtype, shape, `requires_grad`) and its data record's CRC-32
+   must match the zip directory and the CRC recorded while writing.
+4. publish: `OUT/<tag>_universal/zerosafe-manifest.json`, then `OUT/latest_universal` (what
+   `engine.load_checkpoint(OUT)` reads with `"checkpoint": {"load_universal": true}`), then the
+   marker `OUT/zerosafe-universal-complete.json`, last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zerosafe.errors import OutputExistsError, VerificationError
+from zerosafe.formats.torch_pickle import TensorRecord
+from zerosafe.formats.torch_zip import TorchZipFile
+from zerosafe.io.storage import ByteSource, Storage, join_url, normalize_url
+from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
+from zerosafe.training_state.torch_save import TensorOut, TorchZipWriter, pickle_bytes
+from zerosafe.training_state.universal_plan import (
+    STATES,
+    ModuleCopy,
+    ParamOut,
+    Run,
+    UniversalPlan,
+    plan_universal,
+    small_tensors,
+)
+
+__all__ = [
+    "LATEST_UNIVERSAL",
+    "MARKER_NAME",
+    "UniversalSummary",
+    "convert_to_universal",
+]
+
+log = logging.getLogger(__name__)
+
+LATEST_UNIVERSAL = "latest_universal"
+MARKER_NAME = "zerosafe-universal-complete.json"
+MANIFEST_NAME = "zerosafe-manifest.json"
+WORK_DIR_NAME = ".zerosafe-work"
+DEFAULT_UNIT_BYTES = 256 << 20
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+
+@dataclass(kw_only=True)
+class UniversalSummary:
+    """What a `--to universal` run did."""
+
+    status: str
+    """`converted` or `already-complete`."""
+    output: str
+    folder: str
+    num_params: int
+    units_run: int
+    units_kept: int
+    files_written: int
+    bytes_read: int
+    bytes_written: int
+    masters_bytes: int
+    moments_bytes: int
+    seconds: float
+    peak_rss_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(kw_only=True)
+class _Written:
+    """One file a unit wrote: its path under OUT, size, and per-record CRC-32s."""
+
+    path: str
+    size_bytes: int
+    crcs: dict[str, int]
+    expect: dict[str, Any]
+    """What verify checks its pickle against: `kind` (`state`, `module`, `step`, `pickle`,
+    `copy`) and, for tensors, `shape` and `requires_grad`."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class _Sources:
+    """Open source files by plan index, counting the bytes read."""
+
+    def __init__(self, storage: Storage, urls: list[str]) -> None:
+        self._storage = storage
+        self._urls = urls
+        self._open: dict[int, ByteSource] = {}
+        self.bytes_read = 0
+
+    def read(self, file: int, start: int, end: int) -> bytes:
+        src = self._open.get(file)
+        if src is None:
+            src = self._open[file] = self._storage.open_source(self._urls[file])
+        self.bytes_read += end - start
+        return src.read_range(start, end)
+
+    def close(self) -> None:
+        for src in self._open.values():
+            src.close()
+
+
+def _to_float32(raw: bytes, dtype: str) -> bytes:
+    """Elements of `dtype` as float32, exactly as torch's `.float()` converts them."""
+    if dtype == "float32":
+        return raw
+    if dtype == "bfloat16":  # bf16 is the top half of a float32: exact
+        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).tobytes()
+    return np.frombuffer(raw, np.dtype(dtype)).astype(np.float32).tobytes()
+
+
+@dataclass(kw_only=True)
+class _Job:
+    storage: Storage
+    plan: UniversalPlan
+    out_url: str
+    chunk_bytes: int
+    sources: _Sources
+    bytes_written: int = 0
+
+    @property
+    def folder_url(self) -> str:
+        return join_url(self.out_url, self.plan.folder)
+
+    def _write_pt(
+        self,
+        rel: str,
+        obj: Any,
+        records: list[tuple[str, int, Iterator[bytes]]],
+        expect: dict[str, Any],
+    ) -> _Written:
+        """Write `OUT/<rel>`: the pickle of `obj`, then each `(key, size, chunks)` storage."""
+        sink = self.storage.open_sink(join_url(self.out_url, rel))
+        try:
+            writer = TorchZipWriter(sink=sink, archive=rel.rsplit("/", 1)[-1].removesuffix(".pt"))
+            writer.add_preamble(pickle_bytes(obj))
+            crcs = {}
+            for key, size, chunks in records:
+                writer.begin(f"data/{key}", size_bytes=size)
+                for chunk in chunks:
+                    writer.write(chunk)
+                crcs[f"data/{key}"] = writer.end()
+            writer.close()
+            sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
+        self.bytes_written += writer.bytes_written
+        return _Written(path=rel, size_bytes=writer.bytes_written, crcs=crcs, expect=expect)
+
+    def _chunks(self, runs: tuple[Run, ...], itemsize: int = 4) -> Iterator[bytes]:
+        step = max(self.chunk_bytes // itemsize, 1) * itemsize
+        for run in runs:
+            end = run.offset + run.numel * itemsize
+            for pos in range(run.offset, end, step):
+                yield self.sources.read(run.file, pos, min(pos + step, end))
+
+    # -- units ---------------------------------------------------------------------------------
+
+    def write_param(self, p: ParamOut) -> list[_Written]:
+        z12 = self.plan.stage < 3
+        out = []
+        for state in STATES:
+            grad = state == "fp32"
+            tensor = TensorOut(
+                key="0", dtype="float32", shape=p.shape if z12 else (p.numel,), requires_grad=grad
+            )
+            obj: Any = {"cat_dim": 0, "param": tensor} if z12 else tensor
+            rel = f"{self.plan.folder}/zero/{p.name}/{state}.pt"
+            expect = {"kind": "state", "shape": list(tensor.shape), "requires_grad": grad,
+                      "wrapped": z12}  # fmt: skip
+            out.append(
+                self._write_pt(rel, obj, [("0", 4 * p.numel, self._chunks(p.runs[state]))], expect)
+            )
+        if z12 and p.group in self.plan.steps:
+            rel = f"{self.plan.folder}/zero/{p.name}/step.pt"
+            out.append(self._write_small(rel, self.plan.steps[p.group], {"kind": "step"}))
+        return out
+
+    def _write_small(self, rel: str, obj: Any, expect: dict[str, Any]) -> _Written:
+        """A small object: its `TensorRecord`s read whole and written as fresh storages."""
+        records: list[tuple[str, int, Iterator[bytes]]] = []
+        outs: dict[int, TensorOut] = {}
+        for t in small_tensors(obj):
+            if id(t) in outs:
+                continue
+            key = str(len(records))
+            outs[id(t)] = TensorOut(
+                key=key, dtype=t.dtype, shape=t.shape, requires_grad=t.requires_grad
+            )
+            records.append((key, t.nbytes, iter([self._read_small(t)])))
+        return self._write_pt(rel, _replace_records(obj, outs), records, expect)
+
+    def _read_small(self, t: TensorRecord) -> bytes:
+        """A small tensor of rank 0's optimizer file (every small state comes from there)."""
+        self.sources.bytes_read += t.nbytes
+        return self.plan.ckpt.optim_files[0].zip.read_tensor_bytes(t)
+
+    def write_optimizer_state(self) -> list[_Written]:
+        rel = f"{self.plan.folder}/zero/optimizer_state.pt"
+        out = [self._write_small(rel, self.plan.optimizer_state, {"kind": "pickle"})]
+        for copy in self.plan.module_copies:
+            out.append(self._write_module_copy(copy))
+        return out
+
+    def _write_module_copy(self, c: ModuleCopy) -> _Written:
+        tensor = TensorOut(key="0", dtype="float32", shape=c.shape)
+        rel = f"{self.plan.folder}/zero/{c.name}/fp32.pt"
+        itemsize = 4 if c.dtype == "float32" else int(np.dtype(_np_name(c.dtype)).itemsize)
+        chunks = (_to_float32(b, c.dtype) for b in self._chunks((c.run,), itemsize))
+        expect = {"kind": "state", "shape": list(c.shape), "requires_grad": False, "wrapped": True,
+                  "only_param": True}  # fmt: skip
+        return self._write_pt(rel, {"param": tensor}, [("0", 4 * c.run.numel, chunks)], expect)
+
+    def copy_model_states(self) -> list[_Written]:
+        out = []
+        for url in self.plan.model_files:
+            name = url.rsplit("/", 1)[-1]
+            rel = f"{self.plan.folder}/{name}"
+            file = self.plan.urls.index(url)
+            size = self.storage.identity(url).size_bytes
+            sink = self.storage.open_sink(join_url(self.out_url, rel))
+            try:
+                for chunk in self._chunks((Run(file, 0, size),), itemsize=1):
+                    sink.write(chunk)
+                sink.commit()
+            except BaseException:
+                sink.abort()
+                raise
+            self.bytes_written += size
+            out.append(_Written(path=rel, size_bytes=size, crcs={}, expect={"kind": "copy"}))
+        return out
+
+
+def _np_name(dtype: str) -> str:
+    return {"bfloat16": "uint16"}.get(dtype, dtype)
+
+
+def _replace_records(obj: Any, outs: dict[int, TensorOut]) -> Any:
+    from collections import OrderedDict
+
+    from zerosafe.formats.torch_pickle import InertObject
+
+    if isinstance(obj, TensorRecord):
+        return outs[id(obj)]
+    if isinstance(obj, OrderedDict):
+        return OrderedDict((k, _replace_records(v, outs)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: _replace_records(v, outs) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_replace_records(v, outs) for v in obj]
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(_replace_records(v, outs) for v in obj)
+    if isinstance(obj, InertObject) and small_tensors([obj.args, obj.state]):
+        copy = type(obj)(*_replace_records(obj.args, outs))
+        copy.state = _replace_records(obj.state, outs)
+        return copy
+    return obj
+
+
+def _units(plan: UniversalPlan, unit_bytes: int) -> list[tuple[str, list[int]]]:
+    """`(kind, param indices)`: the optimizer state, the model states copies, then params in
+    order, each unit about `unit_bytes` of masters + moments (a larger param alone)."""
+    units: list[tuple[str, list[int]]] = [("optimizer_state", []), ("model_states", [])]
+    current: list[int] = []
+    filled = 0
+    for i, p in enumerate(plan.params):
+        size = 12 * p.numel
+        if current and filled + size > unit_bytes:
+            units.append(("params", current))
+            current, filled = [], 0
+        current.append(i)
+        filled += size
+    if current:
+        units.append(("params", current))
+    return units
+
+
+def _intact(storage: Storage, out_url: str, written: list[dict[str, Any]]) -> bool:
+    for w in written:
+        url = join_url(out_url, w["path"])
+        try:
+            if storage.identity(url).size_bytes != w["size_bytes"]:
+                return False
+        except (OSError, FileNotFoundError):
+            return False
+        except Exception:  # noqa: BLE001 - any storage error: the unit runs again
+            return False
+    return True
+
+
+def verify_file(storage: Storage, out_url: str, w: dict[str, Any]) -> None:
+    """Reopen one written file with the restricted reader and check it (module docstring).
+
+    Raises:
+        VerificationError: Naming the file and what differs.
+    """
+    url = join_url(out_url, w["path"])
+    expect = w["expect"]
+    if expect["kind"] == "copy":
+        if storage.identity(url).size_bytes != w["size_bytes"]:
+            raise VerificationError(f"{url}: size differs from the copy's {w['size_bytes']} bytes")
+        return
+    source = storage.open_source(url)
+    try:
+        zf = TorchZipFile(source)
+        obj = zf.load()
+        for name, crc in w["crcs"].items():
+            record = zf.records[zf.prefix + name]
+            data = zf.read_record(record)  # checks the zip directory's CRC-32
+            if record.crc32 != crc:
+                raise VerificationError(
+                    f"{url}: record '{name}' has CRC-32 {record.crc32:08x}, {crc:08x} was "
+                    "recorded while writing it"
+                )
+            del data
+        if expect["kind"] == "state":
+            _check_state(url, obj, expect)
+    finally:
+        source.close()
+
+
+def _check_state(url: str, obj: Any, expect: dict[str, Any]) -> None:
+    if expect.get("wrapped"):
+        keys = {"param"} if expect.get("only_param") else {"param", "cat_dim"}
+        if not isinstance(obj, dict) or set(obj) != keys:
+            raise VerificationError(
+                f"{url}: expected a dict with keys {sorted(keys)}, found {obj!r:.200}"
+            )
+        obj = obj["param"]
+    if not (
+        isinstance(obj, TensorRecord)
+        and obj.dtype == "float32"
+        and list(obj.shape) == expect["shape"]
+        and obj.requires_grad == expect["requires_grad"]
+        and obj.is_contiguous()
+        and obj.storage_offset == 0
+    ):
+        raise VerificationError(
+            f"{url}: expected a float32 tensor of shape {expect['shape']} with "
+            f"requires_grad={expect['requires_grad']}, found {obj!r:.200}"
+        )
+
+
+def convert_to_universal(
+    ckpt_url: str,
+    out_url: str,
+    *,
+    tag: str | None = None,
+    storage: Storage | None = None,
+    unit_bytes: int = DEFAULT_UNIT_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    overwrite: bool = False,
+    keep_work: bool = False,
+) -> UniversalSummary:
+    """Write the DeepSpeed universal checkpoint of a ZeRO checkpoint into `out_url`.
+
+    Args:
+        ckpt_url: The folder holding `latest`, or a tag folder.
+        out_url: The output folder; `engine.load_checkpoint(out_url)` with
+            `"checkpoint": {"load_universal": true}` resumes from it.
+        tag: The tag to convert; by default the one `latest` names.
+        unit_bytes: Masters + moments bytes per unit of work (the granularity of resume).
+        chunk_bytes: Bytes read and written at a time: the memory a unit holds.
+        overwrite: Replace a complete universal checkpoint of another source in `out_url`.
+        keep_work: Keep the unit records after publishing.
+
+    Returns:
+        What was done, with bytes read and written and peak memory.
+
+    Raises:
+        UnsupportedCheckpointError: What is not converted yet, named in one line.
+        OutputExistsError: `out_url` holds a complete conversion of another checkpoint.
+        VerificationError: A written file failed its check.
+    """
+    from zerosafe.pipeline import peak_rss_bytes
+
+    started = time.monotonic()
+    storage = storage or Storage()
+    out_url = normalize_url(out_url)
+    plan = plan_universal(storage, ckpt_url, tag=tag)
+    marker_url = join_url(out_url, MARKER_NAME)
+    summary = UniversalSummary(
+        status="converted", output=out_url, folder=plan.folder, num_params=len(plan.params),
+        units_run=0, units_kept=0, files_written=0, bytes_read=0, bytes_written=0,
+        masters_bytes=plan.masters_bytes, moments_bytes=plan.moments_bytes, seconds=0.0,
+        peak_rss_bytes=0, notes=list(plan.notes),
+    )  # fmt: skip
+    if storage.exists(marker_url):
+        done = json.loads(storage.read_bytes(marker_url))
+        if done.get("job_key") == plan.job_key:
+            summary.status = "already-complete"
+            summary.seconds = time.monotonic() - started
+            return summary
+        if not overwrite:
+            raise OutputExistsError(
+                f"{out_url}: holds a complete universal checkpoint of another source "
+                f"({done.get('source')}); choose another output folder or pass --overwrite"
+            )
+        storage.remove(marker_url)
+    work_url = join_url(out_url, WORK_DIR_NAME, plan.job_key[:16])
+    records = UnitRecords(storage, work_url)
+    job = _Job(
+        storage=storage, plan=plan, out_url=out_url, chunk_bytes=chunk_bytes,
+        sources=_Sources(storage, plan.urls),
+    )  # fmt: skip
+    written: list[dict[str, Any]] = []
+    try:
+        for index, (kind, members) in enumerate(_units(plan, unit_bytes)):
+            names = [plan.params[i].name for i in members]
+            key = unit_key("universal", plan.job_key, index, fingerprint(kind, names),
+                           direct=None, allow_nonfinite=None)  # fmt: skip
+            record = records.load("universal", index, key)
+            if record is not None and _intact(storage, out_url, record["result"]["files"]):
+                written += record["result"]["files"]
+                summary.units_kept += 1
+                continue
+            if kind == "optimizer_state":
+                files = job.write_optimizer_state()
+            elif kind == "model_states":
+                files = job.copy_model_states()
+            else:
+                files = [w for i in members for w in job.write_param(plan.params[i])]
+            files_json = [w.to_json() for w in files]
+            records.save("universal", index, key, {"kind": kind, "files": files_json})
+            written += files_json
+            summary.units_run += 1
+    finally:
+        job.sources.close()
+    for w in written:
+        verify_file(storage, out_url, w)
+    _publish(storage, plan, out_url, written)
+    if not keep_work:
+        storage.remove_tree(join_url(out_url, WORK_DIR_NAME))
+    summary.files_written = len(written)
+    summary.bytes_read = job.sources.bytes_read
+    summary.bytes_written = job.bytes_written
+    summary.seconds = time.monotonic() - started
+    summary.peak_rss_bytes = peak_rss_bytes()
+    return summary
+
+
+def _publish(
+    storage: Storage, plan: UniversalPlan, out_url: str, written: list[dict[str, Any]]
+) -> None:
+    """The manifest, then `latest_universal`, then the completion marker, last."""
+    manifest = {
+        "format": "deepspeed-universal",
+        "job_key": plan.job_key,
+        "source": {"checkpoint": plan.ckpt.ckpt_url, "tag": plan.tag, "stage": plan.stage,
+                   "world_size": plan.world_size},
+        "files": written,
+        "notes": plan.notes,
+    }  # fmt: skip
+    storage.write_bytes(
+        join_url(out_url, plan.folder, MANIFEST_NAME), json.dumps(manifest, indent=1).encode()
+    )
+    storage.write_bytes(join_url(out_url, LATEST_UNIVERSAL), plan.folder.encode())
+    marker = {"job_key": plan.job_key, "folder": plan.folder, "source": manifest["source"]}
+    storage.write_bytes(join_url(out_url, MARKER_NAME), json.dumps(marker, indent=1).encode())
