@@ -138,8 +138,10 @@ SPECS: dict[str, dict[str, Any]] = {
         "world_size": 4, "stage": 1, "precision": "bf16", "tied": True, "frozen": True,
         "groups": 2, "steps": 2, "dims": [53, 28, 45],
     },
-    "uc-z2-fp32-ws4": {
-        "world_size": 4, "stage": 2, "precision": "fp32", "steps": 2, "dims": [53, 28, 45],
+    # ZeRO-Offload: DeepSpeedCPUAdam (its op is JIT-built once per machine).
+    "uc-z2-fp32-ws4-cpuadam": {
+        "world_size": 4, "stage": 2, "precision": "fp32", "offload": "cpu", "cpu_adam": True,
+        "steps": 2, "dims": [53, 28, 45],
     },
     "uc-z3-bf16-ws4-tied-frozen-subgroups": {
         "world_size": 4, "stage": 3, "precision": "bf16", "tied": True, "frozen": True,

@@ -32,7 +32,8 @@ import numpy as np
 from zerosafe.errors import OutputExistsError, VerificationError
 from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
-from zerosafe.io.storage import ByteSource, Storage, join_url, normalize_url
+from zerosafe.io.lease import work_lease
+from zerosafe.io.storage import ByteSource, Storage, is_local, join_url, normalize_url
 from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
 from zerosafe.training_state.torch_save import TensorOut, TorchZipWriter, pickle_bytes
 from zerosafe.training_state.universal_plan import (
@@ -419,47 +420,72 @@ def convert_to_universal(
                 f"{out_url}: holds a complete universal checkpoint of another source "
                 f"({done.get('source')}); choose another output folder or pass --overwrite"
             )
+        # the other conversion's files go first: none of them may outlive its marker
         storage.remove(marker_url)
+        storage.remove(join_url(out_url, LATEST_UNIVERSAL))
+        if isinstance(done.get("folder"), str) and "/" not in done["folder"]:
+            storage.remove_tree(join_url(out_url, done["folder"]))
     work_url = join_url(out_url, WORK_DIR_NAME, plan.job_key[:16])
-    records = UnitRecords(storage, work_url)
     job = _Job(
         storage=storage, plan=plan, out_url=out_url, chunk_bytes=chunk_bytes,
         sources=_Sources(storage, plan.urls),
     )  # fmt: skip
-    written: list[dict[str, Any]] = []
-    try:
-        for index, (kind, members) in enumerate(_units(plan, unit_bytes)):
-            names = [plan.params[i].name for i in members]
-            key = unit_key("universal", plan.job_key, index, fingerprint(kind, names),
-                           direct=None, allow_nonfinite=None)  # fmt: skip
-            record = records.load("universal", index, key)
-            if record is not None and _intact(storage, out_url, record["result"]["files"]):
-                written += record["result"]["files"]
-                summary.units_kept += 1
-                continue
-            if kind == "optimizer_state":
-                files = job.write_optimizer_state()
-            elif kind == "model_states":
-                files = job.copy_model_states()
-            else:
-                files = [w for i in members for w in job.write_param(plan.params[i])]
-            files_json = [w.to_json() for w in files]
-            records.save("universal", index, key, {"kind": kind, "files": files_json})
-            written += files_json
-            summary.units_run += 1
-    finally:
-        job.sources.close()
-    for w in written:
-        verify_file(storage, out_url, w)
-    _publish(storage, plan, out_url, written)
+    with work_lease(storage, work_url, clean=_output_folders(storage, plan, out_url)):
+        try:
+            written = _run_units(job, UnitRecords(storage, work_url), unit_bytes, summary)
+        finally:
+            job.sources.close()
+        for w in written:
+            verify_file(storage, out_url, w)
+        _publish(storage, plan, out_url, written)
     if not keep_work:
         storage.remove_tree(join_url(out_url, WORK_DIR_NAME))
-    summary.files_written = len(written)
     summary.bytes_read = job.sources.bytes_read
     summary.bytes_written = job.bytes_written
     summary.seconds = time.monotonic() - started
     summary.peak_rss_bytes = peak_rss_bytes()
     return summary
+
+
+def _output_folders(storage: Storage, plan: UniversalPlan, out_url: str) -> list[str]:
+    """The folders a killed run may have left temporary files in (local outputs only)."""
+    if not is_local(out_url):
+        return []
+    folder = join_url(out_url, plan.folder)
+    names = [p.name for p in plan.params] + [c.name for c in plan.module_copies]
+    candidates = [folder, join_url(folder, "zero"), *(join_url(folder, "zero", n) for n in names)]
+    return [url for url in candidates if storage.isdir(url)]
+
+
+def _run_units(
+    job: _Job, records: UnitRecords, unit_bytes: int, summary: UniversalSummary
+) -> list[dict[str, Any]]:
+    """Run every unit not recorded with its files intact; returns what all units wrote."""
+    plan, storage = job.plan, job.storage
+    written: list[dict[str, Any]] = []
+    for index, (kind, members) in enumerate(_units(plan, unit_bytes)):
+        names = [plan.params[i].name for i in members]
+        key = unit_key(
+            "universal", plan.job_key, index, fingerprint(kind, names),
+            direct=None, allow_nonfinite=None,
+        )  # fmt: skip
+        record = records.load("universal", index, key)
+        if record is not None and _intact(storage, job.out_url, record["result"]["files"]):
+            written += record["result"]["files"]
+            summary.units_kept += 1
+            continue
+        if kind == "optimizer_state":
+            files = job.write_optimizer_state()
+        elif kind == "model_states":
+            files = job.copy_model_states()
+        else:
+            files = [w for i in members for w in job.write_param(plan.params[i])]
+        files_json = [w.to_json() for w in files]
+        records.save("universal", index, key, {"kind": kind, "files": files_json})
+        written += files_json
+        summary.units_run += 1
+        summary.files_written += len(files)
+    return written
 
 
 def _publish(
