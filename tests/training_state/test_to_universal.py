@@ -303,7 +303,10 @@ def test_sigkill_midway_then_resume(
     before = {p.name: p.stat().st_mtime_ns for p in units.glob("universal-*.json")}
     assert len(before) == 2 + 5
 
-    summary = convert_to_universal(str(s.ckpt), str(out), unit_bytes=1, keep_work=True)
+    # chunks of 25 elements: every param streams through many reads and writes
+    summary = convert_to_universal(
+        str(s.ckpt), str(out), unit_bytes=1, chunk_bytes=100, keep_work=True
+    )
     num_params = summary.num_params
     assert (summary.units_kept, summary.units_run) == (7, num_params - 5)
     after = {p.name: p.stat().st_mtime_ns for p in units.glob("universal-*.json")}
