@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -312,7 +313,9 @@ def _intact(storage: Storage, out_url: str, written: list[dict[str, Any]]) -> bo
     return True
 
 
-def verify_file(storage: Storage, out_url: str, w: dict[str, Any]) -> None:
+def verify_file(
+    storage: Storage, out_url: str, w: dict[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> None:
     """Reopen one written file with the restricted reader and check it (module docstring).
 
     Raises:
@@ -330,13 +333,17 @@ def verify_file(storage: Storage, out_url: str, w: dict[str, Any]) -> None:
         obj = zf.load()
         for name, crc in w["crcs"].items():
             record = zf.records[zf.prefix + name]
-            data = zf.read_record(record)  # checks the zip directory's CRC-32
-            if record.crc32 != crc:
-                raise VerificationError(
-                    f"{url}: record '{name}' has CRC-32 {record.crc32:08x}, {crc:08x} was "
-                    "recorded while writing it"
+            start = zf.data_offset(record)
+            read = 0
+            for pos in range(start, start + record.size_bytes, chunk_bytes):
+                read = zlib.crc32(
+                    source.read_range(pos, min(pos + chunk_bytes, start + record.size_bytes)), read
                 )
-            del data
+            if not record.crc32 == crc == read:
+                raise VerificationError(
+                    f"{url}: record '{name}' reads back with CRC-32 {read:08x}; the zip directory "
+                    f"says {record.crc32:08x} and {crc:08x} was recorded while writing it"
+                )
         if expect["kind"] == "state":
             _check_state(url, obj, expect)
     finally:
@@ -436,7 +443,7 @@ def convert_to_universal(
         finally:
             job.sources.close()
         for w in written:
-            verify_file(storage, out_url, w)
+            verify_file(storage, out_url, w, chunk_bytes=chunk_bytes)
         _publish(storage, plan, out_url, written)
     if not keep_work:
         storage.remove_tree(join_url(out_url, WORK_DIR_NAME))
