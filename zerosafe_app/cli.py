@@ -537,6 +537,11 @@ def _check_universal_args(args: argparse.Namespace) -> None:
             "`--dtype` does not apply with `--to universal`: a universal checkpoint holds the "
             "float32 masters and Adam moments as they are"
         )
+    if getattr(args, "work_dir", None):
+        raise ConfigError(
+            "`--work-dir` does not apply with `--to universal` yet: its unit records live in "
+            "OUTPUT/.zerosafe-work"
+        )
     if getattr(args, "via", "local") == "prefect":
         raise ConfigError(
             "`--to universal` runs in the command's own process only for now; drop `--via "
