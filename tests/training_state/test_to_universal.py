@@ -44,6 +44,8 @@ from tests.deepspeed_gen import (
     spec_key,
     train_checkpoint,
 )
+from zerosafe.formats.torch_zip import TorchZipFile
+from zerosafe.io.storage import Storage
 from zerosafe.training_state import convert_to_universal
 from zerosafe_app.cli import main
 
@@ -357,3 +359,26 @@ def test_via_prefect_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     )
     assert code == 2
     assert "runs in the command's own process only" in capsys.readouterr().err
+
+
+def test_verify_checks_a_universal_output(
+    sources: dict[str, Source],
+    ours: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`zerosafe verify OUT` re-checks every file; one flipped byte in a master fails it."""
+    name = TRAINED[2]
+    out = tmp_path / "out"
+    shutil.copytree(ours[name], out)
+    assert main(["verify", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("OK ")
+    target = out / f"{sources[name].tag}_universal" / "zero" / "embed.weight" / "fp32.pt"
+    zf = TorchZipFile(Storage().open_source(str(target)))
+    at = zf.data_offset(zf.storage_record("0")) + 5
+    raw = bytearray(target.read_bytes())
+    raw[at] ^= 0x40
+    target.write_bytes(bytes(raw))
+    assert main(["verify", str(out)]) == 1
+    report = capsys.readouterr().out
+    assert report.startswith("FAILED ") and "embed.weight/fp32.pt" in report and "CRC-32" in report

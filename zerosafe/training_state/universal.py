@@ -52,6 +52,8 @@ __all__ = [
     "MARKER_NAME",
     "UniversalSummary",
     "convert_to_universal",
+    "is_universal_output",
+    "verify_universal_output",
 ]
 
 log = logging.getLogger(__name__)
@@ -513,3 +515,35 @@ def _publish(
     storage.write_bytes(join_url(out_url, LATEST_UNIVERSAL), plan.folder.encode())
     marker = {"job_key": plan.job_key, "folder": plan.folder, "source": manifest["source"]}
     storage.write_bytes(join_url(out_url, MARKER_NAME), json.dumps(marker, indent=1).encode())
+
+
+def is_universal_output(storage: Storage, out_url: str) -> bool:
+    """Whether `out_url` holds a complete `--to universal` output (its marker)."""
+    return storage.exists(join_url(normalize_url(out_url), MARKER_NAME))
+
+
+def verify_universal_output(out_url: str, *, storage: Storage | None = None) -> dict[str, Any]:
+    """`zerosafe verify OUT` of a universal output: every file of its manifest present and
+    checked as `convert` checked it, and `latest_universal` naming its folder.
+
+    Returns:
+        `{"ok", "output", "folder", "num_files", "failures": [{"file", "error"}]}`.
+    """
+    storage = storage or Storage()
+    out_url = normalize_url(out_url)
+    marker = json.loads(storage.read_bytes(join_url(out_url, MARKER_NAME)))
+    folder = str(marker["folder"])
+    manifest = json.loads(storage.read_bytes(join_url(out_url, folder, MANIFEST_NAME)))
+    failures = []
+    latest = storage.read_bytes(join_url(out_url, LATEST_UNIVERSAL)).decode().strip()
+    if latest != folder:
+        failures.append({"file": LATEST_UNIVERSAL, "error": f"names '{latest}', not '{folder}'"})
+    for w in manifest["files"]:
+        try:
+            verify_file(storage, out_url, w)
+        except (VerificationError, OSError, ValueError) as e:
+            failures.append({"file": w["path"], "error": str(e)})
+    return {
+        "ok": not failures, "output": out_url, "folder": folder,
+        "num_files": len(manifest["files"]), "failures": failures,
+    }  # fmt: skip
