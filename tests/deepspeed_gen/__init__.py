@@ -143,6 +143,11 @@ SPECS: dict[str, dict[str, Any]] = {
         "world_size": 4, "stage": 2, "precision": "fp32", "offload": "cpu", "cpu_adam": True,
         "steps": 2, "dims": [53, 28, 45],
     },
+    # bf16 + ZeRO-1 + fp32 grad accumulation: BF16_Optimizer.
+    "uc-z1-bf16opt-ws4-tied-frozen": {
+        "world_size": 4, "stage": 1, "precision": "bf16", "grad_accum_dtype": "fp32",
+        "tied": True, "frozen": True, "steps": 2, "dims": [53, 28, 45],
+    },
     "uc-z3-bf16-ws4-tied-frozen-subgroups": {
         "world_size": 4, "stage": 3, "precision": "bf16", "tied": True, "frozen": True,
         "sub_group_size": 1000, "steps": 2, "dims": [53, 28, 45],

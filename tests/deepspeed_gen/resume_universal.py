@@ -27,7 +27,12 @@ from train_zero import TinyLM, make_config
 
 def _partitions(engine, stage):
     opt = engine.optimizer
-    flat = opt.fp32_partitioned_groups_flat if stage == 3 else opt.single_partition_of_fp32_groups
+    if stage == 3:
+        flat = opt.fp32_partitioned_groups_flat
+    elif hasattr(opt, "single_partition_of_fp32_groups"):
+        flat = opt.single_partition_of_fp32_groups
+    else:  # BF16_Optimizer
+        flat = opt.fp32_groups_flat_partition
     out = {}
     for g, t in enumerate(flat):
         out[f"fp32.{g}"] = t.detach().clone().float().contiguous()

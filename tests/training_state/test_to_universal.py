@@ -1,10 +1,10 @@
 """`zerosafe convert CKPT OUT --to universal` (issue 25) against real DeepSpeed 0.19.8 on CPU.
 
 Checkpoints trained at world size 4 (ZeRO-1 bf16 with tied and frozen params and two param
-groups; ZeRO-2 fp32 with ZeRO-Offload's DeepSpeedCPUAdam; ZeRO-3 bf16 with tied and frozen
-params and sub-groups), plus two shared fixtures (ZeRO-2 fp16 with its dynamic loss scaler,
-ZeRO-3 fp32 with two groups), are turned universal by zerosafe and by DeepSpeed's own
-`ds_to_universal.py`. Then:
+groups; the same with BF16_Optimizer; ZeRO-2 fp32 with ZeRO-Offload's DeepSpeedCPUAdam; ZeRO-3
+bf16 with tied and frozen params and sub-groups), plus three shared fixtures (ZeRO-2 fp16 with
+its dynamic loss scaler, ZeRO-3 fp32 with two groups, BF16_Optimizer at world size 2), are
+turned universal by zerosafe and by DeepSpeed's own `ds_to_universal.py`. Then:
 
 - every file's tensors are equal, bit for bit, and so are the fields of `optimizer_state.pt`
   DeepSpeed's loader reads;
@@ -53,12 +53,16 @@ pytestmark = pytest.mark.slow
 
 TRAINED = [
     "uc-z1-bf16-ws4-tied-frozen-groups",
+    "uc-z1-bf16opt-ws4-tied-frozen",
     "uc-z2-fp32-ws4-cpuadam",
     "uc-z3-bf16-ws4-tied-frozen-subgroups",
 ]
-SHARED = ["z2-fp16-ws4-tied", "z3-fp32-ws4-tied-2groups-persist"]
+SHARED = [
+    "z2-fp16-ws4-tied",
+    "z3-fp32-ws4-tied-2groups-persist",
+    "z1-bf16-ws2-fp32accum-bf16optimizer",
+]
 ROUND_ROBIN = "z2-fp32-ws3-frozen-2groups-roundrobin"
-BF16_OPTIMIZER = "z1-bf16-ws2-fp32accum-bf16optimizer"
 RESUME_WORLD_SIZES = [2, 3]
 REPO = Path(__file__).resolve().parents[2]
 
@@ -339,17 +343,6 @@ def test_round_robin_params_match_live_weights(tmp_path: Path) -> None:
         assert_same(got.detach(), live[folder.name].float(), folder.name)
         moment = torch.load(folder / "exp_avg_sq.pt", weights_only=True)["param"]
         assert moment.shape == got.shape and bool((moment >= 0).all()), folder.name
-
-
-def test_bf16_optimizer_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    ckpt = _shared(BF16_OPTIMIZER)
-    code = main(["convert", str(ckpt), str(tmp_path / "o"), "--to", "universal", "--via", "local"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1
-    assert (
-        "`--to universal` of BF16_Optimizer checkpoints" in err[0] and "not supported yet" in err[0]
-    )
-    assert not (tmp_path / "o").exists()
 
 
 def test_via_prefect_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from zerosafe.errors import UnsupportedCheckpointError
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.storage import Storage
 from zerosafe.training_state import convert_to_universal, plan_universal
@@ -94,3 +95,11 @@ def test_a_param_larger_than_the_budget_streams(tmp_path: Path) -> None:
     )
     want = F.expected_fp32("embed.weight", 0, 4096 * 1024, seed=5)
     assert np.array_equal(got.detach().numpy(), want)
+
+
+def test_other_optimizers_are_refused_in_one_line(tmp_path: Path) -> None:
+    """Muon's state is not Adam's: refused at inspect, naming it, before anything is written."""
+    _forge(tmp_path / "ckpt", stage=2, ds_config={"optimizer": {"type": "Muon"}})
+    with pytest.raises(UnsupportedCheckpointError, match=r"`--to universal` of optimizer Muon"):
+        convert_to_universal(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

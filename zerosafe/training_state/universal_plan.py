@@ -14,6 +14,9 @@ What DeepSpeed 0.19.8's `ds_to_universal.py` writes and its loader reads
 - ZeRO-1/2 only: `zero/<name>/fp32.pt` = `{'param': module_tensor.float()}` for every other
   entry of the 16-bit module copy (frozen params, buffers, tied aliases); the loader does not
   read them, `ds_to_universal.py` writes them.
+DeepSpeed's `BF16_Optimizer` (bf16 + ZeRO-1 + `grad_accum_dtype: fp32`) saves the same keys
+as ZeRO-1/2 but for `zero_stage`, its partitions whole (padding included): the same files.
+
 - `zero/optimizer_state.pt`: rank 0's `optimizer_state_dict` less its partitioned tensors, plus
   `param_groups` (the hyperparameters). ZeRO-1/2: less `base_optimizer_state`,
   `param_slice_mappings`, `single_partition_of_fp32_groups`, exactly as DeepSpeed. ZeRO-3:
@@ -169,8 +172,8 @@ def plan_universal(storage: Storage, ckpt_url: str, *, tag: str | None) -> Unive
 
     Raises:
         UnsupportedCheckpointError: For what is not converted to universal yet, in one line
-            naming it (pipeline or tensor parallel, MoE, BF16_Optimizer, low-precision
-            masters, NVMe-offloaded states, optimizers without Adam moments).
+            naming it (pipeline or tensor parallel, MoE, low-precision masters,
+            NVMe-offloaded states, optimizers other than Adam/AdamW).
         CheckpointFormatError: Missing or unreadable files.
         LayoutMismatchError: Moments that do not match their master partitions.
     """
@@ -238,16 +241,15 @@ def _refuse(ckpt: ZeroCheckpoint) -> None:
     what = None
     if ckpt.moe is not None:
         what = "MoE (expert-parallel) checkpoints"
-    elif ckpt.optimizer_kind != "zero":
-        what = (
-            "BF16_Optimizer checkpoints (bf16 + ZeRO-1 + grad_accum_dtype fp32, "
-            "bf16_zero_pp_rank_* files without 'zero_stage')"
-        )
+    elif ckpt.optimizer_kind not in ("zero", "bf16_optimizer"):
+        what = f"optimizer kind '{ckpt.optimizer_kind}'"
     elif ckpt.master_dtype != "float32":
         what = f"low-precision ({ckpt.master_dtype}) master weights"
     elif ckpt.swapped:
         what = "NVMe-offloaded optimizer states (offload_optimizer device nvme)"
-    elif "exp_avg, exp_avg_sq" not in ckpt.optimizer_name:
+    elif "muon" in ckpt.optimizer_name.lower() or not ckpt.optimizer_name.endswith(
+        "(state exp_avg, exp_avg_sq)"
+    ):
         what = f"optimizer {ckpt.optimizer_name} (Adam/AdamW only)"
     if what is not None:
         raise UnsupportedCheckpointError(
