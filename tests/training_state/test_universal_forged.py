@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from zerosafe.errors import UnsupportedCheckpointError
+from zerosafe.errors import IntegrityError, UnsupportedCheckpointError
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.storage import Storage
 from zerosafe.training_state import convert_to_universal, plan_universal
@@ -103,3 +103,20 @@ def test_other_optimizers_are_refused_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedCheckpointError, match=r"`--to universal` of optimizer Muon"):
         convert_to_universal(str(tmp_path / "ckpt"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_a_corrupt_moment_in_the_checkpoint_is_caught(tmp_path: Path) -> None:
+    """Every source record read is checked against its zip CRC-32: one flipped bit in a rank's
+    `exp_avg_sq` fails the run before anything is published."""
+    info = _forge(tmp_path / "ckpt", stage=2)
+    optim = sorted((tmp_path / "ckpt" / info.tag).glob("*rank_1_*optim_states.pt"))[0]
+    zf = TorchZipFile(Storage().open_source(str(optim)))
+    moment = zf.load()["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg_sq"]
+    at = zf.tensor_offset(moment) + 13
+    raw = bytearray(optim.read_bytes())
+    raw[at] ^= 0x10
+    optim.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="do not match their recorded CRC-32"):
+        convert_to_universal(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "latest_universal").exists()
+    assert not (tmp_path / "out" / "zerosafe-universal-complete.json").exists()

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from zerosafe.dtypes import dtype_info
+from zerosafe.formats.crc import crc32_combine
 from zerosafe.formats.torch_pickle import DTypeToken, InertObject, TorchDevice, TorchSize
 from zerosafe.io.storage import Sink
 
@@ -240,12 +241,16 @@ class TorchZipWriter:
         self._emit(header + full + extra)
         self._open, self._open_zip64 = entry, big
 
-    def write(self, chunk: bytes | memoryview) -> None:
-        """Append to the open record."""
+    def write(self, chunk: bytes | memoryview, *, crc32: int | None = None) -> None:
+        """Append to the open record; `crc32`: the chunk's own CRC-32 when already known."""
         entry = self._open
         assert entry is not None, "no record is open"
-        entry.crc32 = zlib.crc32(chunk, entry.crc32)
-        entry.size_bytes += memoryview(chunk).nbytes
+        n = memoryview(chunk).nbytes
+        if crc32 is None:
+            entry.crc32 = zlib.crc32(chunk, entry.crc32)
+        else:
+            entry.crc32 = crc32_combine(entry.crc32, crc32, n)
+        entry.size_bytes += n
         self._emit(chunk)
 
     def end(self) -> int:

@@ -10,7 +10,9 @@ The lifecycle, in this process (`convert_to_universal`):
    chunks of `chunk_bytes`, never whole in memory, whatever its size. Each finished unit is
    recorded with what it wrote (`zerosafe.stages.unit_records`); a rerun keeps every recorded
    unit whose files are all there with their recorded sizes, and redoes the rest.
-3. verify: every written `.pt` is reopened with zerosafe's restricted reader: its pickle must
+3. verify: every source record read (masters, moments, module copies) is checked against its
+   zip CRC-32, from the CRC-32s of the chunks read (kept in the unit records, so resumed units
+   count); every written `.pt` is reopened with zerosafe's restricted reader: its pickle must
    describe the expected tensor (dtype, shape, `requires_grad`) and its data record's CRC-32
    must match the zip directory and the CRC recorded while writing.
 4. publish: `OUT/<tag>_universal/zerosafe-manifest.json`, then `OUT/latest_universal` (what
@@ -30,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from zerosafe.errors import OutputExistsError, VerificationError
+from zerosafe.errors import IntegrityError, OutputExistsError, VerificationError
+from zerosafe.formats.crc import CrcLedger
 from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import work_lease
@@ -84,6 +87,8 @@ class UniversalSummary:
     moments_bytes: int
     seconds: float
     peak_rss_bytes: int
+    source_records_checked: int = 0
+    """Source zip records whose bytes, as read, matched their recorded CRC-32."""
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -143,6 +148,8 @@ class _Job:
     chunk_bytes: int
     sources: _Sources
     bytes_written: int = 0
+    ledger: CrcLedger = field(default_factory=CrcLedger)
+    """CRC-32s of the source bytes the current unit read, by record."""
 
     @property
     def folder_url(self) -> str:
@@ -152,7 +159,7 @@ class _Job:
         self,
         rel: str,
         obj: Any,
-        records: list[tuple[str, int, Iterator[bytes]]],
+        records: list[tuple[str, int, Iterator[tuple[bytes, int | None]]]],
         expect: dict[str, Any],
     ) -> _Written:
         """Write `OUT/<rel>`: the pickle of `obj`, then each `(key, size, chunks)` storage."""
@@ -163,8 +170,8 @@ class _Job:
             crcs = {}
             for key, size, chunks in records:
                 writer.begin(f"data/{key}", size_bytes=size)
-                for chunk in chunks:
-                    writer.write(chunk)
+                for chunk, crc in chunks:
+                    writer.write(chunk, crc32=crc)
                 crcs[f"data/{key}"] = writer.end()
             writer.close()
             sink.commit()
@@ -174,12 +181,22 @@ class _Job:
         self.bytes_written += writer.bytes_written
         return _Written(path=rel, size_bytes=writer.bytes_written, crcs=crcs, expect=expect)
 
-    def _chunks(self, runs: tuple[Run, ...], itemsize: int = 4) -> Iterator[bytes]:
+    def _chunks(
+        self, runs: tuple[Run, ...], itemsize: int = 4
+    ) -> Iterator[tuple[bytes, int | None]]:
+        """`(bytes, CRC-32)` of each chunk of `runs`; a run inside a zip record adds its
+        chunks' CRCs to the unit's ledger (checked against the record's CRC at the end)."""
         step = max(self.chunk_bytes // itemsize, 1) * itemsize
         for run in runs:
             end = run.offset + run.numel * itemsize
+            record = self.plan.records[run.record] if run.record >= 0 else None
             for pos in range(run.offset, end, step):
-                yield self.sources.read(run.file, pos, min(pos + step, end))
+                data = self.sources.read(run.file, pos, min(pos + step, end))
+                crc = None
+                if record is not None:
+                    crc = zlib.crc32(data)
+                    self.ledger.add(record.key, pos - record.data_offset, len(data), crc)
+                yield data, crc
 
     # -- units ---------------------------------------------------------------------------------
 
@@ -205,7 +222,7 @@ class _Job:
 
     def _write_small(self, rel: str, obj: Any, expect: dict[str, Any]) -> _Written:
         """A small object: its `TensorRecord`s read whole and written as fresh storages."""
-        records: list[tuple[str, int, Iterator[bytes]]] = []
+        records: list[tuple[str, int, Iterator[tuple[bytes, int | None]]]] = []
         outs: dict[int, TensorOut] = {}
         for t in small_tensors(obj):
             if id(t) in outs:
@@ -214,7 +231,7 @@ class _Job:
             outs[id(t)] = TensorOut(
                 key=key, dtype=t.dtype, shape=t.shape, requires_grad=t.requires_grad
             )
-            records.append((key, t.nbytes, iter([self._read_small(t)])))
+            records.append((key, t.nbytes, iter([(self._read_small(t), None)])))
         return self._write_pt(rel, _replace_records(obj, outs), records, expect)
 
     def _read_small(self, t: TensorRecord) -> bytes:
@@ -233,7 +250,7 @@ class _Job:
         tensor = TensorOut(key="0", dtype="float32", shape=c.shape)
         rel = f"{self.plan.folder}/zero/{c.name}/fp32.pt"
         itemsize = 4 if c.dtype == "float32" else int(np.dtype(_np_name(c.dtype)).itemsize)
-        chunks = (_to_float32(b, c.dtype) for b in self._chunks((c.run,), itemsize))
+        chunks = ((_to_float32(b, c.dtype), None) for b, _ in self._chunks((c.run,), itemsize))
         expect = {"kind": "state", "shape": list(c.shape), "requires_grad": False, "wrapped": True,
                   "only_param": True}  # fmt: skip
         return self._write_pt(rel, {"param": tensor}, [("0", 4 * c.run.numel, chunks)], expect)
@@ -247,7 +264,7 @@ class _Job:
             size = self.storage.identity(url).size_bytes
             sink = self.storage.open_sink(join_url(self.out_url, rel))
             try:
-                for chunk in self._chunks((Run(file, 0, size),), itemsize=1):
+                for chunk, _ in self._chunks((Run(file, 0, size),), itemsize=1):
                     sink.write(chunk)
                 sink.commit()
             except BaseException:
@@ -472,6 +489,7 @@ def _run_units(
     """Run every unit not recorded with its files intact; returns what all units wrote."""
     plan, storage = job.plan, job.storage
     written: list[dict[str, Any]] = []
+    ledger = CrcLedger()
     for index, (kind, members) in enumerate(_units(plan, unit_bytes)):
         names = [plan.params[i].name for i in members]
         key = unit_key(
@@ -481,8 +499,10 @@ def _run_units(
         record = records.load("universal", index, key)
         if record is not None and _intact(storage, job.out_url, record["result"]["files"]):
             written += record["result"]["files"]
+            ledger.update(CrcLedger.from_json(record["result"].get("ledger", {})))
             summary.units_kept += 1
             continue
+        job.ledger = CrcLedger()
         if kind == "optimizer_state":
             files = job.write_optimizer_state()
         elif kind == "model_states":
@@ -490,11 +510,44 @@ def _run_units(
         else:
             files = [w for i in members for w in job.write_param(plan.params[i])]
         files_json = [w.to_json() for w in files]
-        records.save("universal", index, key, {"kind": kind, "files": files_json})
+        result = {"kind": kind, "files": files_json, "ledger": job.ledger.to_json()}
+        records.save("universal", index, key, result)
+        ledger.update(job.ledger)
         written += files_json
         summary.units_run += 1
         summary.files_written += len(files)
+    summary.source_records_checked = _check_sources(job, ledger)
     return written
+
+
+def _check_sources(job: _Job, ledger: CrcLedger) -> int:
+    """Every source record read, its pieces' CRC-32s combined (padding read in), against the
+    CRC-32 its zip directory records; returns how many were checked.
+
+    Raises:
+        IntegrityError: If one differs: the checkpoint is corrupt or changed during the run.
+    """
+    plan = job.plan
+    by_key = {r.key: r for r in plan.records}
+    expected = {
+        r.key: (r.size_bytes, r.crc32) for r in plan.records if r.crc32 != 0 or r.size_bytes == 0
+    }
+
+    def read_gap(key: str, offset: int, length: int) -> bytes:
+        r = by_key[key]
+        return job.sources.read(r.file, r.data_offset + offset, r.data_offset + offset + length)
+
+    result = ledger.check(expected, read_gap)
+    if result.failed:
+        detail = "; ".join(f"{k}: {w}" for k, w in result.failed[:5])
+        raise IntegrityError(
+            f"{len(result.failed)} record(s) of the checkpoint do not match their recorded "
+            f"CRC-32 ({detail}). The files are corrupt or changed during the run; copy them "
+            "again and re-run (the units already written are checked again then)."
+        )
+    for key, why in result.skipped:
+        log.info("%s: not checked against its CRC-32 (%s)", key, why)
+    return len(result.checked)
 
 
 def _publish(

@@ -56,6 +56,7 @@ __all__ = [
     "ModuleCopy",
     "ParamOut",
     "Run",
+    "SourceRecord",
     "UniversalPlan",
     "plan_universal",
 ]
@@ -72,11 +73,25 @@ _GROUP_RE = re.compile(r"^fp32/group(\d+)$")
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """`numel` float32 elements at byte `offset` of source file `file` (index into `urls`)."""
+    """`numel` float32 elements at byte `offset` of source file `file` (index into `urls`),
+    inside zip record `record` (index into `UniversalPlan.records`; -1: none, a raw copy)."""
 
     file: int
     offset: int
     numel: int
+    record: int = -1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SourceRecord:
+    """A zip record runs read from: its bytes are checked against its CRC-32 at the end."""
+
+    key: str
+    """`<file url>#<record name>@<data offset>`, as the weights path names records."""
+    file: int
+    data_offset: int
+    size_bytes: int
+    crc32: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,6 +138,8 @@ class UniversalPlan:
     """URLs of the model states files, copied unchanged."""
     optimizer_state: dict[str, Any]
     """`optimizer_state.pt`'s object, `TensorRecord`s (small) still to be read."""
+    records: list[SourceRecord]
+    """The zip records the runs read, each checked against its CRC-32 once all are read."""
     steps: dict[int, Any]
     """ZeRO-1/2: each param group's `step` (an int or a scalar `TensorRecord`)."""
     ckpt: ZeroCheckpoint
@@ -187,7 +204,8 @@ def plan_universal(storage: Storage, ckpt_url: str, *, tag: str | None) -> Unive
     _refuse(ckpt)
     layout = zero_layout(ckpt, ConvertOptions())
     urls = [f.url for f in layout.files]
-    moment_base = _moment_bases(ckpt)
+    records = _Records(urls)
+    moment_base = _moment_bases(ckpt, records)
     params = []
     trained = {name for name, _ in ckpt.trained_params}
     for name, shape in ckpt.trained_params:
@@ -200,10 +218,14 @@ def plan_universal(storage: Storage, ckpt_url: str, *, tag: str | None) -> Unive
             assert m is not None and slot.kind == "fp32" and slot.dtype == "float32"
             group = int(m.group(1))
             groups.add(group)
-            runs["fp32"].append(Run(slot.file, slot.byte_offset + 4 * src, numel))
+            record = records.index(
+                slot.file, slot.record, slot.record_offset, slot.record_size_bytes,
+                slot.record_crc32,
+            )  # fmt: skip
+            runs["fp32"].append(Run(slot.file, slot.byte_offset + 4 * src, numel, record))
             for state in MOMENTS:
-                base = moment_base[(slot.rank, group, state)]
-                runs[state].append(Run(slot.file, base + 4 * src, numel))
+                base, record = moment_base[(slot.rank, group, state)]
+                runs[state].append(Run(slot.file, base + 4 * src, numel, record))
         params.append(
             ParamOut(
                 name=name, shape=shape, group=min(groups) if groups else 0,
@@ -211,7 +233,7 @@ def plan_universal(storage: Storage, ckpt_url: str, *, tag: str | None) -> Unive
             )
         )  # fmt: skip
     model0 = ckpt.model_files[0]
-    copies = _module_copies(ckpt, model0, trained, urls) if ckpt.stage < 3 else []
+    copies = _module_copies(ckpt, model0, trained, records) if ckpt.stage < 3 else []
     osd = ckpt.optim_files[0].obj["optimizer_state_dict"]
     optimizer_state, steps = _optimizer_state(ckpt, osd)
     identities = [
@@ -231,7 +253,7 @@ def plan_universal(storage: Storage, ckpt_url: str, *, tag: str | None) -> Unive
         job_key=hashlib.sha256(blob.encode()).hexdigest(), tag=ckpt.tag,
         folder=f"{ckpt.tag}_universal", stage=ckpt.stage, world_size=ckpt.world_size,
         urls=urls, params=params, module_copies=copies,
-        model_files=[f.url for f in ckpt.model_files], optimizer_state=optimizer_state, steps=steps,
+        model_files=[f.url for f in ckpt.model_files], optimizer_state=optimizer_state, steps=steps, records=records.records,
         ckpt=ckpt, notes=notes,
     )  # fmt: skip
 
@@ -270,9 +292,38 @@ def _state_of(f: LoadedFile, stage: int) -> Mapping[Any, Any]:
     return state
 
 
-def _moment_bases(ckpt: ZeroCheckpoint) -> dict[tuple[int, int, str], int]:
-    """`(rank, group, state) ->` absolute byte offset of element 0 of that moment partition,
-    checked against the master partition it mirrors."""
+class _Records:
+    """The table of source records, each entered once."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.records: list[SourceRecord] = []
+        self._index: dict[str, int] = {}
+
+    def index(self, file: int, name: str, data_offset: int, size_bytes: int, crc32: int) -> int:
+        key = f"{self.urls[file]}#{name}@{data_offset}"
+        found = self._index.get(key)
+        if found is None:
+            found = self._index[key] = len(self.records)
+            self.records.append(
+                SourceRecord(key=key, file=file, data_offset=data_offset,
+                             size_bytes=size_bytes, crc32=crc32)
+            )  # fmt: skip
+        return found
+
+    def of_tensor(self, f: LoadedFile, t: TensorRecord) -> int:
+        record = f.zip.storage_record(t.storage.key)
+        file = self.urls.index(f.url)
+        return self.index(
+            file, record.name, f.zip.data_offset(record), record.size_bytes, record.crc32
+        )
+
+
+def _moment_bases(
+    ckpt: ZeroCheckpoint, records: _Records
+) -> dict[tuple[int, int, str], tuple[int, int]]:
+    """`(rank, group, state) ->` (absolute byte offset of element 0 of that moment partition,
+    its record), checked against the master partition it mirrors."""
     out = {}
     for f in ckpt.optim_files:
         state = _state_of(f, ckpt.stage)
@@ -290,17 +341,17 @@ def _moment_bases(ckpt: ZeroCheckpoint) -> dict[tuple[int, int, str], int]:
                         f"{f.url}: '{key}' of group {g} is {t.numel} x {t.dtype}, expected at "
                         f"least the {master.numel} float32 elements of its master partition"
                     )
-                out[(f.rank, g, key)] = f.zip.tensor_offset(t)
+                out[(f.rank, g, key)] = (f.zip.tensor_offset(t), records.of_tensor(f, t))
     return out
 
 
 def _module_copies(
-    ckpt: ZeroCheckpoint, model0: LoadedFile, trained: set[str], urls: list[str]
+    ckpt: ZeroCheckpoint, model0: LoadedFile, trained: set[str], records: _Records
 ) -> list[ModuleCopy]:
     module = model0.obj.get("module")
     if not isinstance(module, Mapping):
         return []
-    file_index = urls.index(model0.url)
+    file_index = records.urls.index(model0.url)
     out = []
     for name in ckpt.module_order:
         t = module.get(name)
@@ -312,9 +363,10 @@ def _module_copies(
                 "of it is not supported yet"
             )
         offset = model0.zip.tensor_offset(t) if t.numel else 0
+        record = records.of_tensor(model0, t) if t.numel else -1
         out.append(
             ModuleCopy(name=name, shape=tuple(t.shape), dtype=t.dtype,
-                       run=Run(file_index, offset, t.numel))
+                       run=Run(file_index, offset, t.numel, record))
         )  # fmt: skip
     return out
 
