@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +36,7 @@ import numpy as np
 
 from zerosafe.errors import IntegrityError, OutputExistsError, VerificationError
 from zerosafe.formats.crc import CrcLedger
-from zerosafe.formats.torch_pickle import TensorRecord
+from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import work_lease
 from zerosafe.io.storage import ByteSource, Storage, is_local, join_url, normalize_url
@@ -280,10 +282,7 @@ def _np_name(dtype: str) -> str:
 
 
 def _replace_records(obj: Any, outs: dict[int, TensorOut]) -> Any:
-    from collections import OrderedDict
-
-    from zerosafe.formats.torch_pickle import InertObject
-
+    """`obj` with each small `TensorRecord` replaced by the `TensorOut` written for it."""
     if isinstance(obj, TensorRecord):
         return outs[id(obj)]
     if isinstance(obj, OrderedDict):
@@ -422,8 +421,6 @@ def convert_to_universal(
         OutputExistsError: `out_url` holds a complete conversion of another checkpoint.
         VerificationError: A written file failed its check.
     """
-    from zerosafe.pipeline import peak_rss_bytes
-
     started = time.monotonic()
     storage = storage or Storage()
     out_url = normalize_url(out_url)
@@ -469,7 +466,7 @@ def convert_to_universal(
     summary.bytes_read = job.sources.bytes_read
     summary.bytes_written = job.bytes_written
     summary.seconds = time.monotonic() - started
-    summary.peak_rss_bytes = peak_rss_bytes()
+    summary.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return summary
 
 

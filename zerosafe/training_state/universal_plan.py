@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerosafe.config import ConvertOptions
+from zerosafe.dtypes import dtype_info
 from zerosafe.errors import LayoutMismatchError, UnsupportedCheckpointError
 from zerosafe.formats.deepspeed.checkpoint import LoadedFile, ZeroCheckpoint, open_zero_checkpoint
 from zerosafe.formats.deepspeed.reader import zero_layout
@@ -179,8 +180,6 @@ class UniversalPlan:
 
 
 def _itemsize(dtype: str) -> int:
-    from zerosafe.dtypes import dtype_info
-
     return dtype_info(dtype).itemsize
 
 
