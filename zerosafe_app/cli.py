@@ -596,6 +596,10 @@ def _convert_universal(args: argparse.Namespace) -> int:
             f"{format_bytes(summary.masters_bytes + summary.moments_bytes)} of masters and "
             f"moments; peak memory {format_bytes(summary.peak_rss_bytes)})"
         )
+        print(
+            f"  verified: every file written re-read and checked; "
+            f"{summary.source_records_checked} checkpoint records matched their CRC-32"
+        )
         if summary.units_kept:
             print(f"  resumed: kept {summary.units_kept} finished unit(s), ran {summary.units_run}")
         print(

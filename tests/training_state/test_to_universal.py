@@ -240,6 +240,21 @@ def test_rerun_is_already_complete(
     assert json.loads(capsys.readouterr().out)["status"] == "already-complete"
 
 
+def test_inspect_says_what_it_will_read(
+    sources: dict[str, Source], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`inspect --to universal` costs the masters, the moments and the model states."""
+    s = sources[TRAINED[0]]
+    assert main(["inspect", str(s.ckpt), "--to", "universal", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["to"] == "universal" and report["folder"] == f"{s.tag}_universal"
+    assert report["moments_bytes"] == 2 * report["masters_bytes"] > 0
+    model_bytes = sum(p.stat().st_size for p in (s.ckpt / s.tag).glob("*model_states.pt"))
+    assert report["model_states_bytes"] == model_bytes
+    assert main(["inspect", str(s.ckpt), "--to", "universal"]) == 0
+    assert "moments" in capsys.readouterr().out
+
+
 # -- (b) DeepSpeed resumes ----------------------------------------------------------------------
 
 
