@@ -242,7 +242,15 @@ def plan_universal(storage: Storage, ckpt_url: str, *, tag: str | None) -> Unive
     blob = json.dumps(
         {"universal": PLAN_FORMAT, "tag": ckpt.tag, "files": identities}, sort_keys=True
     )
-    notes = list(ckpt.notes)
+    # the weights path's notes on frozen params taken from the module copy: here they are
+    # module copies like every other entry without masters, said once below
+    notes = [n for n in ckpt.notes if "frozen param(s) taken from" not in n]
+    if copies:
+        notes.append(
+            f"{len(copies)} module entries without masters (frozen params, buffers, tied "
+            "aliases) written as {'param': t.float()}, as ds_to_universal.py does; DeepSpeed's "
+            "universal loader does not read them (the training script's values stand)"
+        )
     if ckpt.stage == 3:
         notes.append(
             "optimizer_state.pt leaves out rank 0's fp32_flat_groups and moments, which "
