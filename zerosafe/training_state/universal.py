@@ -34,8 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from zerosafe.dtypes import dtype_info
 from zerosafe.errors import IntegrityError, OutputExistsError, VerificationError
 from zerosafe.formats.crc import CrcLedger
+from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import work_lease
@@ -251,7 +253,7 @@ class _Job:
     def _write_module_copy(self, c: ModuleCopy) -> _Written:
         tensor = TensorOut(key="0", dtype="float32", shape=c.shape)
         rel = f"{self.plan.folder}/zero/{c.name}/fp32.pt"
-        itemsize = 4 if c.dtype == "float32" else int(np.dtype(_np_name(c.dtype)).itemsize)
+        itemsize = dtype_info(c.dtype).itemsize
         chunks = ((_to_float32(b, c.dtype), None) for b, _ in self._chunks((c.run,), itemsize))
         expect = {"kind": "state", "shape": list(c.shape), "requires_grad": False, "wrapped": True,
                   "only_param": True}  # fmt: skip
@@ -275,10 +277,6 @@ class _Job:
             self.bytes_written += size
             out.append(_Written(path=rel, size_bytes=size, crcs={}, expect={"kind": "copy"}))
         return out
-
-
-def _np_name(dtype: str) -> str:
-    return {"bfloat16": "uint16"}.get(dtype, dtype)
 
 
 def _replace_records(obj: Any, outs: dict[int, TensorOut]) -> Any:
@@ -341,22 +339,28 @@ def verify_file(
     """
     url = join_url(out_url, w["path"])
     expect = w["expect"]
-    if expect["kind"] == "copy":
-        if storage.identity(url).size_bytes != w["size_bytes"]:
-            raise VerificationError(f"{url}: size differs from the copy's {w['size_bytes']} bytes")
-        return
     source = storage.open_source(url)
     try:
+        if source.size_bytes != w["size_bytes"]:
+            raise VerificationError(f"{url}: {source.size_bytes} bytes, {w['size_bytes']} written")
+        if expect["kind"] == "copy":  # a model states file: every record against its CRC-32
+            copied = open_torch_file(source)  # legacy (non-zip) files have no CRCs to check
+            for record in copied.records.values():
+                if not record.has_crc:
+                    continue
+                start = copied.data_offset(record)
+                read = _record_crc(source, start, record.size_bytes, chunk_bytes)
+                if read != record.crc32:
+                    raise VerificationError(
+                        f"{url}: record '{record.name}' reads back with CRC-32 {read:08x}, its "
+                        f"zip directory says {record.crc32:08x}"
+                    )
+            return
         zf = TorchZipFile(source)
         obj = zf.load()
         for name, crc in w["crcs"].items():
             record = zf.records[zf.prefix + name]
-            start = zf.data_offset(record)
-            read = 0
-            for pos in range(start, start + record.size_bytes, chunk_bytes):
-                read = zlib.crc32(
-                    source.read_range(pos, min(pos + chunk_bytes, start + record.size_bytes)), read
-                )
+            read = _record_crc(source, zf.data_offset(record), record.size_bytes, chunk_bytes)
             if not record.crc32 == crc == read:
                 raise VerificationError(
                     f"{url}: record '{name}' reads back with CRC-32 {read:08x}; the zip directory "
@@ -366,6 +370,13 @@ def verify_file(
             _check_state(url, obj, expect)
     finally:
         source.close()
+
+
+def _record_crc(source: ByteSource, start: int, size_bytes: int, chunk_bytes: int) -> int:
+    crc = 0
+    for pos in range(start, start + size_bytes, chunk_bytes):
+        crc = zlib.crc32(source.read_range(pos, min(pos + chunk_bytes, start + size_bytes)), crc)
+    return crc
 
 
 def _check_state(url: str, obj: Any, expect: dict[str, Any]) -> None:
