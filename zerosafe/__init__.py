@@ -7,6 +7,8 @@ The engine is a plain library (no Prefect): read a checkpoint's metadata lazily
 `convert_pt` and loads back, lazily, with `load_pt_like` (or `load_pt` for resuming).
 `lazify_checkpoint` writes such a file next to every `.pt` of a DeepSpeed checkpoint, and
 `with lazy_torch_load(): engine.load_checkpoint(...)` resumes from them memory-mapped.
+`convert_to_universal` writes a DeepSpeed universal checkpoint (masters and Adam moments) that
+DeepSpeed resumes at any world size.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ _LAZY = {
     "convert_pt": "zerosafe.pt2st",
     "load_pt": "zerosafe.pt2st",
     "load_pt_like": "zerosafe.pt2st",
+    "convert_to_universal": "zerosafe.training_state",
 }
 
 if TYPE_CHECKING:
@@ -69,6 +72,7 @@ if TYPE_CHECKING:
     from zerosafe.plan.build import plan_checkpoint, plan_layout
     from zerosafe.plan.model import Plan, load_plan, save_plan
     from zerosafe.pt2st import convert_pt, load_pt, load_pt_like
+    from zerosafe.training_state import convert_to_universal
 
 
 def __getattr__(name: str) -> Any:
@@ -106,6 +110,7 @@ __all__ = [
     "__version__",
     "build_plan",
     "convert_pt",
+    "convert_to_universal",
     "lazify_checkpoint",
     "lazy_torch_load",
     "load_plan",

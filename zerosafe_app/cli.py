@@ -120,6 +120,14 @@ def _with_flag_names(e: ConfigError) -> ConfigError:
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tag", help="DeepSpeed: the tag to convert (default: the one 'latest' names)")
     p.add_argument(
+        "--to",
+        default="safetensors",
+        choices=["safetensors", "universal"],
+        help="what to write: safetensors weights (default), or a DeepSpeed universal "
+        "checkpoint (masters and Adam moments) that DeepSpeed resumes at any world size with "
+        '`"checkpoint": {"load_universal": true}` (docs/training-state.md)',
+    )
+    p.add_argument(
         "--select",
         action="append",
         metavar="PREFIX",
@@ -453,6 +461,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"`{given[0]}` applies only with `--simulate SPEC`; drop it to inspect a checkpoint"
         )
+    if args.to == "universal":
+        return _inspect_universal(args)
     options = _options(args)
     storage = _storage(args)
     layout, plan = plan_checkpoint(storage, args.checkpoint, tag=args.tag, options=options)
@@ -522,10 +532,93 @@ def _route(via: str) -> tuple[str, str, str | None]:
     return "local", "in this process (no Prefect API configured; --via prefect runs the flow)", None
 
 
+def _check_universal_args(args: argparse.Namespace) -> None:
+    """`--to universal` takes the checkpoint, the output and `--tag`; refuse what it ignores."""
+    if args.dtype != "fp32":
+        raise ConfigError(
+            "`--dtype` does not apply with `--to universal`: a universal checkpoint holds the "
+            "float32 masters and Adam moments as they are"
+        )
+    if getattr(args, "work_dir", None):
+        raise ConfigError(
+            "`--work-dir` does not apply with `--to universal` yet: its unit records live in "
+            "OUTPUT/.zerosafe-work"
+        )
+    if getattr(args, "via", "local") == "prefect":
+        raise ConfigError(
+            "`--to universal` runs in the command's own process only for now; drop `--via "
+            "prefect` (or pass `--via local`)"
+        )
+
+
+def _inspect_universal(args: argparse.Namespace) -> int:
+    from zerosafe.training_state import plan_universal
+
+    _check_universal_args(args)
+    report = plan_universal(_storage(args), args.checkpoint, tag=args.tag).to_json()
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return EXIT_OK
+    print(
+        f"--to universal: {report['num_params']} trained params of ZeRO-{report['zero_stage']} "
+        f"(world size {report['world_size']}) into {report['folder']}/zero/<param>/"
+        "{fp32,exp_avg,exp_avg_sq}.pt"
+    )
+    print(
+        f"  reads {format_bytes(report['read_bytes'])} (masters "
+        f"{format_bytes(report['masters_bytes'])}, moments {format_bytes(report['moments_bytes'])}, "
+        f"model states {format_bytes(report['model_states_bytes'])}); writes "
+        f"{format_bytes(report['output_bytes'])}"
+    )
+    for note in report["notes"]:
+        print(f"  note: {note}")
+    return EXIT_OK
+
+
+def _convert_universal(args: argparse.Namespace) -> int:
+    """`convert --to universal`: in this process (`zerosafe.training_state`)."""
+    from zerosafe.training_state import convert_to_universal
+
+    _check_universal_args(args)
+    summary = convert_to_universal(
+        args.checkpoint, args.output, tag=args.tag, storage=_storage(args),
+        overwrite=args.overwrite, keep_work=args.keep_work,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps({**summary.to_json(), "via": "local"}, indent=1))
+    elif summary.status == "already-complete":
+        print(
+            f"{args.output}: already a complete universal checkpoint of this checkpoint; nothing to do."
+        )
+    elif not args.quiet:
+        print(
+            f"wrote a DeepSpeed universal checkpoint of {summary.num_params} params into "
+            f"{args.output}/{summary.folder} in {summary.seconds:.1f} s ({summary.files_written} "
+            f"files; read {format_bytes(summary.bytes_read)} for "
+            f"{format_bytes(summary.masters_bytes + summary.moments_bytes)} of masters and "
+            f"moments; peak memory {format_bytes(summary.peak_rss_bytes)})"
+        )
+        print(
+            f"  verified: every file written re-read and checked; "
+            f"{summary.source_records_checked} checkpoint records matched their CRC-32"
+        )
+        if summary.units_kept:
+            print(f"  resumed: kept {summary.units_kept} finished unit(s), ran {summary.units_run}")
+        print(
+            '  resume with `"checkpoint": {"load_universal": true}` and '
+            f"`engine.load_checkpoint('{args.output}')`"
+        )
+        for note in summary.notes:
+            print(f"  note: {note}")
+    return EXIT_OK
+
+
 def _cmd_convert(args: argparse.Namespace) -> int:
     from zerosafe.stages.progress import NullProgress, TerminalProgress
     from zerosafe.stages.results import RunSummary
 
+    if args.to == "universal":
+        return _convert_universal(args)
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()
     done = _check_before_starting(args, options)
@@ -629,8 +722,25 @@ def _print_summary(output: str, summary: Any, *, ran: str) -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from zerosafe.training_state.universal import is_universal_output, verify_universal_output
     from zerosafe.verify.output import render_verify, verify_output
 
+    storage = _storage(args)
+    if is_universal_output(storage, args.output):
+        if args.against:
+            raise ConfigError("`--against` does not apply to a universal checkpoint yet")
+        found = verify_universal_output(args.output, storage=storage)
+        if args.json:
+            print(json.dumps(found, indent=1))
+        else:
+            status = "OK" if found["ok"] else "FAILED"
+            print(
+                f"{status}  {found['output']}: DeepSpeed universal checkpoint "
+                f"{found['folder']}, {found['num_files']} files checked"
+            )
+            for f in found["failures"]:
+                print(f"  {f['file']}: {f['error']}")
+        return EXIT_OK if found["ok"] else EXIT_CHECK_FAILED
     report = verify_output(
         args.output, against=args.against, tag=args.tag, allow_nonfinite=args.allow_nonfinite,
         storage=_storage(args),

@@ -41,10 +41,13 @@ __all__ = [
     "MOE_SPECS",
     "PIPE_SCRIPT",
     "PIPE_SPECS",
+    "RESUME_SCRIPT",
     "SPECS",
     "TRAIN_SCRIPT",
     "deepspeed_fp32_state_dict",
     "ds_to_universal",
+    "ds_to_universal_many",
+    "resume_universal",
     "spec_key",
     "train_checkpoint",
 ]
@@ -53,6 +56,7 @@ TRAIN_SCRIPT = Path(__file__).with_name("train_zero.py")
 HF_SCRIPT = Path(__file__).with_name("train_hf.py")
 PIPE_SCRIPT = Path(__file__).with_name("train_pipe.py")
 MOE_SCRIPT = Path(__file__).with_name("train_moe.py")
+RESUME_SCRIPT = Path(__file__).with_name("resume_universal.py")
 LIVE_NAME = "live.safetensors"
 CKPT_NAME = "ckpt"
 _FORMAT = "deepspeed_gen/1"  # bump when the layout of what train_checkpoint writes changes
@@ -128,6 +132,25 @@ SPECS: dict[str, dict[str, Any]] = {
     "z3-muon-bf16-ws2-subgroups-tied": {
         "world_size": 2, "stage": 3, "precision": "bf16", "optimizer": "muon", "tied": True,
         "sub_group_size": 2000, "steps": 2,
+    },
+    # Issue 25 (`--to universal`): world size 4, resumed at 2 and 3 by resume_universal.py.
+    "uc-z1-bf16-ws4-tied-frozen-groups": {
+        "world_size": 4, "stage": 1, "precision": "bf16", "tied": True, "frozen": True,
+        "groups": 2, "steps": 2, "dims": [53, 28, 45],
+    },
+    # ZeRO-Offload: DeepSpeedCPUAdam (its op is JIT-built once per machine).
+    "uc-z2-fp32-ws4-cpuadam": {
+        "world_size": 4, "stage": 2, "precision": "fp32", "offload": "cpu", "cpu_adam": True,
+        "steps": 2, "dims": [53, 28, 45],
+    },
+    # bf16 + ZeRO-1 + fp32 grad accumulation: BF16_Optimizer.
+    "uc-z1-bf16opt-ws4-tied-frozen": {
+        "world_size": 4, "stage": 1, "precision": "bf16", "grad_accum_dtype": "fp32",
+        "tied": True, "frozen": True, "steps": 2, "dims": [53, 28, 45],
+    },
+    "uc-z3-bf16-ws4-tied-frozen-subgroups": {
+        "world_size": 4, "stage": 3, "precision": "bf16", "tied": True, "frozen": True,
+        "sub_group_size": 1000, "steps": 2, "dims": [53, 28, 45],
     },
 }  # fmt: skip
 
@@ -397,3 +420,94 @@ def ds_to_universal(tag_dir: Path, out_dir: Path, *, timeout: float = 600) -> Pa
             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         )
     return out_dir
+
+
+_DS_TO_UNIVERSAL_MANY = """\
+import argparse, json, sys
+from deepspeed.checkpoint.ds_to_universal import main
+for tag_dir, out_dir in json.loads(sys.argv[1]):
+    main(argparse.Namespace(
+        input_folder=tag_dir, output_folder=out_dir, num_extract_workers=1, num_merge_workers=1,
+        keep_temp_folder=False, strict=True, inject_missing_state=True,
+    ))
+"""
+
+
+def ds_to_universal_many(pairs: list[tuple[Path, Path]], *, timeout: float = 900) -> None:
+    """`ds_to_universal` of each `(tag_dir, out_dir)`, all in one subprocess (importing
+    DeepSpeed costs more than converting a small checkpoint).
+
+    Raises:
+        RuntimeError: With the output's tail, when the converter failed.
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", _DS_TO_UNIVERSAL_MANY, json.dumps([[str(a), str(b)] for a, b in pairs])],
+        capture_output=True, text=True, env=_env(), timeout=timeout,
+    )  # fmt: skip
+    if proc.returncode != 0 or not all((Path(b) / "zero").is_dir() for _, b in pairs):
+        raise RuntimeError(
+            f"ds_to_universal.py failed (exit {proc.returncode}):\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+
+
+def resume_universal(
+    jobs: list[tuple[dict[str, Any], Path]],
+    world_size: int,
+    dest: Path,
+    *,
+    attempts: int = 3,
+    timeout: float = 900,
+) -> list[Path]:
+    """Resume each `(spec, load_dir)` of `jobs` at `world_size` from its universal checkpoint
+    (`load_dir` holds `latest_universal`) with `resume_universal.py`, all in one torchrun;
+    returns, per job, the folder of its `rank<r>.safetensors` records (partitions as loaded
+    and after the steps, losses in the metadata). gloo with more ranks than cores sometimes
+    aborts: retried from scratch.
+
+    Raises:
+        RuntimeError: With the log's tail, when every attempt failed.
+    """
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    outs = [dest / f"job{i}" for i in range(len(jobs))]
+    jobs_file = dest / "jobs.json"
+    jobs_file.write_text(
+        json.dumps(
+            [
+                {"spec": spec, "load_dir": str(load_dir), "out_dir": str(out)}
+                for (spec, load_dir), out in zip(jobs, outs, strict=True)
+            ],
+            indent=1,
+        )
+    )
+    log = dest / "resume.log"
+    failures = []
+    for attempt in range(1, attempts + 1):
+        for out in outs:
+            shutil.rmtree(out, ignore_errors=True)
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "1", "--nproc_per_node", str(world_size),
+            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+            "--no-python", sys.executable, "-c", _LAUNCHER,
+            str(RESUME_SCRIPT), str(jobs_file),
+        ]  # fmt: skip
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), cwd=dest, timeout=timeout
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if rc == 0 and all(
+            (o / f"rank{r}.safetensors").is_file() for o in outs for r in range(world_size)
+        ):
+            return outs
+        failures.append(f"attempt {attempt}: exit {rc}")
+        shutil.copyfile(log, dest / f"resume.attempt{attempt}.log")
+        time.sleep(1)
+    raise RuntimeError(
+        f"resuming {len(jobs)} checkpoint(s) at world size {world_size} failed {attempts} "
+        f"times ({'; '.join(failures)}); log tail:\n{_tail(log)}"
+    )

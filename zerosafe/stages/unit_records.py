@@ -32,7 +32,8 @@ UNIT_KEY_FORMAT = 1
 """Bump when a stage's output bytes change for the same inputs: invalidates old records and
 the flow's cached results alike."""
 
-Stage = Literal["extract", "merge", "verify"]
+Stage = Literal["extract", "merge", "verify", "universal"]
+"""`universal`: a unit of `--to universal` (`zerosafe.training_state.universal`)."""
 
 
 def fingerprint(*values: Any) -> str:

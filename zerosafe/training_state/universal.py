@@ -1,0 +1,610 @@
+"""`zerosafe convert CKPT OUT --to universal`: a DeepSpeed universal checkpoint, written as
+restartable units in bounded memory, verified, and published with a marker written last.
+
+The lifecycle, in this process (`convert_to_universal`):
+
+1. inspect: plan every file from the pickles (`zerosafe.training_state.universal_plan`).
+2. units: the optimizer state (and, ZeRO-1/2, the module copies), the model states copies,
+   then the trained params in order, grouped so each unit writes about `unit_bytes`. A param
+   streams from its byte runs into its `.pt` files (`zerosafe.training_state.torch_save`) in
+   chunks of `chunk_bytes`, never whole in memory, whatever its size. Each finished unit is
+   recorded with what it wrote (`zerosafe.stages.unit_records`); a rerun keeps every recorded
+   unit whose files are all there with their recorded sizes, and redoes the rest.
+3. verify: every source record read (masters, moments, module copies) is checked against its
+   zip CRC-32, from the CRC-32s of the chunks read (kept in the unit records, so resumed units
+   count); every written `.pt` is reopened with zerosafe's restricted reader: its pickle must
+   describe the expected tensor (dtype, shape, `requires_grad`) and its data record's CRC-32
+   must match the zip directory and the CRC recorded while writing.
+4. publish: `OUT/<tag>_universal/zerosafe-manifest.json`, then `OUT/latest_universal` (what
+   `engine.load_checkpoint(OUT)` reads with `"checkpoint": {"load_universal": true}`), then the
+   marker `OUT/zerosafe-universal-complete.json`, last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zerosafe.dtypes import dtype_info
+from zerosafe.errors import IntegrityError, OutputExistsError, VerificationError
+from zerosafe.formats.crc import CrcLedger
+from zerosafe.formats.torch_legacy import open_torch_file
+from zerosafe.formats.torch_pickle import InertObject, TensorRecord
+from zerosafe.formats.torch_zip import TorchZipFile
+from zerosafe.io.lease import work_lease
+from zerosafe.io.storage import ByteSource, Storage, is_local, join_url, normalize_url
+from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
+from zerosafe.training_state.torch_save import TensorOut, TorchZipWriter, pickle_bytes
+from zerosafe.training_state.universal_plan import (
+    STATES,
+    ModuleCopy,
+    ParamOut,
+    Run,
+    UniversalPlan,
+    plan_universal,
+    small_tensors,
+)
+
+__all__ = [
+    "LATEST_UNIVERSAL",
+    "MARKER_NAME",
+    "UniversalSummary",
+    "convert_to_universal",
+    "is_universal_output",
+    "verify_universal_output",
+]
+
+log = logging.getLogger(__name__)
+
+LATEST_UNIVERSAL = "latest_universal"
+MARKER_NAME = "zerosafe-universal-complete.json"
+MANIFEST_NAME = "zerosafe-manifest.json"
+WORK_DIR_NAME = ".zerosafe-work"
+DEFAULT_UNIT_BYTES = 256 << 20
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+
+@dataclass(kw_only=True)
+class UniversalSummary:
+    """What a `--to universal` run did."""
+
+    status: str
+    """`converted` or `already-complete`."""
+    output: str
+    folder: str
+    num_params: int
+    units_run: int
+    units_kept: int
+    files_written: int
+    bytes_read: int
+    bytes_written: int
+    masters_bytes: int
+    moments_bytes: int
+    seconds: float
+    peak_rss_bytes: int
+    source_records_checked: int = 0
+    """Source zip records whose bytes, as read, matched their recorded CRC-32."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(kw_only=True)
+class _Written:
+    """One file a unit wrote: its path under OUT, size, and per-record CRC-32s."""
+
+    path: str
+    size_bytes: int
+    crcs: dict[str, int]
+    expect: dict[str, Any]
+    """What verify checks its pickle against: `kind` (`state`, `module`, `step`, `pickle`,
+    `copy`) and, for tensors, `shape` and `requires_grad`."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class _Sources:
+    """Open source files by plan index, counting the bytes read."""
+
+    def __init__(self, storage: Storage, urls: list[str]) -> None:
+        self._storage = storage
+        self._urls = urls
+        self._open: dict[int, ByteSource] = {}
+        self.bytes_read = 0
+
+    def read(self, file: int, start: int, end: int) -> bytes:
+        src = self._open.get(file)
+        if src is None:
+            src = self._open[file] = self._storage.open_source(self._urls[file])
+        self.bytes_read += end - start
+        return src.read_range(start, end)
+
+    def close(self) -> None:
+        for src in self._open.values():
+            src.close()
+
+
+def _to_float32(raw: bytes, dtype: str) -> bytes:
+    """Elements of `dtype` as float32, exactly as torch's `.float()` converts them."""
+    if dtype == "float32":
+        return raw
+    if dtype == "bfloat16":  # bf16 is the top half of a float32: exact
+        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).tobytes()
+    return np.frombuffer(raw, np.dtype(dtype)).astype(np.float32).tobytes()
+
+
+@dataclass(kw_only=True)
+class _Job:
+    storage: Storage
+    plan: UniversalPlan
+    out_url: str
+    chunk_bytes: int
+    sources: _Sources
+    bytes_written: int = 0
+    ledger: CrcLedger = field(default_factory=CrcLedger)
+    """CRC-32s of the source bytes the current unit read, by record."""
+
+    @property
+    def folder_url(self) -> str:
+        return join_url(self.out_url, self.plan.folder)
+
+    def _write_pt(
+        self,
+        rel: str,
+        obj: Any,
+        records: list[tuple[str, int, Iterator[tuple[bytes, int | None]]]],
+        expect: dict[str, Any],
+    ) -> _Written:
+        """Write `OUT/<rel>`: the pickle of `obj`, then each `(key, size, chunks)` storage."""
+        sink = self.storage.open_sink(join_url(self.out_url, rel))
+        try:
+            writer = TorchZipWriter(sink=sink, archive=rel.rsplit("/", 1)[-1].removesuffix(".pt"))
+            writer.add_preamble(pickle_bytes(obj))
+            crcs = {}
+            for key, size, chunks in records:
+                writer.begin(f"data/{key}", size_bytes=size)
+                for chunk, crc in chunks:
+                    writer.write(chunk, crc32=crc)
+                crcs[f"data/{key}"] = writer.end()
+            writer.close()
+            sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
+        self.bytes_written += writer.bytes_written
+        return _Written(path=rel, size_bytes=writer.bytes_written, crcs=crcs, expect=expect)
+
+    def _chunks(
+        self, runs: tuple[Run, ...], itemsize: int = 4
+    ) -> Iterator[tuple[bytes, int | None]]:
+        """`(bytes, CRC-32)` of each chunk of `runs`; a run inside a zip record adds its
+        chunks' CRCs to the unit's ledger (checked against the record's CRC at the end)."""
+        step = max(self.chunk_bytes // itemsize, 1) * itemsize
+        for run in runs:
+            end = run.offset + run.numel * itemsize
+            record = self.plan.records[run.record] if run.record >= 0 else None
+            for pos in range(run.offset, end, step):
+                data = self.sources.read(run.file, pos, min(pos + step, end))
+                crc = None
+                if record is not None:
+                    crc = zlib.crc32(data)
+                    self.ledger.add(record.key, pos - record.data_offset, len(data), crc)
+                yield data, crc
+
+    # -- units ---------------------------------------------------------------------------------
+
+    def write_param(self, p: ParamOut) -> list[_Written]:
+        z12 = self.plan.stage < 3
+        out = []
+        for state in STATES:
+            grad = state == "fp32"
+            tensor = TensorOut(
+                key="0", dtype="float32", shape=p.shape if z12 else (p.numel,), requires_grad=grad
+            )
+            obj: Any = {"cat_dim": 0, "param": tensor} if z12 else tensor
+            rel = f"{self.plan.folder}/zero/{p.name}/{state}.pt"
+            expect = {"kind": "state", "shape": list(tensor.shape), "requires_grad": grad,
+                      "wrapped": z12}  # fmt: skip
+            out.append(
+                self._write_pt(rel, obj, [("0", 4 * p.numel, self._chunks(p.runs[state]))], expect)
+            )
+        if z12 and p.group in self.plan.steps:
+            rel = f"{self.plan.folder}/zero/{p.name}/step.pt"
+            out.append(self._write_small(rel, self.plan.steps[p.group], {"kind": "step"}))
+        return out
+
+    def _write_small(self, rel: str, obj: Any, expect: dict[str, Any]) -> _Written:
+        """A small object: its `TensorRecord`s read whole and written as fresh storages."""
+        records: list[tuple[str, int, Iterator[tuple[bytes, int | None]]]] = []
+        outs: dict[int, TensorOut] = {}
+        for t in small_tensors(obj):
+            if id(t) in outs:
+                continue
+            key = str(len(records))
+            outs[id(t)] = TensorOut(
+                key=key, dtype=t.dtype, shape=t.shape, requires_grad=t.requires_grad
+            )
+            records.append((key, t.nbytes, iter([(self._read_small(t), None)])))
+        return self._write_pt(rel, _replace_records(obj, outs), records, expect)
+
+    def _read_small(self, t: TensorRecord) -> bytes:
+        """A small tensor of rank 0's optimizer file (every small state comes from there)."""
+        self.sources.bytes_read += t.nbytes
+        return self.plan.ckpt.optim_files[0].zip.read_tensor_bytes(t)
+
+    def write_optimizer_state(self) -> list[_Written]:
+        rel = f"{self.plan.folder}/zero/optimizer_state.pt"
+        out = [self._write_small(rel, self.plan.optimizer_state, {"kind": "pickle"})]
+        for copy in self.plan.module_copies:
+            out.append(self._write_module_copy(copy))
+        return out
+
+    def _write_module_copy(self, c: ModuleCopy) -> _Written:
+        tensor = TensorOut(key="0", dtype="float32", shape=c.shape)
+        rel = f"{self.plan.folder}/zero/{c.name}/fp32.pt"
+        itemsize = dtype_info(c.dtype).itemsize
+        chunks = ((_to_float32(b, c.dtype), None) for b, _ in self._chunks((c.run,), itemsize))
+        expect = {"kind": "state", "shape": list(c.shape), "requires_grad": False, "wrapped": True,
+                  "only_param": True}  # fmt: skip
+        return self._write_pt(rel, {"param": tensor}, [("0", 4 * c.run.numel, chunks)], expect)
+
+    def copy_model_states(self) -> list[_Written]:
+        out = []
+        for url in self.plan.model_files:
+            name = url.rsplit("/", 1)[-1]
+            rel = f"{self.plan.folder}/{name}"
+            file = self.plan.urls.index(url)
+            size = self.storage.identity(url).size_bytes
+            sink = self.storage.open_sink(join_url(self.out_url, rel))
+            try:
+                for chunk, _ in self._chunks((Run(file, 0, size),), itemsize=1):
+                    sink.write(chunk)
+                sink.commit()
+            except BaseException:
+                sink.abort()
+                raise
+            self.bytes_written += size
+            out.append(_Written(path=rel, size_bytes=size, crcs={}, expect={"kind": "copy"}))
+        return out
+
+
+def _replace_records(obj: Any, outs: dict[int, TensorOut]) -> Any:
+    """`obj` with each small `TensorRecord` replaced by the `TensorOut` written for it."""
+    if isinstance(obj, TensorRecord):
+        return outs[id(obj)]
+    if isinstance(obj, OrderedDict):
+        return OrderedDict((k, _replace_records(v, outs)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: _replace_records(v, outs) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_replace_records(v, outs) for v in obj]
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(_replace_records(v, outs) for v in obj)
+    if isinstance(obj, InertObject) and small_tensors([obj.args, obj.state]):
+        copy = type(obj)(*_replace_records(obj.args, outs))
+        copy.state = _replace_records(obj.state, outs)
+        return copy
+    return obj
+
+
+def _units(plan: UniversalPlan, unit_bytes: int) -> list[tuple[str, list[int]]]:
+    """`(kind, param indices)`: the optimizer state, the model states copies, then params in
+    order, each unit about `unit_bytes` of masters + moments (a larger param alone)."""
+    units: list[tuple[str, list[int]]] = [("optimizer_state", []), ("model_states", [])]
+    current: list[int] = []
+    filled = 0
+    for i, p in enumerate(plan.params):
+        size = 12 * p.numel
+        if current and filled + size > unit_bytes:
+            units.append(("params", current))
+            current, filled = [], 0
+        current.append(i)
+        filled += size
+    if current:
+        units.append(("params", current))
+    return units
+
+
+def _intact(storage: Storage, out_url: str, written: list[dict[str, Any]]) -> bool:
+    for w in written:
+        url = join_url(out_url, w["path"])
+        try:
+            if storage.identity(url).size_bytes != w["size_bytes"]:
+                return False
+        except (OSError, FileNotFoundError):
+            return False
+        except Exception:  # noqa: BLE001 - any storage error: the unit runs again
+            return False
+    return True
+
+
+def verify_file(
+    storage: Storage, out_url: str, w: dict[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> None:
+    """Reopen one written file with the restricted reader and check it (module docstring).
+
+    Raises:
+        VerificationError: Naming the file and what differs.
+    """
+    url = join_url(out_url, w["path"])
+    expect = w["expect"]
+    source = storage.open_source(url)
+    try:
+        if source.size_bytes != w["size_bytes"]:
+            raise VerificationError(f"{url}: {source.size_bytes} bytes, {w['size_bytes']} written")
+        if expect["kind"] == "copy":  # a model states file: every record against its CRC-32
+            copied = open_torch_file(source)  # legacy (non-zip) files have no CRCs to check
+            for record in copied.records.values():
+                if not record.has_crc:
+                    continue
+                start = copied.data_offset(record)
+                read = _record_crc(source, start, record.size_bytes, chunk_bytes)
+                if read != record.crc32:
+                    raise VerificationError(
+                        f"{url}: record '{record.name}' reads back with CRC-32 {read:08x}, its "
+                        f"zip directory says {record.crc32:08x}"
+                    )
+            return
+        zf = TorchZipFile(source)
+        obj = zf.load()
+        for name, crc in w["crcs"].items():
+            record = zf.records[zf.prefix + name]
+            read = _record_crc(source, zf.data_offset(record), record.size_bytes, chunk_bytes)
+            if not record.crc32 == crc == read:
+                raise VerificationError(
+                    f"{url}: record '{name}' reads back with CRC-32 {read:08x}; the zip directory "
+                    f"says {record.crc32:08x} and {crc:08x} was recorded while writing it"
+                )
+        if expect["kind"] == "state":
+            _check_state(url, obj, expect)
+    finally:
+        source.close()
+
+
+def _record_crc(source: ByteSource, start: int, size_bytes: int, chunk_bytes: int) -> int:
+    crc = 0
+    for pos in range(start, start + size_bytes, chunk_bytes):
+        crc = zlib.crc32(source.read_range(pos, min(pos + chunk_bytes, start + size_bytes)), crc)
+    return crc
+
+
+def _check_state(url: str, obj: Any, expect: dict[str, Any]) -> None:
+    if expect.get("wrapped"):
+        keys = {"param"} if expect.get("only_param") else {"param", "cat_dim"}
+        if not isinstance(obj, dict) or set(obj) != keys:
+            raise VerificationError(
+                f"{url}: expected a dict with keys {sorted(keys)}, found {obj!r:.200}"
+            )
+        obj = obj["param"]
+    if not (
+        isinstance(obj, TensorRecord)
+        and obj.dtype == "float32"
+        and list(obj.shape) == expect["shape"]
+        and obj.requires_grad == expect["requires_grad"]
+        and obj.is_contiguous()
+        and obj.storage_offset == 0
+    ):
+        raise VerificationError(
+            f"{url}: expected a float32 tensor of shape {expect['shape']} with "
+            f"requires_grad={expect['requires_grad']}, found {obj!r:.200}"
+        )
+
+
+def convert_to_universal(
+    ckpt_url: str,
+    out_url: str,
+    *,
+    tag: str | None = None,
+    storage: Storage | None = None,
+    unit_bytes: int = DEFAULT_UNIT_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    overwrite: bool = False,
+    keep_work: bool = False,
+) -> UniversalSummary:
+    """Write the DeepSpeed universal checkpoint of a ZeRO checkpoint into `out_url`.
+
+    Args:
+        ckpt_url: The folder holding `latest`, or a tag folder.
+        out_url: The output folder; `engine.load_checkpoint(out_url)` with
+            `"checkpoint": {"load_universal": true}` resumes from it.
+        tag: The tag to convert; by default the one `latest` names.
+        unit_bytes: Masters + moments bytes per unit of work (the granularity of resume).
+        chunk_bytes: Bytes read and written at a time: the memory a unit holds.
+        overwrite: Replace a complete universal checkpoint of another source in `out_url`.
+        keep_work: Keep the unit records after publishing.
+
+    Returns:
+        What was done, with bytes read and written and peak memory.
+
+    Raises:
+        UnsupportedCheckpointError: What is not converted yet, named in one line.
+        OutputExistsError: `out_url` holds a complete conversion of another checkpoint.
+        VerificationError: A written file failed its check.
+    """
+    started = time.monotonic()
+    storage = storage or Storage()
+    out_url = normalize_url(out_url)
+    plan = plan_universal(storage, ckpt_url, tag=tag)
+    marker_url = join_url(out_url, MARKER_NAME)
+    summary = UniversalSummary(
+        status="converted", output=out_url, folder=plan.folder, num_params=len(plan.params),
+        units_run=0, units_kept=0, files_written=0, bytes_read=0, bytes_written=0,
+        masters_bytes=plan.masters_bytes, moments_bytes=plan.moments_bytes, seconds=0.0,
+        peak_rss_bytes=0, notes=list(plan.notes),
+    )  # fmt: skip
+    if storage.exists(marker_url):
+        done = json.loads(storage.read_bytes(marker_url))
+        if done.get("job_key") == plan.job_key:
+            summary.status = "already-complete"
+            summary.seconds = time.monotonic() - started
+            return summary
+        if not overwrite:
+            raise OutputExistsError(
+                f"{out_url}: holds a complete universal checkpoint of another source "
+                f"({done.get('source')}); choose another output folder or pass --overwrite"
+            )
+        # the other conversion's files go first: none of them may outlive its marker
+        storage.remove(marker_url)
+        storage.remove(join_url(out_url, LATEST_UNIVERSAL))
+        if isinstance(done.get("folder"), str) and "/" not in done["folder"]:
+            storage.remove_tree(join_url(out_url, done["folder"]))
+    work_url = join_url(out_url, WORK_DIR_NAME, plan.job_key[:16])
+    job = _Job(
+        storage=storage, plan=plan, out_url=out_url, chunk_bytes=chunk_bytes,
+        sources=_Sources(storage, plan.urls),
+    )  # fmt: skip
+    with work_lease(storage, work_url, clean=_output_folders(storage, plan, out_url)):
+        try:
+            written = _run_units(job, UnitRecords(storage, work_url), unit_bytes, summary)
+        finally:
+            job.sources.close()
+        for w in written:
+            verify_file(storage, out_url, w, chunk_bytes=chunk_bytes)
+        _publish(storage, plan, out_url, written)
+    if not keep_work:
+        storage.remove_tree(join_url(out_url, WORK_DIR_NAME))
+    summary.bytes_read = job.sources.bytes_read
+    summary.bytes_written = job.bytes_written
+    summary.seconds = time.monotonic() - started
+    summary.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return summary
+
+
+def _output_folders(storage: Storage, plan: UniversalPlan, out_url: str) -> list[str]:
+    """The folders a killed run may have left temporary files in (local outputs only)."""
+    if not is_local(out_url):
+        return []
+    folder = join_url(out_url, plan.folder)
+    names = [p.name for p in plan.params] + [c.name for c in plan.module_copies]
+    candidates = [folder, join_url(folder, "zero"), *(join_url(folder, "zero", n) for n in names)]
+    return [url for url in candidates if storage.isdir(url)]
+
+
+def _run_units(
+    job: _Job, records: UnitRecords, unit_bytes: int, summary: UniversalSummary
+) -> list[dict[str, Any]]:
+    """Run every unit not recorded with its files intact; returns what all units wrote."""
+    plan, storage = job.plan, job.storage
+    written: list[dict[str, Any]] = []
+    ledger = CrcLedger()
+    for index, (kind, members) in enumerate(_units(plan, unit_bytes)):
+        names = [plan.params[i].name for i in members]
+        key = unit_key(
+            "universal", plan.job_key, index, fingerprint(kind, names),
+            direct=None, allow_nonfinite=None,
+        )  # fmt: skip
+        record = records.load("universal", index, key)
+        if record is not None and _intact(storage, job.out_url, record["result"]["files"]):
+            written += record["result"]["files"]
+            ledger.update(CrcLedger.from_json(record["result"].get("ledger", {})))
+            summary.units_kept += 1
+            continue
+        job.ledger = CrcLedger()
+        if kind == "optimizer_state":
+            files = job.write_optimizer_state()
+        elif kind == "model_states":
+            files = job.copy_model_states()
+        else:
+            files = [w for i in members for w in job.write_param(plan.params[i])]
+        files_json = [w.to_json() for w in files]
+        result = {"kind": kind, "files": files_json, "ledger": job.ledger.to_json()}
+        records.save("universal", index, key, result)
+        ledger.update(job.ledger)
+        written += files_json
+        summary.units_run += 1
+        summary.files_written += len(files)
+    summary.source_records_checked = _check_sources(job, ledger)
+    return written
+
+
+def _check_sources(job: _Job, ledger: CrcLedger) -> int:
+    """Every source record read, its pieces' CRC-32s combined (padding read in), against the
+    CRC-32 its zip directory records; returns how many were checked.
+
+    Raises:
+        IntegrityError: If one differs: the checkpoint is corrupt or changed during the run.
+    """
+    plan = job.plan
+    by_key = {r.key: r for r in plan.records}
+    expected = {
+        r.key: (r.size_bytes, r.crc32) for r in plan.records if r.crc32 != 0 or r.size_bytes == 0
+    }
+
+    def read_gap(key: str, offset: int, length: int) -> bytes:
+        r = by_key[key]
+        return job.sources.read(r.file, r.data_offset + offset, r.data_offset + offset + length)
+
+    result = ledger.check(expected, read_gap)
+    if result.failed:
+        detail = "; ".join(f"{k}: {w}" for k, w in result.failed[:5])
+        raise IntegrityError(
+            f"{len(result.failed)} record(s) of the checkpoint do not match their recorded "
+            f"CRC-32 ({detail}). The files are corrupt or changed during the run; copy them "
+            "again and re-run (the units already written are checked again then)."
+        )
+    for key, why in result.skipped:
+        log.info("%s: not checked against its CRC-32 (%s)", key, why)
+    return len(result.checked)
+
+
+def _publish(
+    storage: Storage, plan: UniversalPlan, out_url: str, written: list[dict[str, Any]]
+) -> None:
+    """The manifest, then `latest_universal`, then the completion marker, last."""
+    manifest = {
+        "format": "deepspeed-universal",
+        "job_key": plan.job_key,
+        "source": {"checkpoint": plan.ckpt.ckpt_url, "tag": plan.tag, "stage": plan.stage,
+                   "world_size": plan.world_size},
+        "files": written,
+        "notes": plan.notes,
+    }  # fmt: skip
+    storage.write_bytes(
+        join_url(out_url, plan.folder, MANIFEST_NAME), json.dumps(manifest, indent=1).encode()
+    )
+    storage.write_bytes(join_url(out_url, LATEST_UNIVERSAL), plan.folder.encode())
+    marker = {"job_key": plan.job_key, "folder": plan.folder, "source": manifest["source"]}
+    storage.write_bytes(join_url(out_url, MARKER_NAME), json.dumps(marker, indent=1).encode())
+
+
+def is_universal_output(storage: Storage, out_url: str) -> bool:
+    """Whether `out_url` holds a complete `--to universal` output (its marker)."""
+    return storage.exists(join_url(normalize_url(out_url), MARKER_NAME))
+
+
+def verify_universal_output(out_url: str, *, storage: Storage | None = None) -> dict[str, Any]:
+    """`zerosafe verify OUT` of a universal output: every file of its manifest present and
+    checked as `convert` checked it, and `latest_universal` naming its folder.
+
+    Returns:
+        `{"ok", "output", "folder", "num_files", "failures": [{"file", "error"}]}`.
+    """
+    storage = storage or Storage()
+    out_url = normalize_url(out_url)
+    marker = json.loads(storage.read_bytes(join_url(out_url, MARKER_NAME)))
+    folder = str(marker["folder"])
+    manifest = json.loads(storage.read_bytes(join_url(out_url, folder, MANIFEST_NAME)))
+    failures = []
+    latest = storage.read_bytes(join_url(out_url, LATEST_UNIVERSAL)).decode().strip()
+    if latest != folder:
+        failures.append({"file": LATEST_UNIVERSAL, "error": f"names '{latest}', not '{folder}'"})
+    for w in manifest["files"]:
+        try:
+            verify_file(storage, out_url, w)
+        except (VerificationError, OSError, ValueError) as e:
+            failures.append({"file": w["path"], "error": str(e)})
+    return {
+        "ok": not failures, "output": out_url, "folder": folder,
+        "num_files": len(manifest["files"]), "failures": failures,
+    }  # fmt: skip
