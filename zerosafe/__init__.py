@@ -33,7 +33,7 @@ _LAZY = {
     "ZeroCheckpoint": "zerosafe.formats.deepspeed.checkpoint",
     "open_zero_checkpoint": "zerosafe.formats.deepspeed.checkpoint",
     "PipelineCheckpoint": "zerosafe.formats.deepspeed.pipeline",
-    "build_plan": "zerosafe.formats.deepspeed.reader",
+    "build_plan": "zerosafe.formats.deepspeed.checkpoint",
     "TensorRecord": "zerosafe.formats.torch_zip",
     "TorchZipFile": "zerosafe.formats.torch_zip",
     "Storage": "zerosafe.io.storage",
@@ -63,9 +63,12 @@ if TYPE_CHECKING:
         UnsafePickleError,
         UnsupportedCheckpointError,
     )
-    from zerosafe.formats.deepspeed.checkpoint import ZeroCheckpoint, open_zero_checkpoint
+    from zerosafe.formats.deepspeed.checkpoint import (
+        ZeroCheckpoint,
+        build_plan,
+        open_zero_checkpoint,
+    )
     from zerosafe.formats.deepspeed.pipeline import PipelineCheckpoint
-    from zerosafe.formats.deepspeed.reader import build_plan
     from zerosafe.formats.torch_zip import TensorRecord, TorchZipFile
     from zerosafe.io.storage import Storage
     from zerosafe.lazy import lazify_checkpoint, lazy_torch_load

@@ -22,7 +22,7 @@ from bench import forge as F  # noqa: E402
 from zerosafe.config import ConvertOptions  # noqa: E402
 from zerosafe.errors import ConfigError  # noqa: E402
 from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint  # noqa: E402
-from zerosafe.formats.deepspeed.reader import build_plan  # noqa: E402
+from zerosafe.formats.deepspeed.checkpoint import build_plan  # noqa: E402
 from zerosafe.formats.deepspeed.simulate import (  # noqa: E402
     load_spec,
     predict_seconds,

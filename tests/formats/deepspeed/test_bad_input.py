@@ -232,16 +232,16 @@ def test_moe_layout_in_model_parallel_files_is_refused() -> None:
     mp_rank_01+ files is refused too; plain mp_rank_00 files pass."""
     from types import SimpleNamespace
 
-    from zerosafe.formats.deepspeed.checkpoint import _refuse_moe_in_model_parallel_files
+    from zerosafe.formats.deepspeed.rank_files import refuse_moe_in_model_parallel_files
 
     def files(*names: str) -> list:
         return [SimpleNamespace(url=f"/c/{TAG}/{n}") for n in names]
 
     plain = files("zero_pp_rank_0_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt")
-    _refuse_moe_in_model_parallel_files(plain, None, 1)
+    refuse_moe_in_model_parallel_files(plain, None, 1)
     match = "MoE combined with pipeline or tensor parallelism is not supported"
     with pytest.raises(UnsupportedCheckpointError, match=match + ".*") as e:
-        _refuse_moe_in_model_parallel_files(
+        refuse_moe_in_model_parallel_files(
             files(
                 "zero_pp_rank_1_mp_rank_00_optim_states.pt",
                 "zero_pp_rank_0_mp_rank_01_optim_states.pt",
@@ -251,9 +251,9 @@ def test_moe_layout_in_model_parallel_files_is_refused() -> None:
         )
     assert "zero_pp_rank_0_mp_rank_01_optim_states.pt" in str(e.value)
     with pytest.raises(UnsupportedCheckpointError, match="pipeline stage 1"):
-        _refuse_moe_in_model_parallel_files(plain, 1, 2)
+        refuse_moe_in_model_parallel_files(plain, 1, 2)
     with pytest.raises(UnsupportedCheckpointError, match=match):
-        _refuse_moe_in_model_parallel_files(plain, None, 2)  # replicated mp ranks
+        refuse_moe_in_model_parallel_files(plain, None, 2)  # replicated mp ranks
 
 
 def test_not_a_checkpoint_folder(tmp_path: Path, capsys) -> None:

@@ -62,7 +62,7 @@ def test_conversion_is_bit_exact(
 
 def _needed_bytes(ckpt_url: str, storage: Storage) -> tuple[int, int, int]:
     """(fp32 masters + frozen + buffers, pickles, zip directories) of a checkpoint."""
-    from zerosafe.formats.deepspeed.reader import build_plan
+    from zerosafe.formats.deepspeed.checkpoint import build_plan
 
     ckpt = open_zero_checkpoint(storage, ckpt_url)
     plan = build_plan(ckpt, ConvertOptions())

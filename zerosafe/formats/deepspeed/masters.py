@@ -23,14 +23,12 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import LayoutMismatchError, UnsupportedCheckpointError
+from zerosafe.formats.deepspeed.types import SwapFile, ZeroCheckpoint
 from zerosafe.io.storage import Storage, join_url
-
-if TYPE_CHECKING:
-    from zerosafe.formats.deepspeed.checkpoint import SwapFile, ZeroCheckpoint
 
 __all__ = [
     "MASTER_DTYPES",
@@ -154,8 +152,6 @@ def find_swap_files(
         UnsupportedCheckpointError: When the swap files are missing or cannot be matched to
             the sub-groups without doubt; never guesses, never writes zeros instead.
     """
-    from zerosafe.formats.deepspeed.checkpoint import SwapFile
-
     ranks = sorted({r for r, _ in missing})
     listings = {r: _listing(storage, swap_folder_url(ckpt.tag_url, r)) for r in ranks}
     order = _param_order(ckpt)

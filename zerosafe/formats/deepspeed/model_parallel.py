@@ -1,7 +1,7 @@
 """DeepSpeed checkpoints whose files carry model-parallel ranks (`mp_rank_01` and up).
 
-Three layouts share those names; `open_model_parallel` tells them apart (docs/formats.md,
-"Model-parallel ranks"):
+Three layouts share those names; `zerosafe.formats.deepspeed.reader.open_tag` and
+`open_model_parallel` tell them apart (docs/formats.md, "Model-parallel ranks"):
 
 - Pipeline parallelism: `layer_XX-model_states.pt` files beside one `mp_rank_XX` per stage
   (`zerosafe.formats.deepspeed.pipeline`).
@@ -19,24 +19,14 @@ Three layouts share those names; `open_model_parallel` tells them apart (docs/fo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 from zerosafe.errors import UnsupportedCheckpointError
-from zerosafe.formats.deepspeed.checkpoint import (
-    LoadedFile,
-    TagFiles,
-    ZeroCheckpoint,
-    _load,
-    open_rank_files,
-)
+from zerosafe.formats.deepspeed.files import load_all
+from zerosafe.formats.deepspeed.rank_files import open_rank_files
+from zerosafe.formats.deepspeed.types import LoadedFile, TagFiles, ZeroCheckpoint
 from zerosafe.io.storage import Storage
 
-if TYPE_CHECKING:
-    from zerosafe.formats.deepspeed.pipeline import PipelineCheckpoint
-
 __all__ = [
-    "load_all",
     "model_parallel_urls",
     "open_model_parallel",
     "parallel_dims",
@@ -96,32 +86,19 @@ def _renamed_ranks(found: TagFiles) -> tuple[dict[int, str], dict[int, str]] | N
 
 def open_model_parallel(
     storage: Storage, ckpt_url: str, tag: str, found: TagFiles, *, max_workers: int = 8
-) -> ZeroCheckpoint | PipelineCheckpoint:
-    """Read a tag folder with `mp_rank_XX` files beyond `mp_rank_00` or pipeline layer files
-    (see the module docstring).
+) -> ZeroCheckpoint:
+    """Read a tag folder with `mp_rank_XX` files beyond `mp_rank_00` and no pipeline layer
+    files (see the module docstring; a folder with layer files is `open_pipeline`'s).
 
     Raises:
-        UnsupportedCheckpointError: Tensor parallelism, or pipeline parallelism combined
-            with it, naming the information the checkpoint lacks.
+        UnsupportedCheckpointError: Tensor parallelism, naming the information the checkpoint
+            lacks.
         CheckpointFormatError, LayoutMismatchError: Missing or mixed files.
     """
-    if found.layers:
-        from zerosafe.formats.deepspeed.pipeline import open_pipeline
-
-        return open_pipeline(storage, ckpt_url, tag, found, max_workers)
     renamed = _renamed_ranks(found)
     if renamed is not None:
         return _open_renamed(storage, ckpt_url, tag, found, renamed, max_workers)
     return _open_replicas(storage, ckpt_url, tag, found, max_workers)
-
-
-def load_all(
-    storage: Storage, jobs: list[tuple[str, str, int]], max_workers: int
-) -> dict[str, LoadedFile]:
-    """`(url, role, rank)` -> loaded, the pickles read at once."""
-    with ThreadPoolExecutor(max_workers=max_workers) as pool:
-        futures = {url: pool.submit(_load, storage, url, role, rank) for url, role, rank in jobs}
-        return {url: f.result() for url, f in futures.items()}
 
 
 def parallel_dims(f: LoadedFile) -> tuple[int | None, int | None]:

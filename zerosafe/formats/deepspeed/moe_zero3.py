@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError, UnsupportedCheckpointError
 from zerosafe.formats.deepspeed.layout import FlatGroup
-from zerosafe.formats.deepspeed.moe import (
+from zerosafe.formats.deepspeed.moe_common import (
     AUTOEP_LAYERS_KEY,
     PARTITION_GROUPS_KEY,
     MoELayer,
@@ -34,7 +34,7 @@ from zerosafe.formats.deepspeed.moe import (
 )
 
 if TYPE_CHECKING:
-    from zerosafe.formats.deepspeed.checkpoint import LoadedFile
+    from zerosafe.formats.deepspeed.types import LoadedFile
 
 __all__ = ["zero3_autoep_layout"]
 

@@ -22,147 +22,40 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError, UnsupportedCheckpointError
-from zerosafe.formats.deepspeed.checkpoint import (
+from zerosafe.formats.base import SourceLayout, SourceTensor
+from zerosafe.formats.deepspeed.facts import source_block, zero_facts
+from zerosafe.formats.deepspeed.files import load_all
+from zerosafe.formats.deepspeed.model_parallel import parallel_dims, tensor_parallel_refusal
+from zerosafe.formats.deepspeed.rank_files import open_rank_files
+from zerosafe.formats.deepspeed.save_identity import (
+    check_module_copy_sample,
+    check_one_save,
+    lowp_copy_missing,
+)
+from zerosafe.formats.deepspeed.slots import SlotBuilder, metadata_bytes_of, zero12_fragments
+from zerosafe.formats.deepspeed.types import (
+    LayerTensor,
     LoadedFile,
+    PipelineCheckpoint,
     TagFiles,
     ZeroCheckpoint,
-    open_rank_files,
 )
-from zerosafe.formats.deepspeed.model_parallel import (
-    load_all,
-    parallel_dims,
-    tensor_parallel_refusal,
-)
-from zerosafe.formats.deepspeed.save_identity import check_one_save, lowp_copy_missing
 from zerosafe.formats.torch_zip import TensorRecord
 from zerosafe.io.storage import Storage
 
 if TYPE_CHECKING:
     from zerosafe.config import ConvertOptions
-    from zerosafe.formats.base import SourceLayout
     from zerosafe.plan.model import Plan
 
-__all__ = ["PipelineCheckpoint", "open_pipeline", "pipeline_layout", "stage_summary"]
+__all__ = ["LayerTensor", "PipelineCheckpoint", "open_pipeline", "pipeline_layout", "stage_summary"]
 
 TIED_PREFIX = "tied_modules."
 """Where `PipelineModule` registers the modules of `TiedLayerSpec`s."""
 TIED_SAMPLE_ELEMENTS = 16
 """Elements of each stage's copy of a tied param compared with the converted one."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LayerTensor:
-    """A tensor of a `layer_XX-model_states.pt` file under its output name."""
-
-    name: str
-    file: LoadedFile
-    tensor: TensorRecord
-
-
-@dataclass(kw_only=True)
-class PipelineCheckpoint:
-    """A pipeline-parallel checkpoint: one `ZeroCheckpoint` per stage, and the layer files.
-
-    Offers the attributes of `ZeroCheckpoint` the rest of zerosafe reads (`files`, `stage`,
-    `world_size`, `train_dtype`, `param_groups`...), for the checkpoint as a whole."""
-
-    ckpt_url: str
-    tag: str
-    tag_url: str
-    stages: list[ZeroCheckpoint]
-    layer_files: list[LoadedFile]
-    owner: dict[str, int]
-    """Trained param -> the stage whose masters are converted (the first holding it)."""
-    held_by: dict[str, list[int]]
-    """Trained param -> every stage whose masters hold it (several for a tied one)."""
-    buffers: list[LayerTensor]
-    frozen: list[LayerTensor]
-    empty_params: list[tuple[str, tuple[int, ...], str]]
-    shared: dict[str, str]
-    order: list[str]
-    module_copies: dict[str, LayerTensor]
-    """Trained param -> its module copy (training dtype) in a layer file."""
-    notes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    swapped: dict[Any, Any] = field(default_factory=dict)
-    """NVMe swap files: none (the pipeline engine runs ZeRO-1 at most)."""
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.stages)
-
-    @property
-    def stage(self) -> int:
-        return self.stages[0].stage
-
-    @property
-    def optimizer_kind(self) -> str:
-        return self.stages[0].optimizer_kind
-
-    @property
-    def world_size(self) -> int:
-        """The data-parallel world size of each stage."""
-        return self.stages[0].world_size
-
-    @property
-    def train_dtype(self) -> str:
-        return self.stages[0].train_dtype
-
-    @property
-    def master_dtype(self) -> str:
-        return self.stages[0].master_dtype
-
-    @property
-    def optimizer_name(self) -> str:
-        return self.stages[0].optimizer_name
-
-    @property
-    def ds_version(self) -> str | None:
-        return self.stages[0].ds_version
-
-    @property
-    def optim_files(self) -> list[LoadedFile]:
-        return [f for s in self.stages for f in s.optim_files]
-
-    @property
-    def model_files(self) -> list[LoadedFile]:
-        return [f for s in self.stages for f in s.model_files]
-
-    @property
-    def files(self) -> list[LoadedFile]:
-        """Every file read, in `model_parallel_urls` order: each stage's optimizer and model
-        states files, then the layer files by index."""
-        return [*(f for s in self.stages for f in s.files), *self.layer_files]
-
-    @property
-    def param_groups(self) -> list[list[tuple[str, tuple[int, ...]]]]:
-        """Every stage's groups, each trained param once (in its owner stage's group)."""
-        return [
-            [(n, shape) for n, shape in group if self.owner[n] == s]
-            for s, stage in enumerate(self.stages)
-            for group in stage.param_groups
-        ]
-
-    @property
-    def param_names(self) -> list[str]:
-        return [name for group in self.param_groups for name, _ in group]
-
-    @property
-    def trained_params(self) -> list[tuple[str, tuple[int, ...]]]:
-        return [(name, shape) for group in self.param_groups for name, shape in group]
-
-    @property
-    def moe(self) -> None:
-        """No MoE layout: expert files beside pipeline layer files are refused (`_scan_files`)."""
-        return None
-
-    @property
-    def expert_files(self) -> list[LoadedFile]:
-        return []
 
 
 def open_pipeline(
@@ -490,17 +383,7 @@ def _pipeline_notes(ckpt: PipelineCheckpoint, missing_buffers: list[str]) -> Non
 def pipeline_layout(ckpt: PipelineCheckpoint, options: ConvertOptions) -> SourceLayout:
     """Slots and fragments of every tensor of a pipeline-parallel checkpoint: each stage's
     masters as in a ZeRO-1 checkpoint, buffers and frozen params from the layer files."""
-    from zerosafe.formats.base import SourceLayout, SourceTensor
-    from zerosafe.formats.deepspeed.reader import (
-        _facts,
-        _SlotBuilder,
-        _source_block,
-        _zero12_fragments,
-        metadata_bytes_of,
-    )
-    from zerosafe.formats.deepspeed.save_identity import check_module_copy_sample
-
-    builder = _SlotBuilder(ckpt)  # type: ignore[arg-type]
+    builder = SlotBuilder(ckpt)  # type: ignore[arg-type]
     tensors: dict[str, SourceTensor] = {}
     copies: dict[str, list[tuple[int, tuple[int, int, int, int]]]] = {}
     for s, z in enumerate(ckpt.stages):
@@ -510,7 +393,7 @@ def pipeline_layout(ckpt: PipelineCheckpoint, options: ConvertOptions) -> Source
             for g, t in enumerate(z.fp32_partitions[f.rank])
         }
         fragments: dict[str, list[tuple[int, int, int, int]]] = {}
-        _zero12_fragments(z, fp32_slot, fragments)
+        zero12_fragments(z, fp32_slot, fragments)
         for group in z.param_groups:
             for name, shape in group:
                 frags = tuple(fragments.get(name, ()))
@@ -535,9 +418,9 @@ def pipeline_layout(ckpt: PipelineCheckpoint, options: ConvertOptions) -> Source
             name=lt.name, shape=tuple(t.shape), dtype=t.dtype, role=role, fragments=frags
         )
     files, slots = _global_ranks(ckpt, builder.files, builder.resolve())
-    source = _source_block(ckpt)  # type: ignore[arg-type]
+    source = source_block(ckpt)  # type: ignore[arg-type]
     source["pipeline_stages"] = ckpt.num_stages
-    facts = _facts(ckpt)  # type: ignore[arg-type]
+    facts = zero_facts(ckpt)  # type: ignore[arg-type]
     _pipeline_facts(ckpt, facts)
     layout = SourceLayout(
         format="deepspeed", where=ckpt.tag_url, tag=ckpt.tag, files=files, slots=slots,

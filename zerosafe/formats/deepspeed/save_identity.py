@@ -33,11 +33,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from zerosafe.errors import LayoutMismatchError
+from zerosafe.formats.deepspeed.types import LoadedFile, PipelineCheckpoint, ZeroCheckpoint
 from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 
 if TYPE_CHECKING:
-    from zerosafe.formats.deepspeed.checkpoint import LoadedFile, ZeroCheckpoint
-    from zerosafe.formats.deepspeed.pipeline import PipelineCheckpoint
     from zerosafe.plan.model import Plan
 
 __all__ = ["check_module_copy_sample", "check_one_save", "lowp_copy_missing", "module_copies"]
@@ -186,8 +185,6 @@ def module_copies(
     `(file, tensor, element offset in the param)`: the model states' `module`, the MoE expert
     files (an AutoEP expert file holds one expert's rows of a fused weight), or the layer
     files of a pipeline-parallel checkpoint."""
-    from zerosafe.formats.deepspeed.pipeline import PipelineCheckpoint
-
     if isinstance(ckpt, PipelineCheckpoint):  # trained params, in their layer files
         return {name: [(lt.file, lt.tensor, 0)] for name, lt in ckpt.module_copies.items()}
     if ckpt.stage == 3 or not ckpt.model_files:

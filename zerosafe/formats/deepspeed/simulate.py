@@ -49,9 +49,9 @@ from typing import Any, cast
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConfigError
-from zerosafe.formats.deepspeed.checkpoint import LoadedFile, ZeroCheckpoint
+from zerosafe.formats.deepspeed.checkpoint import build_plan
 from zerosafe.formats.deepspeed.layout import zero3_partition_numel
-from zerosafe.formats.deepspeed.reader import build_plan
+from zerosafe.formats.deepspeed.types import LoadedFile, ZeroCheckpoint
 from zerosafe.formats.torch_zip import StorageRef, TensorRecord, TorchZipFile, ZipRecord
 from zerosafe.io.coalesce import PlannedRead, plan_requests
 from zerosafe.io.storage import FileIdentity

@@ -37,25 +37,19 @@ from typing import TYPE_CHECKING, Any
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError, UnsupportedCheckpointError
 from zerosafe.formats.base import SourceLayout, SourceTensor
-from zerosafe.formats.deepspeed.checkpoint import (
-    TESTED_DEEPSPEED_VERSIONS,
-    LoadedFile,
-    ZeroCheckpoint,
-    _check_ranks,
-    _check_tag_name,
-    _load,
-    _master_notes,
-    _param_groups,
-    _read_module_side,
-    _train_dtype,
+from zerosafe.formats.deepspeed.files import (
+    check_ranks,
+    check_tag_name,
     checkpoint_folder_names,
+    load_file,
 )
 from zerosafe.formats.deepspeed.masters import MASTER_DTYPES
-from zerosafe.formats.deepspeed.reader import (
-    _buffer_tensor,
-    _frozen_tensor,
-    _SlotBuilder,
-    metadata_bytes_of,
+from zerosafe.formats.deepspeed.module_side import read_module_side
+from zerosafe.formats.deepspeed.rank_files import (
+    TESTED_DEEPSPEED_VERSIONS,
+    master_notes,
+    read_param_groups,
+    train_dtype_of,
 )
 from zerosafe.formats.deepspeed.save_identity import (
     SAMPLE_ELEMENTS,
@@ -63,6 +57,13 @@ from zerosafe.formats.deepspeed.save_identity import (
     check_one_save,
     lowp_copy_missing,
 )
+from zerosafe.formats.deepspeed.slots import (
+    SlotBuilder,
+    buffer_tensor,
+    frozen_tensor,
+    metadata_bytes_of,
+)
+from zerosafe.formats.deepspeed.types import LoadedFile, ZeroCheckpoint
 from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
@@ -151,7 +152,7 @@ def find_universal_tag(storage: Storage, ckpt_url: str, tag: str | None) -> tupl
     ckpt_url = normalize_url(ckpt_url)
     names = checkpoint_folder_names(storage, ckpt_url)
     if tag is not None:
-        _check_tag_name(ckpt_url, tag, "`--tag`")
+        check_tag_name(ckpt_url, tag, "`--tag`")
         tag_url = join_url(ckpt_url, tag)
         if not storage.isdir(join_url(tag_url, ZERO_FOLDER)):
             tags = [n for n in names if storage.isdir(join_url(ckpt_url, n, ZERO_FOLDER))]
@@ -192,7 +193,7 @@ def _tag_from_latest_universal(storage: Storage, ckpt_url: str) -> str:
             f"--output_folder), found {'an empty file' if not raw.strip() else f'{len(raw)} bytes'}. "
             "Pass --tag with the universal folder to convert."
         )
-    _check_tag_name(ckpt_url, tag, f"'{LATEST_UNIVERSAL}'")
+    check_tag_name(ckpt_url, tag, f"'{LATEST_UNIVERSAL}'")
     return tag
 
 
@@ -307,7 +308,7 @@ def open_universal_checkpoint(
             zip(
                 sorted(scan.model_urls),
                 pool.map(
-                    lambda r: _load(storage, scan.model_urls[r], "model", r),
+                    lambda r: load_file(storage, scan.model_urls[r], "model", r),
                     sorted(scan.model_urls),
                 ),
                 strict=True,
@@ -317,11 +318,11 @@ def open_universal_checkpoint(
     stage = 3 if scan.stage3 else _zero12_stage(model0)
     world_size = _world_size(model0, len(model_by_rank))
     if stage == 3:
-        _check_ranks(tag_url, "model states", model_by_rank, world_size, stage)
+        check_ranks(tag_url, "model states", model_by_rank, world_size, stage)
     model_files = [model_by_rank[r] for r in sorted(model_by_rank)]
     _check_parallelism(model0)
     check_one_save(tag_url, [], model_files)
-    param_groups = _param_groups(model_files, stage)
+    param_groups = read_param_groups(model_files, stage)
     param_names = [n for g in param_groups for n, _ in g]
     _check_round_robin(model0, stage)
     missing = [n for n in param_names if n not in scan.masters]
@@ -343,14 +344,14 @@ def open_universal_checkpoint(
     ds_version = model0.obj.get("ds_version")
     zero = ZeroCheckpoint(
         ckpt_url=ckpt_url, tag=tag, tag_url=tag_url, stage=stage, optimizer_kind="zero",
-        world_size=world_size, train_dtype=_train_dtype(model0.obj, param_names),
+        world_size=world_size, train_dtype=train_dtype_of(model0.obj, param_names),
         ds_version=str(ds_version) if ds_version is not None else None,
         optim_files=[f for f, _ in loaded], model_files=model_files, param_groups=param_groups,
         fp32_partitions=[], frozen=[], buffers=[], shared={}, module_order=[],
     )  # fmt: skip
     zero.master_dtype = _master_dtype(masters)
     zero.optimizer_name = _optimizer_name(model0)
-    _read_module_side(zero)
+    read_module_side(zero)
     _notes(zero, masters)
     return UniversalCheckpoint(
         storage=storage,
@@ -516,7 +517,7 @@ def _notes(zero: ZeroCheckpoint, masters: Mapping[str, tuple[LoadedFile, TensorR
             f"{zero.train_dtype}, as from the original checkpoint (ds_to_universal's fp32.pt of "
             "a frozen param, where it wrote one, is the same values upcast)"
         )
-    _master_notes(zero)
+    master_notes(zero)
 
 
 # -- the layout ---------------------------------------------------------------------------------
@@ -543,10 +544,10 @@ def universal_layout(uckpt: UniversalCheckpoint, options: ConvertOptions) -> Sou
         tensors[fp.name] = (
             SourceTensor(name=fp.name, shape=fp.shape, dtype=fp.dtype, role="frozen", fragments=())
             if options.exclude_frozen
-            else _frozen_tensor(ckpt, builder, fp.name, fp.shape, fp.dtype, fp.pieces)
+            else frozen_tensor(ckpt, builder, fp.name, fp.shape, fp.dtype, fp.pieces)
         )
     for name, t in ckpt.buffers:
-        tensors[name] = _buffer_tensor(ckpt, builder, name, t)
+        tensors[name] = buffer_tensor(ckpt, builder, name, t)
     return SourceLayout(
         format=FORMAT_NAME, where=ckpt.tag_url, tag=ckpt.tag, files=builder.files,
         slots=builder.resolve(), tensors=tensors, order=list(ckpt.module_order),
@@ -559,7 +560,7 @@ def universal_layout(uckpt: UniversalCheckpoint, options: ConvertOptions) -> Sou
 
 
 @dataclass
-class _FolderSlots(_SlotBuilder):
+class _FolderSlots(SlotBuilder):
     """The ZeRO reader's slot builder over the universal folder's files: every `fp32.pt` (read
     or not: `quick_identities` lists them all, from listings), then the model states."""
 
