@@ -45,8 +45,7 @@ def fp32_ranges(ckpt_dir: str, tag: str | None = None) -> tuple[list[tuple[str, 
     Uses zerosafe's own reader and plan, which only parse the pickles and zip directories.
     """
     from zerosafe.config import ConvertOptions
-    from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
-    from zerosafe.formats.deepspeed.checkpoint import build_plan
+    from zerosafe.formats.deepspeed.checkpoint import build_plan, open_zero_checkpoint
     from zerosafe.io.storage import Storage
 
     plan = build_plan(open_zero_checkpoint(Storage(), ckpt_dir, tag=tag), ConvertOptions())

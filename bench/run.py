@@ -578,8 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ranges, fp32_bytes = fp32_ranges(ckpt)
     from zerosafe.config import ConvertOptions
-    from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
-    from zerosafe.formats.deepspeed.checkpoint import build_plan
+    from zerosafe.formats.deepspeed.checkpoint import build_plan, open_zero_checkpoint
     from zerosafe.io.storage import Storage
 
     plan = build_plan(

@@ -27,6 +27,11 @@ class ConversionError(Exception):
 class CheckpointFormatError(ConversionError, ValueError):
     """The input is unreadable, truncated, or not the kind of file it should be."""
 
+    lists_formats = False
+    """Set on the error for a folder that holds no checkpoint of the format read: a reader
+    knows only its own format, so the registry, which knows them all, ends the message with
+    what each holds (`zerosafe.formats.registry.formats_listed`)."""
+
 
 class UnsupportedCheckpointError(CheckpointFormatError):
     """A real checkpoint layout that zerosafe does not convert yet (TP/PP, MoE, ZeRO-0...)."""

@@ -21,8 +21,7 @@ sys.path.insert(0, str(REPO))
 from bench import forge as F  # noqa: E402
 from zerosafe.config import ConvertOptions  # noqa: E402
 from zerosafe.errors import ConfigError  # noqa: E402
-from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint  # noqa: E402
-from zerosafe.formats.deepspeed.checkpoint import build_plan  # noqa: E402
+from zerosafe.formats.deepspeed.checkpoint import build_plan, open_zero_checkpoint  # noqa: E402
 from zerosafe.formats.deepspeed.simulate import (  # noqa: E402
     load_spec,
     predict_seconds,

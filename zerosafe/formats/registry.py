@@ -6,6 +6,8 @@ the reader (planning, stages, verify, publish, the flow) changes.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from zerosafe.config import ConvertOptions
@@ -20,22 +22,42 @@ __all__ = [
     "READERS",
     "check_options",
     "detect_format",
+    "formats_listed",
     "formats_text",
     "quick_identities",
     "read_source",
 ]
 
-READERS: tuple[FormatReader, ...] = (DcpReader(), UniversalReader(), DeepSpeedReader())
+
+def formats_text() -> str:
+    """The supported formats and what a folder of each holds, for errors."""
+    return "; ".join(f"{r.title}: {r.looks_like}" for r in READERS)
+
+
+@contextlib.contextmanager
+def formats_listed() -> Iterator[None]:
+    """A `CheckpointFormatError` raised inside with `lists_formats` set (a folder that holds
+    no checkpoint of the format read) ends with the formats zerosafe reads: a reader knows
+    only its own format."""
+    try:
+        yield
+    except CheckpointFormatError as e:
+        if e.lists_formats:
+            e.args = (f"{e.args[0]} zerosafe reads: {formats_text()}.", *e.args[1:])
+            e.lists_formats = False  # listed once, however many callers wrap it
+        raise
+
+
+READERS: tuple[FormatReader, ...] = (
+    DcpReader(),
+    UniversalReader(),
+    DeepSpeedReader(errors=formats_listed),
+)
 """Every format, in the order `detect_format` asks them (DCP first: its `.metadata` file is
 unambiguous, while DeepSpeed's detection looks into subfolders; universal before ZeRO: a
 universal folder holds the ZeRO tag's model states too)."""
 FALLBACK = "deepspeed"
 """The reader of a folder no reader claims."""
-
-
-def formats_text() -> str:
-    """The supported formats and what a folder of each holds, for errors."""
-    return "; ".join(f"{r.title}: {r.looks_like}" for r in READERS)
 
 
 def reader_named(name: str) -> FormatReader:

@@ -8,8 +8,7 @@ import pytest
 
 from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
-from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
-from zerosafe.formats.deepspeed.checkpoint import build_plan
+from zerosafe.formats.deepspeed.checkpoint import build_plan, open_zero_checkpoint
 from zerosafe.io.storage import Storage
 from zerosafe.pipeline import convert_checkpoint
 

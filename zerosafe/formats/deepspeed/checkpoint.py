@@ -1,5 +1,6 @@
 """Find and read the metadata of one DeepSpeed ZeRO checkpoint tag (pickles only, no weights):
-the library's entry points.
+the library's entry points, whose errors name the formats zerosafe reads where a folder holds
+none (`zerosafe.formats.registry.formats_listed`).
 
 The reading itself is below: `files` (the folder and its listing), `rank_files` (one
 data-parallel group of files), `model_parallel` and `pipeline` (`mp_rank_XX` files),
@@ -44,7 +45,10 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
     Raises:
         CheckpointFormatError: If no tag can be found, with what the folder does hold.
     """
-    return files.find_tag_dir(storage, ckpt_url, tag)
+    from zerosafe.formats.registry import formats_listed
+
+    with formats_listed():
+        return files.find_tag_dir(storage, ckpt_url, tag)
 
 
 def quick_identities(
@@ -52,7 +56,10 @@ def quick_identities(
 ) -> tuple[str, list[dict[str, Any]]]:
     """`(tag, identities)` of the files a conversion reads, from listings and stats only
     (`reader.tag_identities`)."""
-    return reader.tag_identities(storage, ckpt_url, tag)
+    from zerosafe.formats.registry import formats_listed
+
+    with formats_listed():
+        return reader.tag_identities(storage, ckpt_url, tag)
 
 
 def open_zero_checkpoint(
@@ -76,7 +83,10 @@ def open_zero_checkpoint(
         UnsupportedCheckpointError: Layouts zerosafe does not convert yet.
         LayoutMismatchError: Ranks or sizes that disagree.
     """
-    return reader.open_tag(storage, ckpt_url, tag=tag, max_workers=max_workers)
+    from zerosafe.formats.registry import formats_listed
+
+    with formats_listed():
+        return reader.open_tag(storage, ckpt_url, tag=tag, max_workers=max_workers)
 
 
 def build_plan(ckpt: ZeroCheckpoint | PipelineCheckpoint, options: ConvertOptions) -> Plan:

@@ -84,7 +84,8 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
     `ckpt_url` is the folder holding `latest`, or a tag folder itself.
 
     Raises:
-        CheckpointFormatError: If no tag can be found, with what the folder does hold.
+        CheckpointFormatError: If no tag can be found, with what the folder does hold
+            (`lists_formats` set where it holds no DeepSpeed checkpoint at all).
     """
     ckpt_url = normalize_url(ckpt_url)
     names = checkpoint_folder_names(storage, ckpt_url)
@@ -108,15 +109,14 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
                 "still saving it? Pass --tag to convert another tag."
             )
         return tag, tag_url
-    from zerosafe.formats.registry import formats_text
-
     subdirs = [n for n in names if storage.isdir(join_url(ckpt_url, n))]
-    raise CheckpointFormatError(
+    error = CheckpointFormatError(
         f"{ckpt_url}: no 'latest' file and no '*_model_states.pt' here, so this is not a "
         f"DeepSpeed checkpoint folder or tag folder. Folders inside: {subdirs or 'none'}; "
-        "pass the folder that holds 'latest', or --tag TAG. zerosafe reads: "
-        f"{formats_text()}."
+        "pass the folder that holds 'latest', or --tag TAG."
     )
+    error.lists_formats = True  # the registry adds the formats zerosafe reads
+    raise error
 
 
 def check_tag_name(ckpt_url: str, tag: str, where: str) -> None:

@@ -11,8 +11,11 @@ rank 0's model states. See docs/formats.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from zerosafe.config import ConvertOptions
@@ -49,6 +52,13 @@ class DeepSpeedReader:
     selects = False
     lowp_copy = True
 
+    def __init__(
+        self, errors: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+    ) -> None:
+        self.errors = errors
+        """Wraps reading: the registry's `formats_listed` adds the formats zerosafe reads to
+        the error for a folder that holds no checkpoint."""
+
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)
         if not storage.isdir(url):
@@ -66,12 +76,14 @@ class DeepSpeedReader:
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
     ) -> tuple[str, list[dict[str, Any]]]:
-        return tag_identities(storage, url, tag)
+        with self.errors():
+            return tag_identities(storage, url, tag)
 
     def read(
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
     ) -> SourceLayout:
-        return zero_layout(open_tag(storage, url, tag=tag), options)
+        with self.errors():
+            return zero_layout(open_tag(storage, url, tag=tag), options)
 
 
 def zero_layout(ckpt: ZeroCheckpoint | PipelineCheckpoint, options: ConvertOptions) -> SourceLayout:
