@@ -73,9 +73,9 @@ def add_parser(subparsers: Any, add_verbosity: Callable[..., None]) -> None:
 
 def _list_globals(args: argparse.Namespace) -> int:
     from zerosafe.formats.torch_legacy import open_torch_file
-    from zerosafe.pt2st.convert import _open_pt, list_pt_globals
+    from zerosafe.pt2st.convert import list_pt_globals, open_pt
 
-    src = _open_pt(command_storage(args), args.source)
+    src = open_pt(command_storage(args), args.source)
     try:
         found = list_pt_globals(open_torch_file(src))
     finally:

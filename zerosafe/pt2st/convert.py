@@ -85,6 +85,7 @@ __all__ = [
     "inspect_pt",
     "list_pt_globals",
     "load_pt_records",
+    "open_pt",
     "plan_pt",
     "safetensors_path_for",
     "verify_pt",
@@ -150,7 +151,7 @@ def view_end_bytes(shape: list[int], stride: list[int], offset: int, itemsize: i
 # -- reading the source ---------------------------------------------------------------------
 
 
-def _open_pt(storage: Storage, source: str) -> ByteSource:
+def open_pt(storage: Storage, source: str) -> ByteSource:
     """Open the `.pt` file, refusing a folder with the command that converts one."""
     if is_local(source) and os.path.isdir(local_path(source)):
         raise CheckpointFormatError(
@@ -450,7 +451,7 @@ def inspect_pt(source: str, *, storage: Storage | None = None) -> dict[str, Any]
         A JSON-able summary: tensor, entry and view counts, bytes, globals found.
     """
     storage = storage or Storage()
-    src = _open_pt(storage, source)
+    src = open_pt(storage, source)
     try:
         zf = open_torch_file(src)
         plan = plan_pt(zf, load_pt_records(zf))
@@ -517,7 +518,7 @@ def convert_pt(
     storage = storage or Storage()
     chunk_bytes = _chunk_bytes(memory)
     _check_not_source(storage, source, destination)
-    src = _open_pt(storage, source)
+    src = open_pt(storage, source)
     try:
         identity = storage.identity(source)
         if not overwrite and storage.exists(destination):

@@ -55,37 +55,7 @@ def zero3_autoep_layout(
 ) -> MoELayout:
     """AutoEP ZeRO-3: sub-groups and their partition ranks from `ds_zero_partition_groups`,
     each rank's expert-parallel rank and the placement from its `ds_autoep_layers`."""
-    for f in model_files:
-        if not f.obj.get(AUTOEP_LAYERS_KEY):
-            raise UnsupportedCheckpointError(
-                f"{f.url}: a ZeRO-3 MoE checkpoint without `{AUTOEP_LAYERS_KEY}`; zerosafe "
-                "converts AutoEP's partition-native ZeRO-3 checkpoints only (DeepSpeed refuses "
-                "native DeepSpeed-MoE at ZeRO-3)"
-            )
-    entries0 = autoep_entries(model_files[0])
-    layers: dict[str, MoELayer] = {}
-    ep_rank_of: dict[int, int] = {}
-    for entry in entries0:
-        fmt = (entry.get("checkpoint_format"), entry.get("checkpoint_format_version"))
-        if fmt != _ZERO3_FORMAT:
-            raise UnsupportedCheckpointError(
-                f"{model_files[0].url}: AutoEP `checkpoint_format` {fmt[0]!r} version "
-                f"{fmt[1]!r} at ZeRO-3; zerosafe reads {_ZERO3_FORMAT[0]!r} version "
-                f"{_ZERO3_FORMAT[1]} (DeepSpeed 0.19)"
-            )
-        num_experts, experts_of = placement_of(model_files[0], entry)
-        prefix = str(entry.get("module_path"))
-        layers[prefix] = MoELayer(
-            layer_id=int(entry.get("moe_layer_id", len(layers))), prefix=prefix,
-            num_experts=num_experts, ep_size=len(experts_of), experts_of=experts_of, ranks_of=(),
-        )  # fmt: skip
-    for f in model_files:
-        own = {int(x.get("ep_rank", -1)) for x in autoep_entries(f)}
-        if len(own) != 1:
-            raise LayoutMismatchError(
-                f"{f.url}: its AutoEP layers disagree on its expert-parallel rank"
-            )
-        ep_rank_of[f.rank] = own.pop()
+    layers, ep_rank_of = _layers_and_ep_ranks(model_files)
     meta = [_partition_groups(f, len(param_groups)) for f in optim_files]
     layout = MoELayout(
         kind="AutoEP", layers=list(layers.values()), groups=[], params={}, expert_groups=[]
@@ -148,6 +118,45 @@ def zero3_autoep_layout(
         for x in layers.values()
     ]  # fmt: skip
     return layout
+
+
+def _layers_and_ep_ranks(
+    model_files: Sequence[LoadedFile],
+) -> tuple[dict[str, MoELayer], dict[int, int]]:
+    """The AutoEP layers by module path (from rank 0's `ds_autoep_layers`, no partition ranks
+    yet) and each rank's expert-parallel rank."""
+    for f in model_files:
+        if not f.obj.get(AUTOEP_LAYERS_KEY):
+            raise UnsupportedCheckpointError(
+                f"{f.url}: a ZeRO-3 MoE checkpoint without `{AUTOEP_LAYERS_KEY}`; zerosafe "
+                "converts AutoEP's partition-native ZeRO-3 checkpoints only (DeepSpeed refuses "
+                "native DeepSpeed-MoE at ZeRO-3)"
+            )
+    entries0 = autoep_entries(model_files[0])
+    layers: dict[str, MoELayer] = {}
+    ep_rank_of: dict[int, int] = {}
+    for entry in entries0:
+        fmt = (entry.get("checkpoint_format"), entry.get("checkpoint_format_version"))
+        if fmt != _ZERO3_FORMAT:
+            raise UnsupportedCheckpointError(
+                f"{model_files[0].url}: AutoEP `checkpoint_format` {fmt[0]!r} version "
+                f"{fmt[1]!r} at ZeRO-3; zerosafe reads {_ZERO3_FORMAT[0]!r} version "
+                f"{_ZERO3_FORMAT[1]} (DeepSpeed 0.19)"
+            )
+        num_experts, experts_of = placement_of(model_files[0], entry)
+        prefix = str(entry.get("module_path"))
+        layers[prefix] = MoELayer(
+            layer_id=int(entry.get("moe_layer_id", len(layers))), prefix=prefix,
+            num_experts=num_experts, ep_size=len(experts_of), experts_of=experts_of, ranks_of=(),
+        )  # fmt: skip
+    for f in model_files:
+        own = {int(x.get("ep_rank", -1)) for x in autoep_entries(f)}
+        if len(own) != 1:
+            raise LayoutMismatchError(
+                f"{f.url}: its AutoEP layers disagree on its expert-parallel rank"
+            )
+        ep_rank_of[f.rank] = own.pop()
+    return layers, ep_rank_of
 
 
 def _partition_groups(f: LoadedFile, num_groups: int) -> list[Mapping[str, Any]]:
