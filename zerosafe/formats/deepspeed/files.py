@@ -41,14 +41,8 @@ __all__ = [
 
 
 OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-
-
 Z3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-
-
 MODEL_RE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-
-
 LAYER_RE = re.compile(r"^layer_(\d+)(-model_(\d+))?-model_states\.pt$")
 
 

@@ -257,7 +257,7 @@ class PipelineCheckpoint:
 
     @property
     def moe(self) -> None:
-        """No MoE layout: expert files beside pipeline layer files are refused (`_scan_files`)."""
+        """No MoE layout: expert files beside pipeline layer files are refused (`files.scan_files`)."""
         return None
 
     @property

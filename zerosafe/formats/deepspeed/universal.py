@@ -15,7 +15,7 @@ Layout, as DeepSpeed 0.19.8's `deepspeed/checkpoint/ds_to_universal.py` writes i
 - `<tag>/mp_rank_00_model_states.pt` (ZeRO-1/2) or every `zero_pp_rank_{r}_mp_rank_00_
   model_states.pt` (ZeRO-3), copied unchanged from the ZeRO tag: the param shapes, frozen
   params, buffers, tied aliases and module order, read as the ZeRO reader reads them
-  (`zerosafe.formats.deepspeed.checkpoint`).
+  (`zerosafe.formats.deepspeed.rank_files`, `module_side`).
 
 Each trained param is one slot: the whole storage record of its `fp32.pt` (found from the zip
 directory, the pickle and one local header; no tensor byte is read). Frozen params, buffers,
