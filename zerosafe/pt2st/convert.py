@@ -545,21 +545,7 @@ def convert_pt(
             plan.data_bytes,
         )
         header = [HeaderEntry(e.name, e.dtype, e.shape) for e in plan.entries]
-        jobs = []
-        for index, e in enumerate(plan.entries):
-            record = zf.storage_record(e.storage_key)
-            if e.nbytes:
-                jobs.append(
-                    CopyJob(
-                        tensor=index,
-                        source=src,
-                        offset=zf.data_offset(record),
-                        nbytes=e.nbytes,
-                        src_dtype="uint8",
-                        out_dtype="uint8",
-                        crc_key=record.name,
-                    )
-                )
+        jobs = _copy_jobs(zf, plan, src)
         sink = storage.open_sink(destination)
         try:
             writer = SafetensorsStreamWriter(sink, header, plan.metadata)
@@ -584,6 +570,26 @@ def convert_pt(
         sha256={e.name: h for e, h in zip(plan.entries, writer.sha256, strict=True)},
     )
     return summary
+
+
+def _copy_jobs(zf: TorchZipFile, plan: PtPlan, src: ByteSource) -> list[CopyJob]:
+    """One byte copy per entry that holds data: its storage record's bytes, as they are."""
+    jobs = []
+    for index, e in enumerate(plan.entries):
+        record = zf.storage_record(e.storage_key)
+        if e.nbytes:
+            jobs.append(
+                CopyJob(
+                    tensor=index,
+                    source=src,
+                    offset=zf.data_offset(record),
+                    nbytes=e.nbytes,
+                    src_dtype="uint8",
+                    out_dtype="uint8",
+                    crc_key=record.name,
+                )
+            )
+    return jobs
 
 
 def current_output(storage: Storage, source: str, destination: str) -> bool:
