@@ -82,12 +82,7 @@ def test_no_generic_top_level_packages_are_installed() -> None:
 # The import graph: no cycles, no private names across modules
 
 PACKAGES = ("zerosafe", "zerosafe_app")
-PRIVATE_IMPORTS_LEFT = {
-    # zerosafe_app/cli.py is being changed in another change (issue 27); `_with_flag_names`
-    # becomes public there.
-    ("zerosafe_app.lazify_cli", "zerosafe_app.cli", "_with_flag_names"),
-    ("zerosafe_app.pt2st_cli", "zerosafe_app.cli", "_with_flag_names"),
-}
+PRIVATE_IMPORTS_LEFT: set[tuple[str, str, str]] = set()
 
 
 def _module_files() -> dict[str, Path]:

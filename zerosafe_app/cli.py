@@ -27,7 +27,7 @@ from zerosafe._version import __version__
 from zerosafe.errors import ConfigError, ConversionError, VerificationError
 from zerosafe.units import format_bytes, size_argument
 
-__all__ = ["main", "run"]
+__all__ = ["main", "run", "with_flag_names"]
 
 log = logging.getLogger("zerosafe")
 
@@ -110,7 +110,8 @@ _FLAG_OF_FIELD = {
 """`ConvertOptions` fields as its errors name them -> the flag a user of the command typed."""
 
 
-def _with_flag_names(e: ConfigError) -> ConfigError:
+def with_flag_names(e: ConfigError) -> ConfigError:
+    """`e` with the `ConvertOptions` fields it names replaced by the flags a user typed."""
     message = str(e)
     for field, flag in _FLAG_OF_FIELD.items():
         message = message.replace(field, flag)
@@ -423,7 +424,7 @@ def _options(args: argparse.Namespace) -> Any:
             ),
         )
     except ConfigError as e:
-        raise _with_flag_names(e) from e
+        raise with_flag_names(e) from e
 
 
 _SIMULATION_ONLY = ("world_size", "extract_part_size", "workers", "bandwidth", "task_rate",
@@ -633,6 +634,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         # beside the planning, not before it.
         _preload("torch", then=serial_torch)
         from zerosafe.pipeline import convert_checkpoint
+
         summary = convert_checkpoint(
             args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
             progress=TerminalProgress() if show_progress else NullProgress(), storage=_storage(args),

@@ -58,12 +58,12 @@ def add_parser(subparsers: Any, add_verbosity: Callable[..., None]) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from zerosafe.lazy import file_memory_bytes, lazify_checkpoint
-    from zerosafe_app.cli import _with_flag_names
+    from zerosafe_app.cli import with_flag_names
 
     try:
         file_memory_bytes(args.memory, args.parallel)  # before any I/O
     except ConfigError as e:
-        raise _with_flag_names(e) from e
+        raise with_flag_names(e) from e
     summary = lazify_checkpoint(
         args.checkpoint,
         tag=args.tag,

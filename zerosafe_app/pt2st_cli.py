@@ -93,12 +93,12 @@ def _list_globals(args: argparse.Namespace) -> int:
 def _check_memory(memory: int) -> None:
     """Refuse a budget too small for the copy before anything is opened, naming `--memory`."""
     from zerosafe.config import ConvertOptions
-    from zerosafe_app.cli import _with_flag_names
+    from zerosafe_app.cli import with_flag_names
 
     try:
         ConvertOptions(memory=memory, max_parallel_tasks=1)
     except ConfigError as e:
-        raise _with_flag_names(e) from e
+        raise with_flag_names(e) from e
 
 
 def _run(args: argparse.Namespace) -> int:
