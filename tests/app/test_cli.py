@@ -83,7 +83,17 @@ def test_quiet_prints_nothing_on_success(tmp_path: Path, capsys) -> None:
 
 def test_convert_json_summary(tmp_path: Path, capsys) -> None:
     assert (
-        main(["convert", "--via", "local", "--json", "--direct", str(SAMPLE_CKPT), str(tmp_path / "o")])
+        main(
+            [
+                "convert",
+                "--via",
+                "local",
+                "--json",
+                "--direct",
+                str(SAMPLE_CKPT),
+                str(tmp_path / "o"),
+            ]
+        )
         == 0
     )
     summary = json.loads(capsys.readouterr().out)

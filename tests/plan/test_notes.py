@@ -22,7 +22,10 @@ def test_exclude_frozen_says_so_in_the_manifest(tmp_path: Path, capsys) -> None:
     report = _inspect(capsys, str(SAMPLE_CKPT), "--exclude-frozen")
     assert any("frozen param(s) left out" in n and "side.weight" in n for n in report["notes"])
     out = tmp_path / "o"
-    assert main(["convert", "--via", "local", "-q", "--exclude-frozen", str(SAMPLE_CKPT), str(out)]) == 0
+    assert (
+        main(["convert", "--via", "local", "-q", "--exclude-frozen", str(SAMPLE_CKPT), str(out)])
+        == 0
+    )
     manifest = json.loads((out / "zerosafe-manifest.json").read_text())
     assert any("frozen param(s) left out" in n for n in manifest["notes"]), manifest["notes"]
     assert not any("left out" in n for n in _inspect(capsys, str(SAMPLE_CKPT))["notes"])

@@ -194,7 +194,14 @@ def test_model_files_from_the_output_are_refused(
     (out / "sub").mkdir()
     for folder in (out, out / "sub", tmp_path / "out" / "."):
         code, err = _run_cli(
-            capsys, "convert", "--via", "local", str(hf_ckpt), str(out), "--model-files", str(folder)
+            capsys,
+            "convert",
+            "--via",
+            "local",
+            str(hf_ckpt),
+            str(out),
+            "--model-files",
+            str(folder),
         )
         assert code == 2 and err.count("\n") == 1, err
         assert "`--model-files`" in err and "inside the output" in err and str(out) in err
@@ -202,7 +209,9 @@ def test_model_files_from_the_output_are_refused(
     assert verify_output(str(out))["ok"]
     # The checkpoint folder (where model files come from by default) inside the output, too.
     (tmp_path / "config.json").write_text("{}")
-    code, err = _run_cli(capsys, "convert", "--via", "local", str(hf_ckpt), str(tmp_path), "--overwrite")
+    code, err = _run_cli(
+        capsys, "convert", "--via", "local", str(hf_ckpt), str(tmp_path), "--overwrite"
+    )
     assert code == 2 and err.count("\n") == 1 and "inside the output" in err, err
     assert (tmp_path / "config.json").exists() and (hf_ckpt / "config.json").exists()
 

@@ -151,7 +151,9 @@ def test_a_second_job_into_a_held_output_is_refused_whatever_its_options(
     out = tmp_path / "out"
     with _holding_output(out) as holder:
         for extra in ([], ["--dtype", "bf16"], ["--max-shard-size", "10KB", "--overwrite"]):
-            code, _, err = _run(capsys, "convert", "--via", "local", str(sample_ckpt), str(out), *extra)
+            code, _, err = _run(
+                capsys, "convert", "--via", "local", str(sample_ckpt), str(out), *extra
+            )
             err = _one_line_error(code, err)
             assert "another conversion into this output folder is running" in err, err
             assert f"pid {holder.pid}" in err and "ckpt -> out (fp32)" in err
@@ -348,7 +350,9 @@ def test_a_marker_without_a_usable_manifest_is_a_one_line_error(
     assert "completion marker" in _one_line_error(code, err) and "--overwrite" in err
     code, stdout, _ = _run(capsys, "verify", str(out))
     assert code == 1 and "completion marker not usable" in stdout
-    assert _run(capsys, "convert", "--via", "local", str(sample_ckpt), str(out), "--overwrite")[0] == 0
+    assert (
+        _run(capsys, "convert", "--via", "local", str(sample_ckpt), str(out), "--overwrite")[0] == 0
+    )
 
 
 @pytest.mark.parametrize(

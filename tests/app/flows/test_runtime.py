@@ -180,9 +180,7 @@ def test_a_no_op_is_answered_without_the_flow(prefect_env: dict[str, str], tmp_p
 
 
 @pytest.mark.slow
-def test_a_server_lost_mid_run_gives_one_line(
-    local_env: dict[str, str], tmp_path: Path
-) -> None:
+def test_a_server_lost_mid_run_gives_one_line(local_env: dict[str, str], tmp_path: Path) -> None:
     """The Prefect API going away under a running flow: exit 2 and one line saying what to
     do, not pages of traceback; the rerun (here in-process) completes."""
     from bench.forge import forge_checkpoint, transformer_shapes

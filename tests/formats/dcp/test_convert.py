@@ -31,7 +31,9 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def convert(capsys: pytest.CaptureFixture[str], src: Path, out: Path, *args: str) -> dict[str, Any]:
-    code, stdout, err = run(capsys, "convert", str(src), str(out), "--via", "local", "--json", *args)
+    code, stdout, err = run(
+        capsys, "convert", str(src), str(out), "--via", "local", "--json", *args
+    )
     assert code == 0, err
     return dict(json.loads(stdout))
 
@@ -192,7 +194,14 @@ def test_refusals_through_the_command(
     dcp_checkpoint: Checkpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, _, err = run(
-        capsys, "convert", str(SAMPLE_CKPT), str(tmp_path / "o"), "--select", "model", "--via", "local"
+        capsys,
+        "convert",
+        str(SAMPLE_CKPT),
+        str(tmp_path / "o"),
+        "--select",
+        "model",
+        "--via",
+        "local",
     )
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--select applies only to PyTorch DCP checkpoints" in err and "DeepSpeed ZeRO" in err

@@ -288,7 +288,18 @@ def test_output_policy_noop_refuse_overwrite(sample_ckpt: Path, tmp_path: Path, 
     with pytest.raises(OutputExistsError):
         convert_checkpoint(str(sample_ckpt), str(out), ConvertOptions(dtype="bf16"))
     assert (
-        main(["convert", "--via", "local", str(sample_ckpt), str(out), "--dtype", "bf16", "--overwrite"])
+        main(
+            [
+                "convert",
+                "--via",
+                "local",
+                str(sample_ckpt),
+                str(out),
+                "--dtype",
+                "bf16",
+                "--overwrite",
+            ]
+        )
         == 0
     )
     from safetensors.torch import load_file
