@@ -45,6 +45,38 @@ assert main(["verify", {str(tmp_path / "o")!r}]) == 0
     assert _modules_after(code) == "PREFECT:"
 
 
+def test_help_inspect_verify_and_a_no_op_import_neither_torch_nor_prefect(tmp_path) -> None:
+    """Start-up pays only for what the path needs: torch only where a conversion runs."""
+    out = tmp_path / "o"
+    done = subprocess.run(
+        [sys.executable, "-m", "zerosafe_app.cli", "convert", "-q", "--via", "local",
+         str(SAMPLE_CKPT), str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for argv in (
+        ["--help"],
+        ["convert", "--help"],
+        ["inspect", str(SAMPLE_CKPT)],
+        ["verify", str(out)],
+        ["convert", str(SAMPLE_CKPT), str(out)],  # already complete: nothing to do
+    ):
+        probe = f"""
+import sys
+from zerosafe_app.cli import main
+try:
+    code = main({argv!r})
+except SystemExit as e:
+    code = e.code
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "prefect"))
+print("CODE", code, "HEAVY", ",".join(heavy[:5]))
+"""
+        proc = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300
+        )
+        assert proc.stdout.strip().splitlines()[-1] == "CODE 0 HEAVY", (argv, proc.stdout[-500:])
+
+
 def test_engine_never_imports_the_app_layer() -> None:
     """`zerosafe` is the engine; `zerosafe_app` (command, flows, tasks) sits on top of it."""
     import ast

@@ -11,6 +11,7 @@ Format: https://github.com/huggingface/safetensors#format; index format: transfo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -150,19 +151,58 @@ def parse_safetensors_header(source: ByteSource) -> tuple[dict[str, Any], dict[s
     return header, metadata, data_start
 
 
+class _LibraryReader:
+    """The `safetensors` library's own reading of one file, for the spot checks.
+
+    It reads through numpy (with `ml_dtypes` for bfloat16 and the float8 types), so a verify
+    never imports torch; a tensor whose dtype numpy cannot hold is read through torch instead.
+    """
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        with contextlib.suppress(ImportError):
+            import ml_dtypes  # noqa: F401 - registers bfloat16 and float8 with numpy
+
+        self._path = path
+        self.handle: Any = safe_open(path, framework="np")  # raises on invalid files
+        self._torch: Any = None
+
+    def first_row(self, tensor: str, shape: list[int]) -> bytes:
+        """The bytes of the tensor's first row (all of it, for a scalar), as the library reads them."""
+        try:
+            return _first_row_bytes(self.handle, tensor, shape)
+        except TypeError:  # a dtype numpy does not know
+            if self._torch is None:
+                from safetensors import safe_open
+
+                self._torch = safe_open(self._path, framework="pt")
+            return _first_row_bytes(self._torch, tensor, shape)
+
+
+def _first_row_bytes(handle: Any, tensor: str, shape: list[int]) -> bytes:
+    lib = handle.get_tensor(tensor) if not shape else handle.get_slice(tensor)[0:1]
+    if hasattr(lib, "numpy"):  # a torch tensor
+        import torch
+
+        return bytes(lib.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    import numpy as np
+
+    return bytes(np.ascontiguousarray(lib).tobytes())
+
+
 def _library_check(
     url: str, header: dict[str, Any], metadata: dict[str, str]
-) -> tuple[list[str], Any]:
+) -> tuple[list[str], _LibraryReader]:
     """Open the file with the `safetensors` library; report any disagreement with our parse."""
-    from safetensors import safe_open
-
     problems = []
-    handle: Any = safe_open(local_path(url), framework="pt")  # raises on invalid files
+    reader = _LibraryReader(local_path(url))
+    handle = reader.handle
     if set(handle.keys()) != set(header):
         problems.append(f"safetensors lists {sorted(set(handle.keys()) ^ set(header))} differently")
     if (handle.metadata() or {}) != metadata:
         problems.append("safetensors reads different __metadata__")
-    return problems, handle
+    return problems, reader
 
 
 _EXPONENT_BITS = {
@@ -330,7 +370,7 @@ def verify_shard(
 
 def _library_handle(
     url: str, header: dict[str, Any], metadata: dict[str, str], report: ShardReport
-) -> Any:
+) -> _LibraryReader | None:
     """The `safetensors` library's own view of a local file (for the spot checks), its
     complaints recorded as header failures."""
     try:
@@ -419,15 +459,16 @@ def _record_tensor(
 
 
 def _spot_check(
-    handle: Any, tensor: str, shape: list[int], first: bytes, report: ShardReport, name: str
+    reader: _LibraryReader,
+    tensor: str,
+    shape: list[int],
+    first: bytes,
+    report: ShardReport,
+    name: str,
 ) -> None:
     """The library's reading of the tensor's first row must equal the raw bytes we hashed."""
     try:
-        if not shape:
-            lib = handle.get_tensor(tensor)
-        else:
-            lib = handle.get_slice(tensor)[0:1]
-        raw = _tensor_bytes(lib)
+        raw = reader.first_row(tensor, shape)
     except Exception as e:
         report.failures.append(Failure(name, tensor, "header", f"safetensors cannot read it: {e}"))
         return
@@ -436,13 +477,6 @@ def _spot_check(
         report.failures.append(
             Failure(name, tensor, "data", "safetensors reads different bytes than the header says")
         )
-
-
-def _tensor_bytes(t: Any) -> bytes:
-    import torch
-
-    flat = t.contiguous().reshape(-1)
-    return bytes(flat.view(torch.uint8).numpy().tobytes())
 
 
 def _compare_expected(report: ShardReport, expected: dict[str, dict[str, Any]], name: str) -> None:
