@@ -1,8 +1,9 @@
 """One conversion job's lifecycle as plain functions, and the driver that runs them in order.
 
-A job, step by step (`convert_checkpoint` runs it in one process, one unit at a time; the
-flow `convert` in `zerosafe_app` schedules the very same functions as cached, retried,
-parallel Prefect tasks):
+A job, step by step (`convert_checkpoint` runs it in one process, one unit at a time,
+recording each finished unit in the work area so that a killed run resumes; the flow
+`convert` in `zerosafe_app` schedules the very same functions as cached, retried, parallel
+Prefect tasks):
 
 1. `hold_destination`: one job at a time per output folder, from before it is looked at.
 2. `plan_job`: nothing to do if the output already holds this conversion; else plan, settle

@@ -229,11 +229,12 @@ def reusable_shards(storage: Storage, out_url: str, plan: Plan) -> set[int]:
 
 def discard_failed_work(storage: Storage, out_url: str, job_key: str, work_url: str) -> None:
     """After a failed check: drop what the run read and wrote (intermediates, cached task
-    results, pending shards), so the next run reads the source again instead of reusing what
+    results and unit records, pending shards), so the next run reads the source again instead of reusing what
     was read from a file that was corrupt then and may be fixed now. The plan and, in a
     repair, the manifest the intact shards were published with stay: the next run is a resume
     of the same job, not a stranger's leftovers."""
-    storage.remove_tree(join_url(work_url, "results"))
+    storage.remove_tree(join_url(work_url, "results"))  # the flow's cached task results
+    storage.remove_tree(join_url(work_url, "units"))  # the in-process driver's unit records
     storage.remove_tree(join_url(work_url, "intermediate"))
     pending = pending_url(out_url, job_key)
     for name in storage.listdir(pending):
