@@ -13,7 +13,8 @@ it (`json.dumps` of `Config.as_config_dict()`: `_CLASS_` keys, no `model_type`),
 
 Also written, by rank 0 after the save:
 - `live.safetensors`: the live model's full state dict (`get_model_state_dict` with
-  `full_state_dict=True`), the reference the conversion must equal bit for bit;
+  `full_state_dict=True`), the reference the conversion must equal bit for bit, and
+  `live_names.json`, its names in the model's `state_dict()` order;
 - `status.json`: `{"olmo_core": "ok"}`, or why it could not be written.
 """
 
@@ -80,7 +81,11 @@ def _worker(rank: int, out: str, port: int) -> None:
             json.dump(experiment, f)  # as OLMo-core's ConfigSaverCallback: json.dumps(config)
         os.makedirs(os.path.join(step_dir, "train"), exist_ok=True)
         torch.save({"global_step": 3}, os.path.join(step_dir, "train", "rank0.pt"))
-        save_file({k: v.contiguous() for k, v in live.items()}, os.path.join(out, "live.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in live.items()}, os.path.join(out, "live.safetensors")
+        )
+        with open(os.path.join(out, "live_names.json"), "w") as f:
+            json.dump(list(live), f)  # safetensors sorts its names: keep the model's order
     dist.barrier()
     dist.destroy_process_group()
 
