@@ -82,6 +82,8 @@ def test_convert_model_and_optim_matches_live_weights(
     assert manifest["source"]["writers"] == ["OLMo-core's RemoteFileSystemWriter"]
     assert manifest["source"]["strip_prefix"] == "model"
     assert manifest["model_files"] == []
+    assert main(["verify", str(tmp_path / "out"), "--against", str(src)]) == 0
+    assert "source same contents" in capsys.readouterr().out
 
 
 def test_inspect_says_what_is_read(
