@@ -19,6 +19,7 @@ from zerosafe.errors import (
     LayoutMismatchError,
     UnsupportedCheckpointError,
 )
+from zerosafe.formats.deepspeed.engines import explain_unreadable, nebula_placeholder_error
 from zerosafe.formats.deepspeed.moe import check_moe_file_name
 from zerosafe.formats.deepspeed.types import LoadedFile, TagFiles
 from zerosafe.formats.torch_legacy import open_torch_file
@@ -246,8 +247,14 @@ def _refuse_moe_with_model_parallel(found: TagFiles) -> None:
 def load_file(storage: Storage, url: str, role: str, rank: int) -> LoadedFile:
     identity = storage.identity(url)
     source = storage.open_source(url)
-    zf = open_torch_file(source)
-    obj = zf.load()
+    try:
+        zf = open_torch_file(source)
+        obj = zf.load()
+    except CheckpointFormatError as e:  # another engine's file, or a save not finished?
+        raise explain_unreadable(storage, source, e) from e
+    placeholder = nebula_placeholder_error(url, obj)
+    if placeholder is not None:
+        raise placeholder
     if not isinstance(obj, dict):
         raise CheckpointFormatError(
             f"{url}: expected a dict at the top of the pickle, got {type(obj).__name__}"

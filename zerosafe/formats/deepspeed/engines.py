@@ -1,0 +1,129 @@
+"""DeepSpeed checkpoint engines whose files carry DeepSpeed's names but not a readable save,
+recognised after a file fails to load (or loads as a placeholder), so the refusal says what
+the file is and what would convert it. Nothing is read on the path of a good file.
+
+- **DataStates** (`datastates_checkpoint_engine.py`, the `datastates` package from
+  github.com/DataStates/datastates-llm, not on PyPI): each `*.pt` holds, instead of a
+  `torch.save` zip, an 8-byte little-endian integer and a JSON header of the tensors (`dtype`,
+  `shape`, offsets, and a `datastates_metadata` entry for the pickled rest): the Python
+  engines write the header's length then the header at byte 8 (or 4096, their alignment),
+  the C++ engine the header's offset then the header at that offset, after the data.
+- **Nebula** (`nebula_checkpoint_engine.py`, DeepSpeed 0.8 to 0.17): `save` writes
+  `torch.save("", path)` as a placeholder and hands the state to `torch_nebula`, which keeps
+  it in its own persistent storage; the tag folder holds only these placeholders.
+- **Unfinished** saves: the decoupled engine (`decoupled_checkpoint_engine.py`) and other
+  asynchronous writers write the files in the background and `latest` only at commit, so a
+  tag that `latest` does not name yet may hold files cut short.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from zerosafe.errors import CheckpointFormatError
+from zerosafe.io.storage import ByteSource, Storage, join_url
+
+__all__ = ["explain_unreadable", "is_datastates_head", "nebula_placeholder_error"]
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_HEAD_BYTES = 4096 + 64
+_DATASTATES_ALIGNMENT = 4096
+"""Where the Python engines put the JSON header: right after the 8-byte length, or at the
+next multiple of their `ALIGNMENT` (4096)."""
+
+
+def _starts_json(raw: bytes) -> bool:
+    return raw.startswith(b'{"')
+
+
+def is_datastates_head(head: bytes, size_bytes: int, at_offset: bytes | None = None) -> bool:
+    """Whether a file's first bytes are a DataStates engine's: an 8-byte little-endian
+    length or offset, then a JSON object at byte 8 or 4096 (zeros between), or at that offset
+    (`at_offset`: the bytes there, read by the caller)."""
+    if len(head) < 10 or head.startswith(_ZIP_MAGIC):
+        return False
+    value = int.from_bytes(head[:8], "little")
+    if value <= 0 or value >= size_bytes:
+        return False
+    if _starts_json(head[8:]):
+        return True
+    if len(head) >= _DATASTATES_ALIGNMENT + 2 and not any(head[8:_DATASTATES_ALIGNMENT]):
+        return _starts_json(head[_DATASTATES_ALIGNMENT:])
+    return at_offset is not None and _starts_json(at_offset)
+
+
+def _datastates_keys(head: bytes) -> bool:
+    """Whether the JSON header in `head` (where it is whole) names `datastates_metadata`."""
+    return b'"datastates_metadata"' in head
+
+
+def _commit_state(storage: Storage, tag_url: str) -> str:
+    """What the checkpoint folder above `tag_url` says of the tag: no `latest`, or `latest`
+    naming another tag, or `latest` naming it."""
+    ckpt_url = posixpath.dirname(tag_url.rstrip("/"))
+    tag = tag_url.rstrip("/").rsplit("/", 1)[-1]
+    latest = join_url(ckpt_url, "latest")
+    if not ckpt_url or not storage.exists(latest):
+        return f"{ckpt_url or '.'} has no `latest` file yet"
+    try:
+        named = storage.read_bytes(latest)[:256].decode("utf-8", "replace").strip()
+    except Exception:  # noqa: BLE001 - only context for the message
+        return ""
+    if named != tag:
+        return f"`latest` names '{named}', not '{tag}'"
+    return ""
+
+
+def explain_unreadable(storage: Storage, source: ByteSource, error: Exception) -> Exception:
+    """The error to raise for a DeepSpeed file that did not open as a `torch.save` file:
+    one naming the engine that wrote it where its first bytes say so, else `error`."""
+    url = source.url
+    size = source.size_bytes
+    head = source.read_range(0, min(_HEAD_BYTES, size)) if size else b""
+    if not head:
+        state = _commit_state(storage, posixpath.dirname(url))
+        return CheckpointFormatError(
+            f"{url}: empty file (0 bytes) where a torch.save file was expected: the save of "
+            f"this tag is not finished (an asynchronous checkpoint engine, such as DeepSpeed's "
+            f"decoupled engine, writes in the background{'; ' + state if state else ''}) or "
+            "the copy was cut short; wait for `latest` to name the tag, or convert the last "
+            "complete tag with --tag"
+        )
+    offset = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+    at_offset = source.read_range(offset, min(offset + 2, size)) if 8 <= offset < size else None
+    if is_datastates_head(head, size, at_offset):
+        where = "at byte 8" if _starts_json(head[8:]) else "after it"
+        also = ", naming `datastates_metadata`" if _datastates_keys(head) else ""
+        return CheckpointFormatError(
+            f"{url}: written by DeepSpeed's DataStates checkpoint engine (an 8-byte "
+            f"little-endian length, then a JSON tensor header {where}{also}), not by "
+            "torch.save; zerosafe reads torch.save files only. Load the checkpoint with "
+            "DataStates (`datastates` checkpoint engine) and save it again with DeepSpeed's "
+            'default torch engine (`checkpoint: {"engine": "torch"}` or no engine set), '
+            "then convert that"
+        )
+    if head.startswith(_ZIP_MAGIC):
+        state = _commit_state(storage, posixpath.dirname(url))
+        if state:  # a zip whose directory is missing or cut, in a tag not committed yet
+            return CheckpointFormatError(
+                f"{url}: {error}; the save of this tag is not finished: {state} (DeepSpeed "
+                "writes it when the save is committed, and its decoupled engine commits in "
+                "the background). Wait for `latest` to name the tag, or convert the last "
+                "complete tag with --tag"
+            )
+    return error
+
+
+def nebula_placeholder_error(url: str, obj: object) -> CheckpointFormatError | None:
+    """The refusal for a Nebula placeholder (`torch.save("", path)`), or None for any other
+    object."""
+    if obj != "":
+        return None
+    return CheckpointFormatError(
+        f"{url}: an empty placeholder (torch.save of an empty string), as DeepSpeed's Nebula "
+        "checkpoint engine writes beside the state it hands to torch_nebula; the weights are "
+        "in Nebula's persistent storage (`nebula.persistent_storage_path` in the DeepSpeed "
+        "config), not here. Load the checkpoint with Nebula enabled (`enable_nebula_load`) "
+        "and save it again with DeepSpeed's torch engine (no `nebula` section), then convert "
+        "that"
+    )
