@@ -26,6 +26,8 @@ from zerosafe.io.storage import ByteSource, Storage, join_url
 __all__ = ["explain_unreadable", "is_datastates_head", "nebula_placeholder_error"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
+_ZIP_END = b"PK\x05\x06"
+_ZIP_END_SPAN = 65535 + 22
 _HEAD_BYTES = 4096 + 64
 _DATASTATES_ALIGNMENT = 4096
 """Where the Python engines put the JSON header: right after the 8-byte length, or at the
@@ -55,6 +57,13 @@ def is_datastates_head(head: bytes, size_bytes: int, at_offset: bytes | None = N
 def _datastates_keys(head: bytes) -> bool:
     """Whether the JSON header in `head` (where it is whole) names `datastates_metadata`."""
     return b'"datastates_metadata"' in head
+
+
+def _has_zip_end(source: ByteSource) -> bool:
+    """Whether the zip's end-of-central-directory record is there (in its last 64 KiB + 22
+    bytes, the most a zip comment allows): a file still being written has none yet."""
+    size = source.size_bytes
+    return _ZIP_END in source.read_range(max(0, size - _ZIP_END_SPAN), size)
 
 
 def _commit_state(storage: Storage, tag_url: str) -> str:
@@ -102,14 +111,15 @@ def explain_unreadable(storage: Storage, source: ByteSource, error: Exception) -
             'default torch engine (`checkpoint: {"engine": "torch"}` or no engine set), '
             "then convert that"
         )
-    if head.startswith(_ZIP_MAGIC):
+    if head.startswith(_ZIP_MAGIC) and not _has_zip_end(source):
         state = _commit_state(storage, posixpath.dirname(url))
-        if state:  # a zip whose directory is missing or cut, in a tag not committed yet
+        if state:  # a zip whose directory is not written yet, in a tag not committed yet
             return CheckpointFormatError(
-                f"{url}: {error}; the save of this tag is not finished: {state} (DeepSpeed "
-                "writes it when the save is committed, and its decoupled engine commits in "
-                "the background). Wait for `latest` to name the tag, or convert the last "
-                "complete tag with --tag"
+                f"{url}: a torch.save zip without its directory at the end ({size} bytes), "
+                f"in a tag not committed: {state}. The save of this tag is not finished "
+                "(DeepSpeed writes `latest` when a save is committed, and its decoupled "
+                "engine writes the files in the background): wait for `latest` to name the "
+                "tag, or convert the last complete tag with --tag"
             )
     return error
 
