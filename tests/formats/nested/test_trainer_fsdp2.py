@@ -77,6 +77,9 @@ def test_the_folder_a_user_has_converts_bit_exact_and_loads(
     assert direct["status"] == "already-complete" and direct["job_key"] == summary["job_key"]
     again = _convert(None, ckpt, out, "--via", "local")
     assert again["status"] == "already-complete"
+    verify = _cli(None, "verify", str(out), "--against", str(ckpt))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert f"against {ckpt}/pytorch_model_fsdp_0 " in verify.stdout
     inspect = _cli(None, "inspect", str(ckpt))
     assert inspect.returncode == 0, inspect.stderr
     assert f"converting {ckpt}/pytorch_model_fsdp_0" in inspect.stdout
