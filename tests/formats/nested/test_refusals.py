@@ -176,11 +176,14 @@ def test_a_tag_still_being_written_is_not_finished(tmp_path: Path) -> None:
     `latest` is missing (first save) or names the previous tag."""
     ckpt = _tag_folder(tmp_path, _cut_short, latest=None)
     line = _refusal(ckpt / TAG, tmp_path / "out")
-    assert "save of this tag is not finished" in line and "has no `latest` file yet" in line
+    assert "a torch.save zip without its end record yet" in line
+    assert "has no `latest` yet: the save of this tag is not finished" in line
     (ckpt / "latest").write_text("global_step1")
     line = _refusal(ckpt, tmp_path / "out", "--tag", TAG)
-    assert "save of this tag is not finished" in line
-    assert "`latest` names 'global_step1', not 'global_step2'" in line
+    assert (
+        "`latest` names 'global_step1', not this tag: if this tag is a save in progress, " in line
+    )
+    assert "it is not finished" in line and "convert 'global_step1'" in line
     (ckpt / "latest").write_text(TAG)  # committed, yet cut short: damaged, not unfinished
     line = _refusal(ckpt, tmp_path / "out")
     assert "not finished" not in line and "the file is truncated" in line
@@ -189,7 +192,22 @@ def test_a_tag_still_being_written_is_not_finished(tmp_path: Path) -> None:
 def test_an_empty_file_is_a_save_not_finished(tmp_path: Path) -> None:
     ckpt = _tag_folder(tmp_path, lambda p: p.write_bytes(b""), latest=None)
     line = _refusal(ckpt / TAG, tmp_path / "out")
-    assert "empty file (0 bytes)" in line and "has no `latest` file yet" in line
+    assert "an empty file (0 bytes)" in line and "save of this tag is not finished" in line
+
+
+def test_a_rank_file_not_written_yet_is_a_save_not_finished(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """Rank 2's optimizer file not there yet (its writer has not reached it) and no `latest`:
+    the save is not finished; with `latest` naming the tag, the copy is incomplete."""
+    (sample_ckpt / "global_step2" / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt").unlink()
+    (sample_ckpt / "latest").unlink()
+    line = _refusal(sample_ckpt / "global_step2", tmp_path / "out")
+    assert "optimizer file for rank(s) [2] missing" in line
+    assert "save of this tag is not finished" in line
+    (sample_ckpt / "latest").write_text("global_step2")
+    line = _refusal(sample_ckpt, tmp_path / "out")
+    assert "not finished" not in line and "Copy the whole tag folder" in line
 
 
 def _dcp_save(folder: Path, seed: int) -> None:

@@ -23,7 +23,13 @@ import posixpath
 from zerosafe.errors import CheckpointFormatError
 from zerosafe.io.storage import ByteSource, Storage, join_url
 
-__all__ = ["explain_unreadable", "is_datastates_head", "nebula_placeholder_error"]
+__all__ = [
+    "commit_state",
+    "explain_unreadable",
+    "not_committed_error",
+    "is_datastates_head",
+    "nebula_placeholder_error",
+]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 _ZIP_END = b"PK\x05\x06"
@@ -66,38 +72,62 @@ def _has_zip_end(source: ByteSource) -> bool:
     return _ZIP_END in source.read_range(max(0, size - _ZIP_END_SPAN), size)
 
 
-def _commit_state(storage: Storage, tag_url: str) -> str:
-    """What the checkpoint folder above `tag_url` says of the tag: no `latest`, or `latest`
-    naming another tag, or `latest` naming it."""
+def commit_state(storage: Storage, tag_url: str) -> tuple[str, str | None]:
+    """`(folder, tag latest names)` for the tag at `tag_url` not committed: the folder above
+    it and the tag its `latest` names (None: no `latest`); `("", None)` where `latest` names
+    this very tag, or cannot be read."""
     ckpt_url = posixpath.dirname(tag_url.rstrip("/"))
     tag = tag_url.rstrip("/").rsplit("/", 1)[-1]
-    latest = join_url(ckpt_url, "latest")
-    if not ckpt_url or not storage.exists(latest):
-        return f"{ckpt_url or '.'} has no `latest` file yet"
+    latest = join_url(ckpt_url, "latest") if ckpt_url else ""
+    if not latest or not storage.exists(latest):
+        return ckpt_url or ".", None
     try:
         named = storage.read_bytes(latest)[:256].decode("utf-8", "replace").strip()
     except Exception:  # noqa: BLE001 - only context for the message
-        return ""
-    if named != tag:
-        return f"`latest` names '{named}', not '{tag}'"
-    return ""
+        return "", None
+    return ("", None) if named == tag else (ckpt_url, named)
+
+
+def not_committed_error(storage: Storage, tag_url: str, found: str) -> CheckpointFormatError | None:
+    """The refusal for `found` (a file cut short, empty or missing) in a tag that `latest`
+    does not name, or None where it names it (then the file is damaged, not unfinished).
+
+    No `latest` at all: the tag is a save an asynchronous writer (DeepSpeed's decoupled
+    engine writes the files in the background and `latest` at commit) has not finished, or
+    an incomplete copy. `latest` naming another tag: either this tag is the save in progress,
+    or an older one that is damaged; the message says both.
+    """
+    folder, named = commit_state(storage, tag_url)
+    if not folder:
+        return None
+    why = (
+        "DeepSpeed writes `latest` when a save is committed, and its decoupled engine writes "
+        "the files in the background"
+    )
+    if named is None:
+        return CheckpointFormatError(
+            f"{found}, and {folder} has no `latest` yet: the save of this tag is not finished "
+            f"({why}), or the copy is incomplete; wait for `latest` to name the tag, or copy "
+            "the whole tag folder again"
+        )
+    return CheckpointFormatError(
+        f"{found}, and `latest` names '{named}', not this tag: if this tag is a save in "
+        f"progress, it is not finished ({why}): wait for `latest` to name it; otherwise the "
+        f"tag is damaged: copy it again, or convert '{named}'"
+    )
 
 
 def explain_unreadable(storage: Storage, source: ByteSource, error: Exception) -> Exception:
     """The error to raise for a DeepSpeed file that did not open as a `torch.save` file:
-    one naming the engine that wrote it where its first bytes say so, else `error`."""
+    one naming the engine that wrote it where its first bytes say so, or the unfinished save
+    it belongs to, else `error`."""
     url = source.url
     size = source.size_bytes
+    tag_url = posixpath.dirname(url)
     head = source.read_range(0, min(_HEAD_BYTES, size)) if size else b""
     if not head:
-        state = _commit_state(storage, posixpath.dirname(url))
-        return CheckpointFormatError(
-            f"{url}: empty file (0 bytes) where a torch.save file was expected: the save of "
-            f"this tag is not finished (an asynchronous checkpoint engine, such as DeepSpeed's "
-            f"decoupled engine, writes in the background{'; ' + state if state else ''}) or "
-            "the copy was cut short; wait for `latest` to name the tag, or convert the last "
-            "complete tag with --tag"
-        )
+        unfinished = not_committed_error(storage, tag_url, f"{url}: an empty file (0 bytes)")
+        return unfinished or error
     offset = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
     at_offset = source.read_range(offset, min(offset + 2, size)) if 8 <= offset < size else None
     if is_datastates_head(head, size, at_offset):
@@ -112,15 +142,8 @@ def explain_unreadable(storage: Storage, source: ByteSource, error: Exception) -
             "then convert that"
         )
     if head.startswith(_ZIP_MAGIC) and not _has_zip_end(source):
-        state = _commit_state(storage, posixpath.dirname(url))
-        if state:  # a zip whose directory is not written yet, in a tag not committed yet
-            return CheckpointFormatError(
-                f"{url}: a torch.save zip without its directory at the end ({size} bytes), "
-                f"in a tag not committed: {state}. The save of this tag is not finished "
-                "(DeepSpeed writes `latest` when a save is committed, and its decoupled "
-                "engine writes the files in the background): wait for `latest` to name the "
-                "tag, or convert the last complete tag with --tag"
-            )
+        found = f"{url}: a torch.save zip without its end record yet ({size} bytes)"
+        return not_committed_error(storage, tag_url, found) or error
     return error
 
 
