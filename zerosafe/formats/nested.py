@@ -15,11 +15,18 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError
-from zerosafe.formats.base import FormatReader
+from zerosafe.formats.base import FormatReader, SourceLayout
 from zerosafe.io.storage import Storage, join_url
 
-__all__ = ["IGNORED_SUBFOLDER", "Found", "find_nested", "refuse_partial_dcp"]
+__all__ = [
+    "IGNORED_SUBFOLDER",
+    "Found",
+    "find_nested",
+    "refuse_optimizer_only",
+    "refuse_partial_dcp",
+]
 
 IGNORED_SUBFOLDER = re.compile(r"^(optimizer(_\d+)?|\..*)$")
 """Subfolders never taken for the save: accelerate's `save_fsdp_optimizer` writes the
@@ -28,6 +35,12 @@ optimizer state as its own DCP folder, `optimizer_N` (`OPTIMIZER_NAME`), beside 
 `optimizer.param_groups.*`), so it is no candidate. Hidden folders neither. A folder of
 optimizer state under another name is a second candidate, so it is listed, never converted
 silently."""
+_OPTIMIZER_STATE = re.compile(
+    r"^((optimizer|optim)\.)?state\..+\.(exp_avg|exp_avg_sq|max_exp_avg_sq|step|"
+    r"momentum_buffer|sum|square_avg|acc_delta)$"
+)
+"""A tensor of optimizer state as `get_optimizer_state_dict` names it (`state.<param>.<key>`
+for torch's optimizers), under accelerate's `optimizer.` or torchtitan's `optim.` key."""
 _DISTCP = re.compile(r"^__\d+_\d+\.distcp$")
 _DCP_METADATA = ".metadata"
 
@@ -129,4 +142,26 @@ def _refuse_partial_dcp_below(storage: Storage, url: str, ignored: Sequence[str]
         "chunks make the tensors. Save with torch.distributed.checkpoint from all ranks into "
         "one folder (rank 0 writes its `.metadata`), or copy the missing `.metadata`, then "
         "convert that folder"
+    )
+
+
+def refuse_optimizer_only(layout: SourceLayout, options: ConvertOptions) -> None:
+    """Refuse converting, by default, a save that holds optimizer state and no weights
+    (accelerate's `optimizer_0/` passed itself): its moments would be written as the model.
+    `--select` converts them on purpose.
+
+    Raises:
+        CheckpointFormatError: Naming the state found and the fixes.
+    """
+    names = [t.name for t in layout.tensors.values()]
+    if options.select or not names or not all(_OPTIMIZER_STATE.match(n) for n in names):
+        return
+    top = sorted(
+        {n.split(".state.", 1)[0] + ".state" if ".state." in n else "state" for n in names}
+    )
+    raise CheckpointFormatError(
+        f"{layout.where}: holds optimizer state only ({len(names)} tensors under "
+        f"{', '.join(repr(t) for t in top)}, e.g. {names[0]}), no weights: accelerate "
+        "writes the model's weights in `pytorch_model_fsdp_N/` beside `optimizer_N/`; pass "
+        f"that folder, or `--select {top[0]}` to convert the optimizer state as it is"
     )

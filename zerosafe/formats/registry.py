@@ -16,7 +16,7 @@ from zerosafe.formats.base import FormatReader, SourceLayout
 from zerosafe.formats.dcp.reader import DcpReader
 from zerosafe.formats.deepspeed.reader import DeepSpeedReader
 from zerosafe.formats.deepspeed.universal import UniversalReader
-from zerosafe.formats.nested import Found, find_nested
+from zerosafe.formats.nested import Found, find_nested, refuse_optimizer_only
 from zerosafe.io.storage import Storage, join_url, normalize_url
 
 __all__ = [
@@ -144,6 +144,7 @@ def read_source(
     found = find_save(storage, url, tag)
     check_options(found.reader, found.url, options)
     layout = found.reader.read(storage, found.url, tag=tag, options=options)
+    refuse_optimizer_only(layout, options)
     if found.nested:  # say which folder was converted, and keep the one given
         layout.notes.insert(0, found.note)
         layout.source["found_in"] = found.given

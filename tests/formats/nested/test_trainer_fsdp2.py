@@ -115,3 +115,19 @@ def test_an_optimizer_folder_alone_is_no_save(trainer_fsdp2: Path, tmp_path: Pat
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "not a DeepSpeed checkpoint folder" in proc.stderr
     assert "optimizer_0" in proc.stderr  # named among the folders inside
+
+
+def test_the_optimizer_folder_passed_itself_is_refused_by_default(
+    trainer_fsdp2: Path, tmp_path: Path
+) -> None:
+    """`optimizer_0/` holds AdamW's moments and steps and no weights: converted by default,
+    they would be a `model.safetensors` beside a `config.json`. `--select` converts them."""
+    optim = trainer_fsdp2 / "checkpoint-4" / "optimizer_0"
+    proc = _cli(None, "convert", str(optim), str(tmp_path / "out"), "--via", "local")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "holds optimizer state only (63 tensors under 'optimizer.state'" in proc.stderr
+    assert "pass that folder, or `--select optimizer.state`" in proc.stderr
+    summary = _convert(
+        None, optim, tmp_path / "state", "--via", "local", "--select", "optimizer.state"
+    )
+    assert summary["status"] == "converted" and summary["num_tensors"] == 63
