@@ -41,6 +41,7 @@ _OPTIMIZER_STATE = re.compile(
 )
 """A tensor of optimizer state as `get_optimizer_state_dict` names it (`state.<param>.<key>`
 for torch's optimizers), under accelerate's `optimizer.` or torchtitan's `optim.` key."""
+_PER_RANK = re.compile(r"(^|[_-])rank[_-]?\d+$")
 _DISTCP = re.compile(r"^__\d+_\d+\.distcp$")
 _DCP_METADATA = ".metadata"
 
@@ -93,6 +94,15 @@ def find_nested(storage: Storage, url: str, readers: Sequence[FormatReader]) -> 
             found.append(Found(reader=reader, url=sub, given=url))
     if len(found) > 1:
         listed = ", ".join(f"{f.url.rsplit('/', 1)[-1]}/ ({f.reader.title})" for f in found)
+        names = [f.url.rsplit("/", 1)[-1] for f in found]
+        if all(_PER_RANK.search(n) for n in names):  # rank_0/, rank_1/: not saves of a model
+            raise CheckpointFormatError(
+                f"{url}: {len(found)} folders that look like per-rank saves ({listed}): each "
+                "holds one rank's part under an index of its own, and no global index says "
+                "how they make the model. Save from all ranks into one folder (DCP: "
+                "torch.distributed.checkpoint.save with the process group, which writes one "
+                "global `.metadata`), then convert that folder"
+            )
         raise CheckpointFormatError(
             f"{url}: holds {len(found)} saves one level down: {listed}; zerosafe converts one "
             f"save at a time: pass the folder of the one to convert (e.g. {found[0].url})"

@@ -233,6 +233,15 @@ def test_per_rank_dcp_folders_without_metadata_are_refused(tmp_path: Path) -> No
     assert "per-rank saves" in line
 
 
+def test_per_rank_dcp_saves_each_with_its_own_metadata_are_refused(tmp_path: Path) -> None:
+    """Each rank saving on its own (`no_dist=True`) writes a `.metadata` of its part only."""
+    for rank in (0, 1):
+        _dcp_save(tmp_path / "ckpt" / f"rank_{rank}", rank)
+    line = _refusal(tmp_path / "ckpt", tmp_path / "out")
+    assert "2 folders that look like per-rank saves (rank_0/ (PyTorch DCP), rank_1/" in line
+    assert "no global index" in line and "Save from all ranks into one folder" in line
+
+
 def test_read_source_refuses_the_same_way(tmp_path: Path) -> None:
     """The library path (plan, verify --against) finds the same refusals as the command."""
     step = tmp_path / "step-10"
