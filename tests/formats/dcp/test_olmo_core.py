@@ -97,14 +97,10 @@ def test_inspect_says_what_is_read(
     assert "tensors keep OLMo-core's own names" in out
 
 
-@pytest.mark.xfail(
-    reason="needs issue 26's nested-save discovery (`step3/` -> `model_and_optim/`), built on "
-    "another branch; remove this mark when it is merged",
-    strict=False,
-)
 def test_convert_step_folder(
     olmo_core_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _convert(capsys, olmo_core_root / "step3", tmp_path / "out")
+    summary = _convert(capsys, olmo_core_root / "step3", tmp_path / "out")
     _assert_live(tmp_path / "out", olmo_core_root)
     assert not (tmp_path / "out" / "config.json").exists()
+    assert "model_and_optim (the only save in" in json.dumps(summary)
