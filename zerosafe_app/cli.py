@@ -467,7 +467,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.to == "universal":
         return _inspect_universal(args)
     if args.to == "dcp":
-        return _inspect_dcp(args)
+        from zerosafe_app.dcp_cli import inspect_dcp
+
+        _check_universal_args(args)
+        return inspect_dcp(args, _storage(args))
     options = _options(args)
     storage = _storage(args)
     layout, plan = plan_checkpoint(storage, args.checkpoint, tag=args.tag, options=options)
@@ -582,68 +585,6 @@ def _inspect_universal(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _inspect_dcp(args: argparse.Namespace) -> int:
-    from zerosafe.training_state.dcp_plan import plan_dcp
-
-    _check_universal_args(args)
-    report = plan_dcp(_storage(args), args.checkpoint, tag=args.tag).to_json()
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return EXIT_OK
-    print(
-        f"--to dcp: {report['num_model_entries']} model entries and the AdamW state of "
-        f"{report['num_params']} trained params of ZeRO-{report['zero_stage']} (world size "
-        f"{report['world_size']}) into .metadata + __<n>_0.distcp"
-    )
-    print(
-        f"  reads {format_bytes(report['read_bytes'])} (masters "
-        f"{format_bytes(report['masters_bytes'])}, moments {format_bytes(report['moments_bytes'])}"
-        f"); writes {format_bytes(report['output_bytes'])} (model "
-        f"{format_bytes(report['model_bytes'])})"
-    )
-    for note in report["notes"]:
-        print(f"  note: {note}")
-    return EXIT_OK
-
-
-def _convert_dcp(args: argparse.Namespace) -> int:
-    """`convert --to dcp`: in this process (`zerosafe.training_state.dcp`)."""
-    from zerosafe.training_state.dcp import convert_to_dcp
-
-    _check_universal_args(args)
-    summary = convert_to_dcp(
-        args.checkpoint, args.output, tag=args.tag, storage=_storage(args),
-        overwrite=args.overwrite, keep_work=args.keep_work,
-    )  # fmt: skip
-    if args.json:
-        print(json.dumps({**summary.to_json(), "via": "local"}, indent=1))
-    elif summary.status == "already-complete":
-        print(
-            f"{args.output}: already a complete DCP checkpoint of this checkpoint; nothing to do."
-        )
-    elif not args.quiet:
-        print(
-            f"wrote a PyTorch DCP checkpoint ({summary.num_items} items: model and AdamW state "
-            f"of {summary.num_params} params) into {args.output} in {summary.seconds:.1f} s "
-            f"(read {format_bytes(summary.bytes_read)}, wrote "
-            f"{format_bytes(summary.bytes_written)}; peak memory "
-            f"{format_bytes(summary.peak_rss_bytes)})"
-        )
-        print(
-            "  verified: every item re-read and checked; "
-            f"{summary.source_records_checked} checkpoint records matched their CRC-32"
-        )
-        if summary.units_kept:
-            print(f"  resumed: kept {summary.units_kept} finished unit(s), ran {summary.units_run}")
-        print(
-            "  resume with `dcp.load({'model': msd, 'optim': osd}, checkpoint_id=...)` and "
-            "`set_state_dict` (docs/training-state.md)"
-        )
-        for note in summary.notes:
-            print(f"  note: {note}")
-    return EXIT_OK
-
-
 def _convert_universal(args: argparse.Namespace) -> int:
     """`convert --to universal`: in this process (`zerosafe.training_state`)."""
     from zerosafe.training_state import convert_to_universal
@@ -689,7 +630,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.to == "universal":
         return _convert_universal(args)
     if args.to == "dcp":
-        return _convert_dcp(args)
+        from zerosafe_app.dcp_cli import convert_dcp
+
+        _check_universal_args(args)
+        return convert_dcp(args, _storage(args))
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()
     done = _check_before_starting(args, options)
@@ -793,25 +737,6 @@ def _print_summary(output: str, summary: Any, *, ran: str) -> None:
         print(f"  note: {note}")
 
 
-def _verify_dcp(args: argparse.Namespace, storage: Any) -> int:
-    from zerosafe.training_state.dcp import verify_dcp_output
-
-    if args.against:
-        raise ConfigError("`--against` does not apply to a DCP checkpoint written by --to dcp yet")
-    found = verify_dcp_output(args.output, storage=storage)
-    if args.json:
-        print(json.dumps(found, indent=1))
-    else:
-        status = "OK" if found["ok"] else "FAILED"
-        print(
-            f"{status}  {found['output']}: PyTorch DCP checkpoint, {found['num_files']} files, "
-            f"{found['num_items']} items checked"
-        )
-        for f in found["failures"]:
-            print(f"  {f['file']}: {f['error']}")
-    return EXIT_OK if found["ok"] else EXIT_CHECK_FAILED
-
-
 def _cmd_verify(args: argparse.Namespace) -> int:
     from zerosafe.training_state.dcp import is_dcp_output
     from zerosafe.training_state.universal import is_universal_output, verify_universal_output
@@ -819,7 +744,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     storage = _storage(args)
     if is_dcp_output(storage, args.output):
-        return _verify_dcp(args, storage)
+        from zerosafe_app.dcp_cli import verify_dcp
+
+        return verify_dcp(args, storage)
     if is_universal_output(storage, args.output):
         if args.against:
             raise ConfigError("`--against` does not apply to a universal checkpoint yet")
