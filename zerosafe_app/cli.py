@@ -131,6 +131,13 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         "(docs/training-state.md)",
     )
     p.add_argument(
+        "--dcp-layout",
+        default="torch",
+        choices=["torch", "accelerate"],
+        help="with `--to dcp`: one checkpoint of {'model', 'optim'} (default), or accelerate's "
+        "FSDP2 folders pytorch_model_fsdp_0/ and optimizer_0/",
+    )
+    p.add_argument(
         "--select",
         action="append",
         metavar="PREFIX",
@@ -394,6 +401,8 @@ def _requested_mode(args: argparse.Namespace) -> str:
 def _options(args: argparse.Namespace) -> Any:
     from zerosafe.config import ConvertOptions, choose_mode
 
+    if getattr(args, "dcp_layout", "torch") != "torch":
+        raise ConfigError("`--dcp-layout` applies only with `--to dcp`")
     try:
         source = getattr(args, "checkpoint", None)
         if source:
@@ -544,6 +553,8 @@ def _check_universal_args(args: argparse.Namespace) -> None:
     """`--to universal` / `--to dcp` take the checkpoint, the output and `--tag`; refuse what
     they ignore."""
     to = f"`--to {args.to}`"
+    if args.to != "dcp" and args.dcp_layout != "torch":
+        raise ConfigError("`--dcp-layout` applies only with `--to dcp`")
     if args.dtype != "fp32":
         raise ConfigError(
             f"`--dtype` does not apply with {to}: it writes the float32 masters and Adam "

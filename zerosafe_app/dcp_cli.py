@@ -18,7 +18,7 @@ EXIT_OK, EXIT_CHECK_FAILED = 0, 1
 def inspect_dcp(args: argparse.Namespace, storage: Any) -> int:
     from zerosafe.training_state.dcp_plan import plan_dcp
 
-    report = plan_dcp(storage, args.checkpoint, tag=args.tag).to_json()
+    report = plan_dcp(storage, args.checkpoint, tag=args.tag, layout=args.dcp_layout).to_json()
     if args.json:
         print(json.dumps(report, indent=1))
         return EXIT_OK
@@ -44,7 +44,7 @@ def convert_dcp(args: argparse.Namespace, storage: Any) -> int:
 
     summary = convert_to_dcp(
         args.checkpoint, args.output, tag=args.tag, storage=storage,
-        overwrite=args.overwrite, keep_work=args.keep_work,
+        overwrite=args.overwrite, keep_work=args.keep_work, layout=args.dcp_layout,
     )  # fmt: skip
     if args.json:
         print(json.dumps({**summary.to_json(), "via": "local"}, indent=1))

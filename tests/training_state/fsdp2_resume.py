@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node WS fsdp2_resume.py JOBS.json
 
-Each job: `{"dcp": folder, "out": folder, "module": {"params": [[fqn, shape, requires_grad]],
+Each job: `{"dcp": folder, "out": folder, "layout": "torch" | "accelerate", "module": {"params": [[fqn, shape, requires_grad]],
 "tied": {alias: fqn}, "buffers": [[fqn, shape, dtype]]}, "groups": [[fqn, ...], ...]}`. The
 module has exactly the named params (tied aliases sharing one `nn.Parameter`, frozen ones with
 `requires_grad=False`) and persistent buffers of the DeepSpeed run's module; its forward is a
@@ -10,7 +10,10 @@ plain function of every param, so a step updates each trained one. Per job, on g
 
 1. `fully_shard(model)`; `torch.optim.AdamW` over the groups, with other hyperparameters than
    the checkpoint's (loading must replace them);
-2. `get_state_dict` -> `dcp.load({"model", "optim"})` -> `set_state_dict`;
+2. `get_state_dict` -> `dcp.load({"model", "optim"})` -> `set_state_dict`; for accelerate's
+   layout, the calls accelerate 1.15's `load_fsdp_model` / `load_fsdp_optimizer` make for
+   FSDP2: `dcp.load({"model": ...})` of `pytorch_model_fsdp_0/`, `dcp.load({"optimizer":
+   ...})` of `optimizer_0/`, each then set;
 3. rank 0 saves the full state as loaded (`loaded.pt`: `get_state_dict` with
    `full_state_dict=True`); every rank saves torch's own DCP checkpoint of the same state into
    `out/torch_dcp` (its `.metadata` is the layout reference);
@@ -27,7 +30,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
@@ -80,9 +87,17 @@ def run(job, rank):
     params = dict(model.named_parameters(remove_duplicate=False))
     groups = [{"params": [params[n] for n in g], "weight_decay": 0.5} for g in job["groups"]]
     opt = torch.optim.AdamW(groups, lr=0.123, betas=(0.5, 0.6), eps=1e-3)
-    msd, osd = get_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=job["dcp"])
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    if job.get("layout") == "accelerate":  # as accelerate 1.15's load_fsdp_model/_optimizer
+        msd = get_model_state_dict(model)
+        dcp.load({"model": msd}, checkpoint_id=os.path.join(job["dcp"], "pytorch_model_fsdp_0"))
+        set_model_state_dict(model, msd)
+        osd = get_optimizer_state_dict(model, opt)
+        dcp.load({"optimizer": osd}, checkpoint_id=os.path.join(job["dcp"], "optimizer_0"))
+        set_optimizer_state_dict(model, opt, osd)
+    else:
+        msd, osd = get_state_dict(model, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=job["dcp"])
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     loaded = full_state(model, opt)
     if rank == 0:
         torch.save(loaded, os.path.join(job["out"], "loaded.pt"))

@@ -50,6 +50,8 @@ CASES = [
     "z3-bf16-ws2-tied-frozen-2groups-subgroups",
 ]
 WORLD_SIZES = [1, 2]
+ACCELERATE = [CASES[0], CASES[4]]
+"""Also converted with `--dcp-layout accelerate` and loaded as accelerate loads FSDP2 state."""
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("fsdp2_resume.py")
 
@@ -96,6 +98,10 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, P
         args = ["convert", str(ckpt), str(dest), "--to", "dcp", "--via", "local", "-q"]
         assert main(args) == 0
         out[name] = {"root": root, "ckpt": ckpt, "dcp": dest, "ds": tmp / name / f"{tag}_universal"}
+        if name in ACCELERATE:
+            out[name]["accelerate"] = tmp / name / "accelerate"
+            assert main([*args[:2], str(out[name]["accelerate"]), *args[3:],
+                         "--dcp-layout", "accelerate"]) == 0  # fmt: skip
     ds_to_universal_many([(c["ckpt"] / c["ds"].name.removesuffix("_universal"), c["ds"])
                           for c in out.values()])  # fmt: skip
     return out
@@ -115,6 +121,12 @@ def resumed(
             jobs.append(
                 {"dcp": str(c["dcp"]), "out": str(found[(ws, name)]), **_module_spec(c["root"])}
             )
+            if "accelerate" in c:
+                found[(ws, f"{name}/accelerate")] = tmp / f"ws{ws}" / name / "accelerate"
+                jobs.append({
+                    "dcp": str(c["accelerate"]), "out": str(found[(ws, f"{name}/accelerate")]),
+                    "layout": "accelerate", **_module_spec(c["root"]),
+                })  # fmt: skip
         jobs_file = tmp / f"jobs-ws{ws}.json"
         jobs_file.write_text(json.dumps(jobs))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -237,6 +249,40 @@ def test_a_further_step_runs(
         a, b = loaded["model"][n], stepped["model"][n]
         assert bool(torch.isfinite(b).all()), n
         assert (not torch.equal(a, b)) if grad else torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES)
+@pytest.mark.parametrize("name", ACCELERATE)
+def test_accelerate_layout_loads_the_same_state(
+    ws: int, name: str, converted: dict[str, dict[str, Path]], resumed: dict[tuple[int, str], Path]
+) -> None:
+    """`--dcp-layout accelerate`: the two folders accelerate saves FSDP2 state into, loaded
+    as accelerate loads them, give the very state `--to dcp`'s default layout gives (checked
+    against DeepSpeed above); their `.metadata` keys are torch's under accelerate's keys."""
+    out = converted[name]["accelerate"]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [
+        "optimizer_0", "pytorch_model_fsdp_0"
+    ]  # fmt: skip
+    assert not (out / ".metadata").exists()
+    a = torch.load(resumed[(ws, name)] / "loaded.pt", weights_only=False)
+    b = torch.load(resumed[(ws, f"{name}/accelerate")] / "loaded.pt", weights_only=False)
+    for key in a["model"]:
+        bits_equal(a["model"][key], b["model"][key], key)
+    assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
+    for fqn, state in a["optim"]["state"].items():
+        for s, t in state.items():
+            bits_equal(t, b["optim"]["state"][fqn][s], f"{fqn}.{s}")
+    theirs = pickle.loads((resumed[(ws, name)] / "torch_dcp" / ".metadata").read_bytes())
+    model = pickle.loads((out / "pytorch_model_fsdp_0" / ".metadata").read_bytes())
+    optim = pickle.loads((out / "optimizer_0" / ".metadata").read_bytes())
+    assert sorted(model.state_dict_metadata) == sorted(
+        k for k in theirs.state_dict_metadata if k.startswith("model.")
+    )
+    assert sorted(optim.state_dict_metadata) == sorted(
+        "optimizer." + k.removeprefix("optim.")
+        for k in theirs.state_dict_metadata
+        if k.startswith("optim.")
+    )
 
 
 def test_inspect_and_rerun_and_verify(

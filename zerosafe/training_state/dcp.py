@@ -165,7 +165,8 @@ class _Job:
 
     def write_unit(self, index: int, items: list[DcpItem]) -> dict[str, Any]:
         """`__<index>_0.distcp`: each item's archive in turn; returns what was written."""
-        rel = f"__{index}_0.distcp"
+        name = f"__{index}_0.distcp"
+        rel = f"{items[0].folder}/{name}" if items[0].folder else name
         sink = self.storage.open_sink(join_url(self.out_url, rel))
         entries = []
         offset = 0
@@ -205,7 +206,7 @@ def _units(plan: DcpPlan, unit_bytes: int) -> list[list[DcpItem]]:
         if item.same_as is not None:
             continue
         size = item.nbytes if item.kind == "tensor" else 0
-        if current and size and filled + size > unit_bytes:
+        if current and ((size and filled + size > unit_bytes) or item.folder != current[0].folder):
             units.append(current)
             current, filled = [], 0
         current.append(item)
@@ -284,8 +285,11 @@ def _record_crc(source: _Slice, start: int, size_bytes: int) -> int:
     return crc
 
 
-def metadata_bytes(plan: DcpPlan, files: list[dict[str, Any]], out_url: str) -> bytes:
-    """`.metadata`: torch's own `Metadata` dataclasses, pickled as `FileSystemWriter` does."""
+def metadata_bytes(
+    plan: DcpPlan, files: list[dict[str, Any]], out_url: str, folder: str = ""
+) -> bytes:
+    """`.metadata` of the DCP checkpoint in `folder`: torch's own `Metadata` dataclasses,
+    pickled as `FileSystemWriter` does."""
     import torch
     from torch.distributed.checkpoint import filesystem as fs
     from torch.distributed.checkpoint import metadata as md
@@ -295,8 +299,10 @@ def metadata_bytes(plan: DcpPlan, files: list[dict[str, Any]], out_url: str) -> 
     planner: dict[str, tuple[str | int, ...]] = {}
     storage_data: dict[Any, Any] = {}
     for item in plan.items:
-        path, e = stored[item.same_as or item.fqn]
-        info = fs._StorageInfo(path, e["offset"], e["length"])
+        if item.folder != folder:
+            continue
+        path, e = stored[item.same_as or item.fqn]  # relative to the checkpoint's own folder
+        info = fs._StorageInfo(path.rsplit("/", 1)[-1], e["offset"], e["length"])
         planner[item.fqn] = item.path
         if item.kind == "bytes":
             state[item.fqn] = md.BytesStorageMetadata()
@@ -312,7 +318,9 @@ def metadata_bytes(plan: DcpPlan, files: list[dict[str, Any]], out_url: str) -> 
         storage_data[md.MetadataIndex(item.fqn, zeros, 0)] = info
     metadata = md.Metadata(
         state_dict_metadata=state, planner_data=planner, storage_data=storage_data,
-        storage_meta=md.StorageMeta(checkpoint_id=out_url, save_id=plan.job_key),
+        storage_meta=md.StorageMeta(
+            checkpoint_id=join_url(out_url, folder) if folder else out_url, save_id=plan.job_key
+        ),
         version=DCP_VERSION,
     )  # fmt: skip
     return pickle.dumps(metadata)
@@ -328,10 +336,12 @@ def convert_to_dcp(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     overwrite: bool = False,
     keep_work: bool = False,
+    layout: str = "torch",
 ) -> DcpSummary:
     """Write the DCP checkpoint of a ZeRO checkpoint's model and Adam state into `out_url`;
     an FSDP2 run of the same module loads it with `dcp.load` + `set_state_dict`
-    (docs/training-state.md).
+    (docs/training-state.md). `layout`: `torch` (one checkpoint of `{"model", "optim"}`) or
+    `accelerate` (`pytorch_model_fsdp_0/` and `optimizer_0/`, as accelerate saves FSDP2).
 
     Raises:
         UnsupportedCheckpointError: What is not converted yet, named in one line.
@@ -341,7 +351,7 @@ def convert_to_dcp(
     started = time.monotonic()
     storage = storage or Storage()
     out_url = normalize_url(out_url)
-    plan = plan_dcp(storage, ckpt_url, tag=tag)
+    plan = plan_dcp(storage, ckpt_url, tag=tag, layout=layout)
     u = plan.universal
     summary = DcpSummary(
         status="converted", output=out_url, num_params=len(u.params), num_items=len(plan.items),
@@ -358,15 +368,21 @@ def convert_to_dcp(
         storage=storage, plan=plan, out_url=out_url, chunk_bytes=chunk_bytes,
         sources=Sources(storage, plan.urls),
     )  # fmt: skip
-    clean = [out_url] if is_local(out_url) and storage.isdir(out_url) else []
+    folders = [join_url(out_url, f) if f else out_url for f in plan.folders]
+    clean = [f for f in folders if is_local(f) and storage.isdir(f)]
     with work_lease(storage, work_url, clean=clean):
         try:
             files = _run_units(job, UnitRecords(storage, work_url), unit_bytes, summary)
         finally:
             job.sources.close()
         verify_written(storage, out_url, plan, files)
-        manifest = {"format": "torch-dcp", "job_key": plan.job_key, "files": files}
-        storage.write_bytes(join_url(out_url, METADATA_NAME), metadata_bytes(plan, files, out_url))
+        manifest = {"format": "torch-dcp", "layout": plan.layout, "folders": plan.folders,
+                    "job_key": plan.job_key, "files": files}  # fmt: skip
+        for folder in plan.folders:
+            where = join_url(out_url, folder) if folder else out_url
+            storage.write_bytes(
+                join_url(where, METADATA_NAME), metadata_bytes(plan, files, out_url, folder)
+            )
         marker = {"job_key": plan.job_key, "source": {
             "checkpoint": u.ckpt.ckpt_url, "tag": u.tag, "stage": u.stage,
             "world_size": u.world_size}, **manifest, "notes": plan.notes}  # fmt: skip
@@ -388,10 +404,13 @@ def _prepare_output(storage: Storage, out_url: str, plan: DcpPlan, overwrite: bo
         OutputExistsError: Another DCP checkpoint is there and `overwrite` is not set.
     """
     marker_url = join_url(out_url, MARKER_NAME)
-    metadata_url = join_url(out_url, METADATA_NAME)
+    metadata_urls = [
+        join_url(out_url, f, METADATA_NAME) if f else join_url(out_url, METADATA_NAME)
+        for f in plan.folders
+    ]
     if storage.exists(marker_url):
         done = json.loads(storage.read_bytes(marker_url))
-        if done.get("job_key") == plan.job_key and storage.exists(metadata_url):
+        if done.get("job_key") == plan.job_key and all(map(storage.exists, metadata_urls)):
             return True
         if not overwrite:
             raise OutputExistsError(
@@ -400,16 +419,24 @@ def _prepare_output(storage: Storage, out_url: str, plan: DcpPlan, overwrite: bo
                 "or pass --overwrite"
             )
         storage.remove(marker_url)
+        for folder in done.get("folders", [""]):
+            if "/" not in folder and ".." not in folder:
+                storage.remove(join_url(out_url, folder, METADATA_NAME) if folder
+                               else join_url(out_url, METADATA_NAME))  # fmt: skip
         for f in done.get("files", []):
-            storage.remove(join_url(out_url, str(f["path"]).rsplit("/", 1)[-1]))
-    elif storage.exists(metadata_url) and not storage.exists(join_url(out_url, WORK_DIR_NAME)):
-        if not overwrite:
+            path = str(f["path"])
+            if ".." not in path and path.rsplit("/", 1)[-1].endswith(".distcp"):
+                storage.remove(join_url(out_url, path))
+    elif not storage.exists(join_url(out_url, WORK_DIR_NAME)):
+        found = [u for u in metadata_urls if storage.exists(u)]
+        if found and not overwrite:
             raise OutputExistsError(
-                f"{out_url}: holds a DCP checkpoint zerosafe did not write ('.metadata', no "
-                f"{MARKER_NAME}); choose another output folder or pass --overwrite"
+                f"{found[0]}: a DCP checkpoint zerosafe did not write (no {MARKER_NAME}); "
+                "choose another output folder or pass --overwrite"
             )
-    if storage.exists(metadata_url):
-        storage.remove(metadata_url)
+    for url in metadata_urls:
+        if storage.exists(url):
+            storage.remove(url)
     return False
 
 
@@ -458,8 +485,10 @@ def verify_dcp_output(out_url: str, *, storage: Storage | None = None) -> dict[s
     out_url = normalize_url(out_url)
     marker = json.loads(storage.read_bytes(join_url(out_url, MARKER_NAME)))
     failures = []
-    if not storage.exists(join_url(out_url, METADATA_NAME)):
-        failures.append({"file": METADATA_NAME, "error": "missing"})
+    for folder in marker.get("folders", [""]):
+        rel = f"{folder}/{METADATA_NAME}" if folder else METADATA_NAME
+        if not storage.exists(join_url(out_url, rel)):
+            failures.append({"file": rel, "error": "missing"})
     items = 0
     for f in marker["files"]:
         url = join_url(out_url, f["path"])

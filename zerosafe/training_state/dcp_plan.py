@@ -28,7 +28,7 @@ from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import dtype_info
-from zerosafe.errors import UnsupportedCheckpointError
+from zerosafe.errors import ConfigError, UnsupportedCheckpointError
 from zerosafe.formats.deepspeed.reader import zero_layout
 from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.io.storage import Storage
@@ -39,9 +39,21 @@ from zerosafe.training_state.universal_plan import (
     plan_universal,
 )
 
-__all__ = ["DcpItem", "DcpPlan", "plan_dcp"]
+__all__ = ["LAYOUTS", "DcpItem", "DcpPlan", "plan_dcp"]
 
 PLAN_FORMAT = 1
+LAYOUTS = {
+    "torch": {"model": ("", "model"), "optim": ("", "optim")},
+    "accelerate": {
+        "model": ("pytorch_model_fsdp_0", "model"),
+        "optim": ("optimizer_0", "optimizer"),
+    },
+}
+"""`--dcp-layout`: where the model and the optimizer state go, `(folder, top-level key)`.
+`torch`: one checkpoint `{"model", "optim"}` (the PyTorch DCP tutorial's `AppState`).
+`accelerate`: what accelerate 1.15's `save_fsdp_model` / `save_fsdp_optimizer` write for FSDP2
+with `SHARDED_STATE_DICT` (`accelerate/utils/fsdp_utils.py`): `pytorch_model_fsdp_0/` holding
+`{"model": ...}` and `optimizer_0/` holding `{"optimizer": ...}`."""
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -67,6 +79,8 @@ class DcpItem:
     """A bytes item's value."""
     same_as: str | None = None
     """A tied alias: the item whose stored bytes it shares."""
+    folder: str = ""
+    """The DCP checkpoint (a folder of OUT; `""`: OUT itself) the item belongs to."""
 
     @property
     def numel(self) -> int:
@@ -80,6 +94,7 @@ class DcpItem:
 @dataclass(kw_only=True)
 class DcpPlan:
     job_key: str
+    layout: str
     items: list[DcpItem]
     records: list[SourceRecord]
     universal: UniversalPlan
@@ -89,18 +104,25 @@ class DcpPlan:
     def urls(self) -> list[str]:
         return self.universal.urls
 
+    @property
+    def folders(self) -> list[str]:
+        """The DCP checkpoints written, each with its own `.metadata` (`""`: OUT itself)."""
+        return list(dict.fromkeys(i.folder for i in self.items))
+
     def to_json(self) -> dict[str, Any]:
         """What `inspect --to dcp` reports."""
         u = self.universal
         tensors = [i for i in self.items if i.kind == "tensor" and i.same_as is None]
-        model = [i for i in tensors if i.path[0] == "model"]
+        model = [i for i in tensors if i.path[0] == self.items[0].path[0]]
         return {
             "job_key": self.job_key,
             "to": "dcp",
+            "layout": self.layout,
+            "folders": self.folders,
             "zero_stage": u.stage,
             "world_size": u.world_size,
             "num_params": len(u.params),
-            "num_model_entries": sum(1 for i in self.items if i.path[0] == "model"),
+            "num_model_entries": sum(1 for i in self.items if i.path[0] == self.items[0].path[0]),
             "masters_bytes": u.masters_bytes,
             "moments_bytes": u.moments_bytes,
             "read_bytes": sum(
@@ -112,14 +134,18 @@ class DcpPlan:
         }
 
 
-def plan_dcp(storage: Storage, ckpt_url: str, *, tag: str | None) -> DcpPlan:
-    """Read a ZeRO checkpoint's metadata and plan its DCP checkpoint (module docstring).
+def plan_dcp(storage: Storage, ckpt_url: str, *, tag: str | None, layout: str = "torch") -> DcpPlan:
+    """Read a ZeRO checkpoint's metadata and plan its DCP checkpoint (module docstring), in
+    `layout` (`LAYOUTS`).
 
     Raises:
+        ConfigError: An unknown layout.
         UnsupportedCheckpointError: What `--to universal` refuses (pipeline or tensor
             parallel, MoE, low-precision masters, NVMe-offloaded states, optimizers other than
             Adam/AdamW), and zero-element params, in one line.
     """
+    if layout not in LAYOUTS:
+        raise ConfigError(f"unknown DCP layout '{layout}'; choose one of {', '.join(LAYOUTS)}")
     u = plan_universal(storage, ckpt_url, tag=tag, to="dcp")
     ckpt = u.ckpt
     if ckpt.empty_params:
@@ -127,63 +153,66 @@ def plan_dcp(storage: Storage, ckpt_url: str, *, tag: str | None) -> DcpPlan:
             f"{ckpt.tag_url}: `--to dcp` of zero-element params "
             f"({', '.join(n for n, *_ in ckpt.empty_params[:3])}) is not supported yet"
         )
-    layout = zero_layout(ckpt, ConvertOptions())
-    if [f.url for f in layout.files] != u.urls:
+    wl = zero_layout(ckpt, ConvertOptions())
+    if [f.url for f in wl.files] != u.urls:
         raise AssertionError("the weights layout and the universal plan list other files")
+    (model_folder, mk), (optim_folder, ok) = LAYOUTS[layout]["model"], LAYOUTS[layout]["optim"]
     records = _RecordTable(u.records)
     params = {p.name: p for p in u.params}
     items: list[DcpItem] = []
-    for name in layout.order:
-        target = layout.aliases.get(name)
+    for name in wl.order:
+        target = wl.aliases.get(name)
         if target is not None:
-            t = layout.tensors[target]
+            t = wl.tensors[target]
             items.append(
-                DcpItem(fqn=f"model.{name}", path=("model", name), kind="tensor",
+                DcpItem(fqn=f"{mk}.{name}", path=(mk, name), kind="tensor",
                         shape=t.shape, dtype=_model_dtype(t.role, t.dtype),
-                        same_as=f"model.{target}")
+                        same_as=f"{mk}.{target}", folder=model_folder)
             )  # fmt: skip
             continue
-        t = layout.tensors[name]
+        t = wl.tensors[name]
         if name in params:
             runs = params[name].runs["fp32"]
             src = "float32"
         else:
-            runs = _fragment_runs(layout, records, name)
+            runs = _fragment_runs(wl, records, name)
             src = t.dtype
         items.append(
-            DcpItem(fqn=f"model.{name}", path=("model", name), kind="tensor", shape=t.shape,
-                    dtype=_model_dtype(t.role, src), src_dtype=src, runs=runs)
+            DcpItem(fqn=f"{mk}.{name}", path=(mk, name), kind="tensor", shape=t.shape,
+                    dtype=_model_dtype(t.role, src), src_dtype=src, runs=runs,
+                    folder=model_folder)
         )  # fmt: skip
     steps = _steps(u)
     for p in u.params:
-        base = ("optim", "state", p.name)
+        base = (ok, "state", p.name)
         items.append(
-            DcpItem(fqn=f"optim.state.{p.name}.step", path=(*base, "step"), kind="tensor",
-                    shape=(), small=steps[p.group])
+            DcpItem(fqn=f"{ok}.state.{p.name}.step", path=(*base, "step"), kind="tensor",
+                    shape=(), small=steps[p.group], folder=optim_folder)
         )  # fmt: skip
         for state in ("exp_avg", "exp_avg_sq"):
             items.append(
-                DcpItem(fqn=f"optim.state.{p.name}.{state}", path=(*base, state),
-                        kind="tensor", shape=p.shape, runs=p.runs[state])
+                DcpItem(fqn=f"{ok}.state.{p.name}.{state}", path=(*base, state),
+                        kind="tensor", shape=p.shape, runs=p.runs[state], folder=optim_folder)
             )  # fmt: skip
     for i, group in enumerate(_param_groups(u)):
         for key, value in group.items():
             items.append(
-                DcpItem(fqn=f"optim.param_groups.{i}.{key}",
-                        path=("optim", "param_groups", i, key), kind="bytes", value=value)
+                DcpItem(fqn=f"{ok}.param_groups.{i}.{key}",
+                        path=(ok, "param_groups", i, key), kind="bytes", value=value,
+                        folder=optim_folder)
             )  # fmt: skip
-    blob = json.dumps({"dcp": PLAN_FORMAT, "universal": u.job_key}, sort_keys=True)
+    blob = json.dumps(
+        {"dcp": PLAN_FORMAT, "universal": u.job_key, "layout": layout}, sort_keys=True
+    )
     notes = [n for n in u.notes if "ds_to_universal" not in n and "optimizer_state.pt" not in n]
-    if layout.aliases:
+    if wl.aliases:
         notes.append(
             "tied params: "
-            + ", ".join(
-                f"model.{a} shares the bytes of model.{t}" for a, t in layout.aliases.items()
-            )
+            + ", ".join(f"{mk}.{a} shares the bytes of {mk}.{t}" for a, t in wl.aliases.items())
             + " (the optimizer state is under the first name only, as get_state_dict gives it)"
         )
     return DcpPlan(
-        job_key=hashlib.sha256(blob.encode()).hexdigest(), items=items, records=records.records,
+        job_key=hashlib.sha256(blob.encode()).hexdigest(), layout=layout, items=items, records=records.records,
         universal=u, notes=notes,
     )  # fmt: skip
 
