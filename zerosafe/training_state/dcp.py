@@ -225,7 +225,12 @@ def _intact(storage: Storage, out_url: str, written: dict[str, Any]) -> bool:
 
 
 def verify_written(
-    storage: Storage, out_url: str, plan: DcpPlan, files: list[dict[str, Any]]
+    storage: Storage,
+    out_url: str,
+    plan: DcpPlan,
+    files: list[dict[str, Any]],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> None:
     """Re-read every item from the written files (module docstring).
 
@@ -242,12 +247,14 @@ def verify_written(
                     f"{url}: {source.size_bytes} bytes, {f['size_bytes']} written"
                 )
             for e in f["items"]:
-                _verify_item(_Slice(source, e["offset"], e["length"]), by_fqn[e["fqn"]], e)
+                _verify_item(
+                    _Slice(source, e["offset"], e["length"]), by_fqn[e["fqn"]], e, chunk_bytes
+                )
         finally:
             source.close()
 
 
-def _verify_item(source: _Slice, item: DcpItem, entry: dict[str, Any]) -> None:
+def _verify_item(source: _Slice, item: DcpItem, entry: dict[str, Any], chunk_bytes: int) -> None:
     where = f"{source.url} ({item.fqn})"
     zf = TorchZipFile(source)
     obj = zf.load()
@@ -267,7 +274,7 @@ def _verify_item(source: _Slice, item: DcpItem, entry: dict[str, Any]) -> None:
             f"found {obj!r:.200}"
         )
     record = zf.storage_record("0")
-    crc = _record_crc(source, zf.data_offset(record), record.size_bytes)
+    crc = _record_crc(source, zf.data_offset(record), record.size_bytes, chunk_bytes)
     if not (record.size_bytes == item.nbytes and record.crc32 == entry["crc32"] == crc):
         raise VerificationError(
             f"{where}: data reads back with CRC-32 {crc:08x} ({record.size_bytes} bytes); the zip "
@@ -276,12 +283,12 @@ def _verify_item(source: _Slice, item: DcpItem, entry: dict[str, Any]) -> None:
         )
 
 
-def _record_crc(source: _Slice, start: int, size_bytes: int) -> int:
+def _record_crc(
+    source: _Slice, start: int, size_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> int:
     crc = 0
-    for pos in range(start, start + size_bytes, DEFAULT_CHUNK_BYTES):
-        crc = zlib.crc32(
-            source.read_range(pos, min(pos + DEFAULT_CHUNK_BYTES, start + size_bytes)), crc
-        )
+    for pos in range(start, start + size_bytes, chunk_bytes):
+        crc = zlib.crc32(source.read_range(pos, min(pos + chunk_bytes, start + size_bytes)), crc)
     return crc
 
 
@@ -375,7 +382,7 @@ def convert_to_dcp(
             files = _run_units(job, UnitRecords(storage, work_url), unit_bytes, summary)
         finally:
             job.sources.close()
-        verify_written(storage, out_url, plan, files)
+        verify_written(storage, out_url, plan, files, chunk_bytes=chunk_bytes)
         manifest = {"format": "torch-dcp", "layout": plan.layout, "folders": plan.folders,
                     "job_key": plan.job_key, "files": files}  # fmt: skip
         for folder in plan.folders:
