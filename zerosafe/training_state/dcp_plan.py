@@ -296,14 +296,59 @@ def _steps(u: UniversalPlan) -> dict[int, Any]:
     return out
 
 
+def _adamw_mode(u: UniversalPlan) -> bool:
+    """Whether DeepSpeed's own Adam (FusedAdam, DeepSpeedCPUAdam) decoupled weight decay: type
+    `AdamW`, or `Adam` with `adam_w_mode` (DeepSpeed's default: True)."""
+    config = u.ckpt.optim_files[0].obj.get("ds_config")
+    optimizer = config.get("optimizer") if isinstance(config, Mapping) else None
+    if not isinstance(optimizer, Mapping):
+        return True
+    params = optimizer.get("params")
+    mode = params.get("adam_w_mode", True) if isinstance(params, Mapping) else True
+    return str(optimizer.get("type", "")).lower() == "adamw" or bool(mode)
+
+
+def _torch_adamw_group(u: UniversalPlan, i: int, g: Mapping[str, Any]) -> dict[str, Any]:
+    """A group's hyperparameters with torch AdamW's keys. torch's own Adam/AdamW saved them
+    (`decoupled_weight_decay` among them): as saved. DeepSpeed's FusedAdam and
+    DeepSpeedCPUAdam save `lr`, `betas`, `eps`, `weight_decay`, `bias_correction`, `amsgrad`:
+    those, and torch's defaults for the rest.
+
+    Raises:
+        UnsupportedCheckpointError: Where torch's AdamW would not continue the same update:
+            no bias correction, or L2 weight decay (Adam without AdamW mode) that is not 0.
+    """
+    hyper = {k: v for k, v in g.items() if k != "params"}
+    if "decoupled_weight_decay" not in hyper:
+        if hyper.get("bias_correction", True) is not True:
+            raise UnsupportedCheckpointError(
+                f"{u.ckpt.tag_url}: param group {i} runs Adam without bias correction, which "
+                "torch's AdamW always applies; `--to dcp` of it is not supported"
+            )
+        hyper = {
+            "lr": hyper["lr"], "betas": tuple(hyper["betas"]), "eps": hyper["eps"],
+            "weight_decay": hyper["weight_decay"], "amsgrad": hyper.get("amsgrad", False),
+            "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+            "fused": None, "decoupled_weight_decay": _adamw_mode(u),
+        }  # fmt: skip
+    if not hyper["decoupled_weight_decay"] and hyper.get("weight_decay", 0) != 0:
+        raise UnsupportedCheckpointError(
+            f"{u.ckpt.tag_url}: param group {i} runs Adam with L2 weight decay "
+            f"{hyper['weight_decay']} (not AdamW's decoupled decay), which torch's AdamW would "
+            "change on load; `--to dcp` of it is not supported"
+        )
+    return hyper
+
+
 def _param_groups(u: UniversalPlan) -> list[dict[str, Any]]:
-    """Each param group: its hyperparameters as saved, then `params`, the FQNs in order."""
+    """Each param group: its hyperparameters (`_torch_adamw_group`), then `params`, the FQNs
+    in order."""
     groups = _inner(u)["param_groups"]
     out = []
     for i, g in enumerate(groups):
         flat = g["params"] if u.stage == 3 else [i]  # ZeRO-3: the group's sub-groups
         names = [p.name for p in u.params if p.group in flat]
-        hyper = {k: v for k, v in g.items() if k != "params"}
+        hyper = _torch_adamw_group(u, i, g)
         for k, v in hyper.items():
             if not (isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(
                 isinstance(x, _PLAIN) for x in v
