@@ -37,6 +37,7 @@ from safetensors import safe_open
 
 from tests.conftest import SHARED_FIXTURES
 from tests.deepspeed_gen import ds_to_universal_many
+from tests.training_state.conftest import Source
 from zerosafe.training_state.dcp import convert_to_dcp
 from zerosafe_app.cli import main
 
@@ -390,3 +391,63 @@ def test_zerosafes_dcp_reader_reads_it_back(
     assert sorted(got) == sorted(loaded)  # a tied alias too: DCP stores it under both names
     for n, t in got.items():
         bits_equal(t, loaded[n], n)
+
+
+# -- DeepSpeedCPUAdam (ZeRO-Offload), from the trained checkpoints test_to_universal.py shares --
+
+CPU_ADAM = "uc-z2-fp32-ws4-cpuadam"
+
+
+def _spec_from_model_states(ckpt: Path, tag: str) -> dict[str, Any]:
+    """A ZeRO-1/2 run's module and param groups, from DeepSpeed's own rank-0 model states."""
+    states = torch.load(
+        ckpt / tag / "mp_rank_00_model_states.pt", weights_only=False, map_location="cpu"
+    )
+    buffers = set(states["buffer_names"])
+    frozen = set(states.get("frozen_param_shapes") or {})
+    tied = dict(states.get("shared_params") or {})
+    module = states["module"]
+    return {
+        "module": {
+            "params": [[n, list(t.shape), n not in frozen] for n, t in module.items()
+                       if n not in buffers],
+            "tied": tied,
+            "buffers": [[n, list(module[n].shape), str(module[n].dtype).removeprefix("torch.")]
+                        for n in module if n in buffers],
+        },
+        "groups": [list(g) for g in states["param_shapes"]],
+    }  # fmt: skip
+
+
+def test_fsdp2_loads_deepspeed_cpu_adam_state(sources: dict[str, Source], tmp_path: Path) -> None:
+    """DeepSpeedCPUAdam saves its own param group keys and an int step: FSDP2's AdamW gets
+    torch's keys (AdamW mode, DeepSpeed's hyperparameters) and a float32 step, and every
+    master, moment and step equals ds_to_universal.py's, at world size 2."""
+    s = sources[CPU_ADAM]
+    out = tmp_path / "dcp"
+    assert main(["convert", str(s.ckpt), str(out), "--to", "dcp", "--via", "local", "-q"]) == 0
+    spec = _spec_from_model_states(s.ckpt, s.tag)
+    job = {"dcp": str(out), "out": str(tmp_path / "resumed"), **spec}
+    (tmp_path / "jobs.json").write_text(json.dumps([job]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(SCRIPT), str(tmp_path / "jobs.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    loaded = torch.load(tmp_path / "resumed" / "loaded.pt", weights_only=False)
+    ds = _deepspeed_state({"ds": s.ds_folder})
+    assert sorted(loaded["optim"]["state"]) == sorted(ds)
+    for n, states in ds.items():
+        bits_equal(loaded["model"][n], states["fp32"].detach(), n)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            bits_equal(loaded["optim"]["state"][n][key], states[key], f"{n}.{key}")
+    (group,) = loaded["optim"]["param_groups"]
+    saved = torch.load(s.ds_folder / "zero" / "optimizer_state.pt", weights_only=False)
+    (want,) = saved["param_groups"]
+    assert "decoupled_weight_decay" not in want and want["bias_correction"] is True
+    assert group["decoupled_weight_decay"] is True and group["params"] == spec["groups"][0]
+    for key in ("lr", "betas", "eps", "weight_decay", "amsgrad"):
+        assert group[key] == want[key], key
+    stepped = torch.load(tmp_path / "resumed" / "stepped.pt", weights_only=False)
+    assert all(float(v["step"]) == float(ds[n]["step"]) + 1
+               for n, v in stepped["optim"]["state"].items())  # fmt: skip
