@@ -319,6 +319,10 @@ def test_refusals(
     assert "`--to dcp` runs in the command's own process" in capsys.readouterr().err
     assert main(["convert", ckpt, str(tmp_path / "b"), "--to", "dcp", "--dtype", "bf16"]) == 2
     assert "`--dtype` does not apply with `--to dcp`" in capsys.readouterr().err
+    assert main(["inspect", ckpt, "--dcp-layout", "accelerate"]) == 2
+    assert "`--dcp-layout` applies only with `--to dcp`" in capsys.readouterr().err
+    assert main(["inspect", ckpt, "--to", "universal", "--dcp-layout", "accelerate"]) == 2
+    assert "`--dcp-layout` applies only with `--to dcp`" in capsys.readouterr().err
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / ".metadata").write_bytes(b"x")
