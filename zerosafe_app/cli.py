@@ -123,10 +123,19 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--to",
         default="safetensors",
-        choices=["safetensors", "universal"],
-        help="what to write: safetensors weights (default), or a DeepSpeed universal "
+        choices=["safetensors", "universal", "dcp"],
+        help="what to write: safetensors weights (default), a DeepSpeed universal "
         "checkpoint (masters and Adam moments) that DeepSpeed resumes at any world size with "
-        '`"checkpoint": {"load_universal": true}` (docs/training-state.md)',
+        '`"checkpoint": {"load_universal": true}`, or a PyTorch DCP checkpoint of the model and '
+        "AdamW state that FSDP2 resumes with `dcp.load` + `set_state_dict` "
+        "(docs/training-state.md)",
+    )
+    p.add_argument(
+        "--dcp-layout",
+        default="torch",
+        choices=["torch", "accelerate"],
+        help="with `--to dcp`: one checkpoint of {'model', 'optim'} (default), or accelerate's "
+        "FSDP2 folders pytorch_model_fsdp_0/ and optimizer_0/",
     )
     p.add_argument(
         "--select",
@@ -392,6 +401,8 @@ def _requested_mode(args: argparse.Namespace) -> str:
 def _options(args: argparse.Namespace) -> Any:
     from zerosafe.config import ConvertOptions, choose_mode
 
+    if getattr(args, "dcp_layout", "torch") != "torch":
+        raise ConfigError("`--dcp-layout` applies only with `--to dcp`")
     try:
         source = getattr(args, "checkpoint", None)
         if source:
@@ -464,6 +475,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         )
     if args.to == "universal":
         return _inspect_universal(args)
+    if args.to == "dcp":
+        from zerosafe_app.dcp_cli import inspect_dcp
+
+        _check_universal_args(args)
+        return inspect_dcp(args, _storage(args))
     options = _options(args)
     storage = _storage(args)
     layout, plan = plan_checkpoint(storage, args.checkpoint, tag=args.tag, options=options)
@@ -534,20 +550,24 @@ def _route(via: str) -> tuple[str, str, str | None]:
 
 
 def _check_universal_args(args: argparse.Namespace) -> None:
-    """`--to universal` takes the checkpoint, the output and `--tag`; refuse what it ignores."""
+    """`--to universal` / `--to dcp` take the checkpoint, the output and `--tag`; refuse what
+    they ignore."""
+    to = f"`--to {args.to}`"
+    if args.to != "dcp" and args.dcp_layout != "torch":
+        raise ConfigError("`--dcp-layout` applies only with `--to dcp`")
     if args.dtype != "fp32":
         raise ConfigError(
-            "`--dtype` does not apply with `--to universal`: a universal checkpoint holds the "
-            "float32 masters and Adam moments as they are"
+            f"`--dtype` does not apply with {to}: it writes the float32 masters and Adam "
+            "moments as they are"
         )
     if getattr(args, "work_dir", None):
         raise ConfigError(
-            "`--work-dir` does not apply with `--to universal` yet: its unit records live in "
+            f"`--work-dir` does not apply with {to} yet: its unit records live in "
             "OUTPUT/.zerosafe-work"
         )
     if getattr(args, "via", "local") == "prefect":
         raise ConfigError(
-            "`--to universal` runs in the command's own process only for now; drop `--via "
+            f"{to} runs in the command's own process only for now; drop `--via "
             "prefect` (or pass `--via local`)"
         )
 
@@ -620,6 +640,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     if args.to == "universal":
         return _convert_universal(args)
+    if args.to == "dcp":
+        from zerosafe_app.dcp_cli import convert_dcp
+
+        _check_universal_args(args)
+        return convert_dcp(args, _storage(args))
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()
     done = _check_before_starting(args, options)
@@ -724,10 +749,15 @@ def _print_summary(output: str, summary: Any, *, ran: str) -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from zerosafe.training_state.dcp import is_dcp_output
     from zerosafe.training_state.universal import is_universal_output, verify_universal_output
     from zerosafe.verify.output import render_verify, verify_output
 
     storage = _storage(args)
+    if is_dcp_output(storage, args.output):
+        from zerosafe_app.dcp_cli import verify_dcp
+
+        return verify_dcp(args, storage)
     if is_universal_output(storage, args.output):
         if args.against:
             raise ConfigError("`--against` does not apply to a universal checkpoint yet")

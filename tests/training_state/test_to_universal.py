@@ -21,13 +21,11 @@ all checkpoints at once. Set ZEROSAFE_DS_CACHE=/some/dir to keep the trained che
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +35,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.conftest import SHARED_FIXTURES
-from tests.deepspeed_gen import (
-    SPECS,
-    ds_to_universal_many,
-    resume_universal,
-    spec_key,
-    train_checkpoint,
-)
+from tests.deepspeed_gen import resume_universal
+from tests.training_state.conftest import SHARED, TRAINED, Source, shared_checkpoint
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.storage import Storage
 from zerosafe.training_state import convert_to_universal
@@ -51,73 +44,9 @@ from zerosafe_app.cli import main
 
 pytestmark = pytest.mark.slow
 
-TRAINED = [
-    "uc-z1-bf16-ws4-tied-frozen-groups",
-    "uc-z1-bf16opt-ws4-tied-frozen",
-    "uc-z2-fp32-ws4-cpuadam",
-    "uc-z3-bf16-ws4-tied-frozen-subgroups",
-]
-SHARED = [
-    "z2-fp16-ws4-tied",
-    "z3-fp32-ws4-tied-2groups-persist",
-    "z1-bf16-ws2-fp32accum-bf16optimizer",
-]
 ROUND_ROBIN = "z2-fp32-ws3-frozen-2groups-roundrobin"
 RESUME_WORLD_SIZES = [2, 3]
 REPO = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Source:
-    name: str
-    ckpt: Path
-    """The ZeRO checkpoint folder (holding `latest`)."""
-    tag: str
-    ds: Path
-    """ds_to_universal.py's output: the folder holding `latest_universal`."""
-    spec: dict[str, Any] | None
-
-    @property
-    def ds_folder(self) -> Path:
-        return self.ds / f"{self.tag}_universal"
-
-
-def _trained_ckpt(name: str, tmp: Path) -> Path:
-    spec = SPECS[name]
-    cache_env = os.environ.get("ZEROSAFE_DS_CACHE")
-    if not cache_env:
-        return train_checkpoint(spec, tmp / name)
-    root = Path(cache_env).expanduser() / f"uc-{name}-{spec_key(spec)}"
-    if not (root / "done.json").is_file():
-        scratch = root.with_name(f".{root.name}.{os.getpid()}.tmp")
-        shutil.rmtree(scratch, ignore_errors=True)
-        train_checkpoint(spec, scratch)
-        (scratch / "done.json").write_text(json.dumps(spec))
-        shutil.rmtree(root, ignore_errors=True)
-        scratch.rename(root)
-    return root / "ckpt"
-
-
-def _shared(name: str) -> Path:
-    ckpt = SHARED_FIXTURES / name / "checkpoint"
-    if not ckpt.is_dir():
-        pytest.skip(f"shared fixture {name} is absent ({SHARED_FIXTURES})")
-    return ckpt
-
-
-@pytest.fixture(scope="session")
-def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Source]:
-    """Every checkpoint, trained (or cached) and turned universal by DeepSpeed, all in one
-    ds_to_universal.py process."""
-    tmp = tmp_path_factory.mktemp("uc-sources")
-    ckpts = {name: _trained_ckpt(name, tmp) for name in TRAINED}
-    ckpts.update({name: _shared(name) for name in SHARED})
-    out = {}
-    for name, ckpt in ckpts.items():
-        tag = (ckpt / "latest").read_text().strip()
-        out[name] = Source(name, ckpt, tag, tmp / name / "ds", SPECS.get(name))
-    ds_to_universal_many([(s.ckpt / s.tag, s.ds_folder) for s in out.values()])
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -347,7 +276,7 @@ def test_round_robin_params_match_live_weights(tmp_path: Path) -> None:
     """`round_robin_gradients` reorders params in the flat groups; `ds_to_universal.py` places
     them by `param_slice_mappings`, which disagree with the bytes. zerosafe places them by
     `param_shapes`: every `fp32.pt` equals the live fp32 weights of the run."""
-    ckpt = _shared(ROUND_ROBIN)
+    ckpt = shared_checkpoint(ROUND_ROBIN)
     live = load_file(str(SHARED_FIXTURES / ROUND_ROBIN / "golden" / "live_params_lowp.safetensors"))
     summary = convert_to_universal(str(ckpt), str(tmp_path / "out"))
     zero = tmp_path / "out" / f"{(ckpt / 'latest').read_text().strip()}_universal" / "zero"
@@ -361,7 +290,7 @@ def test_round_robin_params_match_live_weights(tmp_path: Path) -> None:
 
 
 def test_via_prefect_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    ckpt = _shared(SHARED[0])
+    ckpt = shared_checkpoint(SHARED[0])
     code = main(
         ["convert", str(ckpt), str(tmp_path / "o"), "--to", "universal", "--via", "prefect"]
     )

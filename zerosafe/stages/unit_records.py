@@ -32,8 +32,9 @@ UNIT_KEY_FORMAT = 1
 """Bump when a stage's output bytes change for the same inputs: invalidates old records and
 the flow's cached results alike."""
 
-Stage = Literal["extract", "merge", "verify", "universal"]
-"""`universal`: a unit of `--to universal` (`zerosafe.training_state.universal`)."""
+Stage = Literal["extract", "merge", "verify", "universal", "dcp"]
+"""`universal`: a unit of `--to universal` (`zerosafe.training_state.universal`); `dcp`: of
+`--to dcp` (`zerosafe.training_state.dcp`)."""
 
 
 def fingerprint(*values: Any) -> str:

@@ -32,10 +32,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from zerosafe.dtypes import dtype_info
-from zerosafe.errors import IntegrityError, OutputExistsError, VerificationError
+from zerosafe.errors import OutputExistsError, VerificationError
 from zerosafe.formats.crc import CrcLedger
 from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_pickle import InertObject, TensorRecord
@@ -43,6 +41,7 @@ from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import work_lease
 from zerosafe.io.storage import ByteSource, Storage, is_local, join_url, normalize_url
 from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
+from zerosafe.training_state.streams import Sources, check_source_records, read_runs, to_float32
 from zerosafe.training_state.torch_save import TensorOut, TorchZipWriter, pickle_bytes
 from zerosafe.training_state.universal_plan import (
     STATES,
@@ -114,43 +113,13 @@ class _Written:
         return dict(self.__dict__)
 
 
-class _Sources:
-    """Open source files by plan index, counting the bytes read."""
-
-    def __init__(self, storage: Storage, urls: list[str]) -> None:
-        self._storage = storage
-        self._urls = urls
-        self._open: dict[int, ByteSource] = {}
-        self.bytes_read = 0
-
-    def read(self, file: int, start: int, end: int) -> bytes:
-        src = self._open.get(file)
-        if src is None:
-            src = self._open[file] = self._storage.open_source(self._urls[file])
-        self.bytes_read += end - start
-        return src.read_range(start, end)
-
-    def close(self) -> None:
-        for src in self._open.values():
-            src.close()
-
-
-def _to_float32(raw: bytes, dtype: str) -> bytes:
-    """Elements of `dtype` as float32, exactly as torch's `.float()` converts them."""
-    if dtype == "float32":
-        return raw
-    if dtype == "bfloat16":  # bf16 is the top half of a float32: exact
-        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).tobytes()
-    return np.frombuffer(raw, np.dtype(dtype)).astype(np.float32).tobytes()
-
-
 @dataclass(kw_only=True)
 class _Job:
     storage: Storage
     plan: UniversalPlan
     out_url: str
     chunk_bytes: int
-    sources: _Sources
+    sources: Sources
     bytes_written: int = 0
     ledger: CrcLedger = field(default_factory=CrcLedger)
     """CRC-32s of the source bytes the current unit read, by record."""
@@ -190,17 +159,10 @@ class _Job:
     ) -> Iterator[tuple[bytes, int | None]]:
         """`(bytes, CRC-32)` of each chunk of `runs`; a run inside a zip record adds its
         chunks' CRCs to the unit's ledger (checked against the record's CRC at the end)."""
-        step = max(self.chunk_bytes // itemsize, 1) * itemsize
-        for run in runs:
-            end = run.offset + run.numel * itemsize
-            record = self.plan.records[run.record] if run.record >= 0 else None
-            for pos in range(run.offset, end, step):
-                data = self.sources.read(run.file, pos, min(pos + step, end))
-                crc = None
-                if record is not None:
-                    crc = zlib.crc32(data)
-                    self.ledger.add(record.key, pos - record.data_offset, len(data), crc)
-                yield data, crc
+        return read_runs(
+            self.sources, self.plan.records, runs, chunk_bytes=self.chunk_bytes,
+            ledger=self.ledger, itemsize=itemsize,
+        )  # fmt: skip
 
     # -- units ---------------------------------------------------------------------------------
 
@@ -254,7 +216,7 @@ class _Job:
         tensor = TensorOut(key="0", dtype="float32", shape=c.shape)
         rel = f"{self.plan.folder}/zero/{c.name}/fp32.pt"
         itemsize = dtype_info(c.dtype).itemsize
-        chunks = ((_to_float32(b, c.dtype), None) for b, _ in self._chunks((c.run,), itemsize))
+        chunks = ((to_float32(b, c.dtype), None) for b, _ in self._chunks((c.run,), itemsize))
         expect = {"kind": "state", "shape": list(c.shape), "requires_grad": False, "wrapped": True,
                   "only_param": True}  # fmt: skip
         return self._write_pt(rel, {"param": tensor}, [("0", 4 * c.run.numel, chunks)], expect)
@@ -462,7 +424,7 @@ def convert_to_universal(
     work_url = join_url(out_url, WORK_DIR_NAME, plan.job_key[:16])
     job = _Job(
         storage=storage, plan=plan, out_url=out_url, chunk_bytes=chunk_bytes,
-        sources=_Sources(storage, plan.urls),
+        sources=Sources(storage, plan.urls),
     )  # fmt: skip
     with work_lease(storage, work_url, clean=_output_folders(storage, plan, out_url)):
         try:
@@ -529,33 +491,7 @@ def _run_units(
 
 
 def _check_sources(job: _Job, ledger: CrcLedger) -> int:
-    """Every source record read, its pieces' CRC-32s combined (padding read in), against the
-    CRC-32 its zip directory records; returns how many were checked.
-
-    Raises:
-        IntegrityError: If one differs: the checkpoint is corrupt or changed during the run.
-    """
-    plan = job.plan
-    by_key = {r.key: r for r in plan.records}
-    expected = {
-        r.key: (r.size_bytes, r.crc32) for r in plan.records if r.crc32 != 0 or r.size_bytes == 0
-    }
-
-    def read_gap(key: str, offset: int, length: int) -> bytes:
-        r = by_key[key]
-        return job.sources.read(r.file, r.data_offset + offset, r.data_offset + offset + length)
-
-    result = ledger.check(expected, read_gap)
-    if result.failed:
-        detail = "; ".join(f"{k}: {w}" for k, w in result.failed[:5])
-        raise IntegrityError(
-            f"{len(result.failed)} record(s) of the checkpoint do not match their recorded "
-            f"CRC-32 ({detail}). The files are corrupt or changed during the run; copy them "
-            "again and re-run (the units already written are checked again then)."
-        )
-    for key, why in result.skipped:
-        log.info("%s: not checked against its CRC-32 (%s)", key, why)
-    return len(result.checked)
+    return check_source_records(job.sources, job.plan.records, ledger)
 
 
 def _publish(

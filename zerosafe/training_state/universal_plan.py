@@ -183,8 +183,13 @@ def _itemsize(dtype: str) -> int:
     return dtype_info(dtype).itemsize
 
 
-def plan_universal(storage: Storage, ckpt_url: str, *, tag: str | None) -> UniversalPlan:
+def plan_universal(
+    storage: Storage, ckpt_url: str, *, tag: str | None, to: str = "universal"
+) -> UniversalPlan:
     """Read a ZeRO checkpoint's metadata and plan its universal checkpoint.
+
+    `to` names the output in refusals: `--to dcp` reads the same masters and moments through
+    this plan and refuses the same checkpoints.
 
     Raises:
         UnsupportedCheckpointError: For what is not converted to universal yet, in one line
@@ -193,6 +198,17 @@ def plan_universal(storage: Storage, ckpt_url: str, *, tag: str | None) -> Unive
         CheckpointFormatError: Missing or unreadable files.
         LayoutMismatchError: Moments that do not match their master partitions.
     """
+    try:
+        return _plan(storage, ckpt_url, tag=tag)
+    except UnsupportedCheckpointError as e:
+        if to == "universal":
+            raise
+        raise UnsupportedCheckpointError(
+            str(e).replace("`--to universal`", f"`--to {to}`")
+        ) from None
+
+
+def _plan(storage: Storage, ckpt_url: str, *, tag: str | None) -> UniversalPlan:
     opened = open_zero_checkpoint(storage, normalize_url(ckpt_url), tag=tag)
     if not isinstance(opened, ZeroCheckpoint):
         raise UnsupportedCheckpointError(

@@ -1,0 +1,530 @@
+"""`zerosafe convert CKPT OUT --to dcp`: the model and Adam state of a ZeRO checkpoint as a
+PyTorch DCP checkpoint, written as restartable units in bounded memory, verified, and
+published with `.metadata` written last but for zerosafe's marker.
+
+What torch 2.13's `FileSystemWriter` writes (`torch/distributed/checkpoint/filesystem.py`,
+`metadata.py`), and so what this writes:
+
+- `OUT/__<n>_0.distcp`: items one after another; a tensor item is a whole `torch.save` archive
+  of the tensor (`zerosafe.training_state.torch_save`, its data streamed from the source runs
+  in chunks of `chunk_bytes`), a bytes item a `torch.save` archive of the value. Here each
+  unit of work (about `unit_bytes` of tensors) writes one file, `n` its index.
+- `OUT/.metadata`: a pickled `Metadata`: `state_dict_metadata` (each flattened key: a
+  `TensorStorageMetadata` with one chunk, the whole tensor, or a `BytesStorageMetadata`),
+  `planner_data` (each key's path in the nested dict), `storage_data` (`MetadataIndex` ->
+  `_StorageInfo(relative_path, offset, length)`), `storage_meta`, `version` `1.0.0`. The
+  dataclasses are torch's own (torch is imported here only to pickle them; no source is ever
+  loaded with torch). A tied alias's index points at its param's bytes.
+
+The lifecycle: plan (`zerosafe.training_state.dcp_plan`); remove any `.metadata` (so a rerun
+never shows an old index beside new files); units, each recorded with what it wrote and kept
+on a rerun when its file is intact; verify (every source record read against its zip CRC-32;
+every item re-read from the written file with zerosafe's restricted reader: its pickle must be
+the expected tensor or value, its data record's CRC-32 the one recorded while writing); then
+`.metadata`, then `OUT/zerosafe-dcp-complete.json`, last.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import resource
+import struct
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from zerosafe.dtypes import dtype_info
+from zerosafe.errors import OutputExistsError, VerificationError
+from zerosafe.formats.crc import CrcLedger
+from zerosafe.formats.torch_pickle import TensorRecord
+from zerosafe.formats.torch_zip import TorchZipFile
+from zerosafe.io.lease import work_lease
+from zerosafe.io.storage import ByteSource, Sink, Storage, is_local, join_url, normalize_url
+from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
+from zerosafe.training_state.dcp_plan import DcpItem, DcpPlan, plan_dcp
+from zerosafe.training_state.streams import Sources, check_source_records, read_runs, to_float32
+from zerosafe.training_state.torch_save import TensorOut, TorchZipWriter, pickle_bytes
+
+__all__ = ["MARKER_NAME", "DcpSummary", "convert_to_dcp", "is_dcp_output", "verify_dcp_output"]
+
+MARKER_NAME = "zerosafe-dcp-complete.json"
+METADATA_NAME = ".metadata"
+WORK_DIR_NAME = ".zerosafe-work"
+DCP_VERSION = "1.0.0"
+DEFAULT_UNIT_BYTES = 256 << 20
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+
+@dataclass(kw_only=True)
+class DcpSummary:
+    """What a `--to dcp` run did."""
+
+    status: str
+    """`converted` or `already-complete`."""
+    output: str
+    num_params: int
+    num_items: int
+    units_run: int
+    units_kept: int
+    files_written: int
+    bytes_read: int
+    bytes_written: int
+    masters_bytes: int
+    moments_bytes: int
+    seconds: float
+    peak_rss_bytes: int
+    source_records_checked: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class _Window:
+    """The part of a sink one archive is written into: offsets count from its start."""
+
+    def __init__(self, sink: Sink) -> None:
+        self._sink = sink
+        self.url = sink.url
+        self.bytes_written = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._sink.write(data)
+        self.bytes_written += memoryview(data).nbytes
+
+    def commit(self) -> None:  # the file is committed by its owner
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+class _Slice:
+    """Bytes `[offset, offset + length)` of a source, as a source of its own."""
+
+    def __init__(self, source: ByteSource, offset: int, length: int) -> None:
+        self._source = source
+        self._offset = offset
+        self.url = f"{source.url}@{offset}"
+        self.size_bytes = length
+
+    def read_range(self, start: int, end: int) -> bytes:
+        if end > self.size_bytes:
+            raise VerificationError(f"{self.url}: read past the item's {self.size_bytes} bytes")
+        return self._source.read_range(self._offset + start, self._offset + end)
+
+    def readinto_at(self, offset: int, buf: memoryview) -> None:
+        buf[:] = self.read_range(offset, offset + len(buf))
+
+    def close(self) -> None:
+        pass
+
+
+def _float32_bytes(value: Any) -> bytes:
+    return struct.pack("<f", float(value))
+
+
+@dataclass(kw_only=True)
+class _Job:
+    storage: Storage
+    plan: DcpPlan
+    out_url: str
+    chunk_bytes: int
+    sources: Sources
+    bytes_written: int = 0
+    ledger: CrcLedger = field(default_factory=CrcLedger)
+
+    def _step_bytes(self, small: Any) -> bytes:
+        if not isinstance(small, TensorRecord):
+            return _float32_bytes(small)
+        raw = self.plan.universal.ckpt.optim_files[0].zip.read_tensor_bytes(small)
+        self.sources.bytes_read += small.nbytes
+        if small.dtype == "float32":
+            return raw
+        return _float32_bytes(np.frombuffer(raw, np.dtype(small.dtype))[0])
+
+    def _chunks(self, item: DcpItem) -> Iterator[tuple[bytes, int | None]]:
+        if item.small is not None:
+            yield self._step_bytes(item.small), None
+            return
+        itemsize = dtype_info(item.src_dtype).itemsize
+        chunks = read_runs(
+            self.sources, self.plan.records, item.runs, chunk_bytes=self.chunk_bytes,
+            ledger=self.ledger, itemsize=itemsize,
+        )  # fmt: skip
+        if item.src_dtype == item.dtype:
+            yield from chunks
+        else:
+            for data, _ in chunks:
+                yield to_float32(data, item.src_dtype), None
+
+    def write_unit(self, index: int, items: list[DcpItem]) -> dict[str, Any]:
+        """`__<index>_0.distcp`: each item's archive in turn; returns what was written."""
+        name = f"__{index}_0.distcp"
+        rel = f"{items[0].folder}/{name}" if items[0].folder else name
+        sink = self.storage.open_sink(join_url(self.out_url, rel))
+        entries = []
+        offset = 0
+        try:
+            for item in items:
+                window = _Window(sink)
+                writer = TorchZipWriter(sink=window)
+                crc = None
+                if item.kind == "bytes":
+                    writer.add_preamble(pickle_bytes(item.value))
+                else:
+                    tensor = TensorOut(key="0", dtype=item.dtype, shape=item.shape)
+                    writer.add_preamble(pickle_bytes(tensor))
+                    writer.begin("data/0", size_bytes=item.nbytes)
+                    for chunk, chunk_crc in self._chunks(item):
+                        writer.write(chunk, crc32=chunk_crc)
+                    crc = writer.end()
+                writer.close()
+                entries.append({"fqn": item.fqn, "offset": offset,
+                                "length": writer.bytes_written, "crc32": crc})  # fmt: skip
+                offset += writer.bytes_written
+            sink.commit()
+        except BaseException:
+            sink.abort()
+            raise
+        self.bytes_written += offset
+        return {"path": rel, "size_bytes": offset, "items": entries}
+
+
+def _units(plan: DcpPlan, unit_bytes: int) -> list[list[DcpItem]]:
+    """Items in order, each unit about `unit_bytes` (a larger tensor alone); the bytes items
+    and aliases cost nothing and ride along."""
+    units: list[list[DcpItem]] = []
+    current: list[DcpItem] = []
+    filled = 0
+    for item in plan.items:
+        if item.same_as is not None:
+            continue
+        size = item.nbytes if item.kind == "tensor" else 0
+        if current and ((size and filled + size > unit_bytes) or item.folder != current[0].folder):
+            units.append(current)
+            current, filled = [], 0
+        current.append(item)
+        filled += size
+    if current:
+        units.append(current)
+    return units
+
+
+def _intact(storage: Storage, out_url: str, written: dict[str, Any]) -> bool:
+    try:
+        size = storage.identity(join_url(out_url, written["path"])).size_bytes
+    except Exception:  # noqa: BLE001 - any storage error: the unit runs again
+        return False
+    return bool(size == written["size_bytes"])
+
+
+def verify_written(
+    storage: Storage,
+    out_url: str,
+    plan: DcpPlan,
+    files: list[dict[str, Any]],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> None:
+    """Re-read every item from the written files (module docstring).
+
+    Raises:
+        VerificationError: Naming the file, the item and what differs.
+    """
+    by_fqn = {i.fqn: i for i in plan.items}
+    for f in files:
+        url = join_url(out_url, f["path"])
+        source = storage.open_source(url)
+        try:
+            if source.size_bytes != f["size_bytes"]:
+                raise VerificationError(
+                    f"{url}: {source.size_bytes} bytes, {f['size_bytes']} written"
+                )
+            for e in f["items"]:
+                _verify_item(
+                    _Slice(source, e["offset"], e["length"]), by_fqn[e["fqn"]], e, chunk_bytes
+                )
+        finally:
+            source.close()
+
+
+def _verify_item(source: _Slice, item: DcpItem, entry: dict[str, Any], chunk_bytes: int) -> None:
+    where = f"{source.url} ({item.fqn})"
+    zf = TorchZipFile(source)
+    obj = zf.load()
+    if item.kind == "bytes":
+        if obj != item.value or type(obj) is not type(item.value):
+            raise VerificationError(f"{where}: reads back as {obj!r:.200}, not {item.value!r}")
+        return
+    if not (
+        isinstance(obj, TensorRecord)
+        and obj.dtype == item.dtype
+        and tuple(obj.shape) == item.shape
+        and obj.is_contiguous()
+        and obj.storage_offset == 0
+    ):
+        raise VerificationError(
+            f"{where}: expected a {item.dtype} tensor of shape {list(item.shape)}, "
+            f"found {obj!r:.200}"
+        )
+    record = zf.storage_record("0")
+    crc = _record_crc(source, zf.data_offset(record), record.size_bytes, chunk_bytes)
+    if not (record.size_bytes == item.nbytes and record.crc32 == entry["crc32"] == crc):
+        raise VerificationError(
+            f"{where}: data reads back with CRC-32 {crc:08x} ({record.size_bytes} bytes); the zip "
+            f"directory says {record.crc32:08x} and {entry['crc32']:08x} was recorded while "
+            "writing it"
+        )
+
+
+def _record_crc(
+    source: _Slice, start: int, size_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> int:
+    crc = 0
+    for pos in range(start, start + size_bytes, chunk_bytes):
+        crc = zlib.crc32(source.read_range(pos, min(pos + chunk_bytes, start + size_bytes)), crc)
+    return crc
+
+
+def metadata_bytes(
+    plan: DcpPlan, files: list[dict[str, Any]], out_url: str, folder: str = ""
+) -> bytes:
+    """`.metadata` of the DCP checkpoint in `folder`: torch's own `Metadata` dataclasses,
+    pickled as `FileSystemWriter` does."""
+    import torch
+    from torch.distributed.checkpoint import filesystem as fs
+    from torch.distributed.checkpoint import metadata as md
+
+    stored = {e["fqn"]: (f["path"], e) for f in files for e in f["items"]}
+    state: dict[str, Any] = {}
+    planner: dict[str, tuple[str | int, ...]] = {}
+    storage_data: dict[Any, Any] = {}
+    for item in plan.items:
+        if item.folder != folder:
+            continue
+        path, e = stored[item.same_as or item.fqn]  # relative to the checkpoint's own folder
+        info = fs._StorageInfo(path.rsplit("/", 1)[-1], e["offset"], e["length"])
+        planner[item.fqn] = item.path
+        if item.kind == "bytes":
+            state[item.fqn] = md.BytesStorageMetadata()
+            storage_data[md.MetadataIndex(item.fqn)] = info
+            continue
+        size = torch.Size(item.shape)
+        zeros = torch.Size([0] * len(item.shape))
+        state[item.fqn] = md.TensorStorageMetadata(
+            properties=md.TensorProperties(dtype=getattr(torch, item.dtype)),
+            size=size,
+            chunks=[md.ChunkStorageMetadata(offsets=zeros, sizes=size)],
+        )
+        storage_data[md.MetadataIndex(item.fqn, zeros, 0)] = info
+    metadata = md.Metadata(
+        state_dict_metadata=state, planner_data=planner, storage_data=storage_data,
+        storage_meta=md.StorageMeta(
+            checkpoint_id=join_url(out_url, folder) if folder else out_url, save_id=plan.job_key
+        ),
+        version=DCP_VERSION,
+    )  # fmt: skip
+    return pickle.dumps(metadata)
+
+
+def convert_to_dcp(
+    ckpt_url: str,
+    out_url: str,
+    *,
+    tag: str | None = None,
+    storage: Storage | None = None,
+    unit_bytes: int = DEFAULT_UNIT_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    overwrite: bool = False,
+    keep_work: bool = False,
+    layout: str = "torch",
+) -> DcpSummary:
+    """Write the DCP checkpoint of a ZeRO checkpoint's model and Adam state into `out_url`;
+    an FSDP2 run of the same module loads it with `dcp.load` + `set_state_dict`
+    (docs/training-state.md). `layout`: `torch` (one checkpoint of `{"model", "optim"}`) or
+    `accelerate` (`pytorch_model_fsdp_0/` and `optimizer_0/`, as accelerate saves FSDP2).
+
+    Raises:
+        UnsupportedCheckpointError: What is not converted yet, named in one line.
+        OutputExistsError: `out_url` holds another DCP checkpoint.
+        VerificationError: A written item failed its check.
+    """
+    started = time.monotonic()
+    storage = storage or Storage()
+    out_url = normalize_url(out_url)
+    plan = plan_dcp(storage, ckpt_url, tag=tag, layout=layout)
+    u = plan.universal
+    summary = DcpSummary(
+        status="converted", output=out_url, num_params=len(u.params), num_items=len(plan.items),
+        units_run=0, units_kept=0, files_written=0, bytes_read=0, bytes_written=0,
+        masters_bytes=u.masters_bytes, moments_bytes=u.moments_bytes, seconds=0.0,
+        peak_rss_bytes=0, notes=list(plan.notes),
+    )  # fmt: skip
+    if _prepare_output(storage, out_url, plan, overwrite):
+        summary.status = "already-complete"
+        summary.seconds = time.monotonic() - started
+        return summary
+    work_url = join_url(out_url, WORK_DIR_NAME, plan.job_key[:16])
+    job = _Job(
+        storage=storage, plan=plan, out_url=out_url, chunk_bytes=chunk_bytes,
+        sources=Sources(storage, plan.urls),
+    )  # fmt: skip
+    folders = [join_url(out_url, f) if f else out_url for f in plan.folders]
+    clean = [f for f in folders if is_local(f) and storage.isdir(f)]
+    with work_lease(storage, work_url, clean=clean):
+        try:
+            files = _run_units(job, UnitRecords(storage, work_url), unit_bytes, summary)
+        finally:
+            job.sources.close()
+        verify_written(storage, out_url, plan, files, chunk_bytes=chunk_bytes)
+        manifest = {"format": "torch-dcp", "layout": plan.layout, "folders": plan.folders,
+                    "job_key": plan.job_key, "files": files}  # fmt: skip
+        for folder in plan.folders:
+            where = join_url(out_url, folder) if folder else out_url
+            storage.write_bytes(
+                join_url(where, METADATA_NAME), metadata_bytes(plan, files, out_url, folder)
+            )
+        marker = {"job_key": plan.job_key, "source": {
+            "checkpoint": u.ckpt.ckpt_url, "tag": u.tag, "stage": u.stage,
+            "world_size": u.world_size}, **manifest, "notes": plan.notes}  # fmt: skip
+        storage.write_bytes(join_url(out_url, MARKER_NAME), json.dumps(marker, indent=1).encode())
+    if not keep_work:
+        storage.remove_tree(join_url(out_url, WORK_DIR_NAME))
+    summary.bytes_read = job.sources.bytes_read
+    summary.bytes_written = job.bytes_written
+    summary.seconds = time.monotonic() - started
+    summary.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return summary
+
+
+def _prepare_output(storage: Storage, out_url: str, plan: DcpPlan, overwrite: bool) -> bool:
+    """True when `out_url` already holds this conversion. Otherwise remove an old `.metadata`
+    (and, with `overwrite`, another conversion's files) before any unit writes.
+
+    Raises:
+        OutputExistsError: Another DCP checkpoint is there and `overwrite` is not set.
+    """
+    marker_url = join_url(out_url, MARKER_NAME)
+    metadata_urls = [
+        join_url(out_url, f, METADATA_NAME) if f else join_url(out_url, METADATA_NAME)
+        for f in plan.folders
+    ]
+    if storage.exists(marker_url):
+        done = json.loads(storage.read_bytes(marker_url))
+        if done.get("job_key") == plan.job_key and all(map(storage.exists, metadata_urls)):
+            return True
+        if not overwrite:
+            raise OutputExistsError(
+                f"{out_url}: holds a complete DCP checkpoint of another source "
+                f"({done.get('source', {}).get('checkpoint')}); choose another output folder "
+                "or pass --overwrite"
+            )
+        storage.remove(marker_url)
+        for folder in done.get("folders", [""]):
+            if "/" not in folder and ".." not in folder:
+                storage.remove(join_url(out_url, folder, METADATA_NAME) if folder
+                               else join_url(out_url, METADATA_NAME))  # fmt: skip
+        for f in done.get("files", []):
+            path = str(f["path"])
+            if ".." not in path and path.rsplit("/", 1)[-1].endswith(".distcp"):
+                storage.remove(join_url(out_url, path))
+    elif not storage.exists(join_url(out_url, WORK_DIR_NAME)):
+        found = [u for u in metadata_urls if storage.exists(u)]
+        if found and not overwrite:
+            raise OutputExistsError(
+                f"{found[0]}: a DCP checkpoint zerosafe did not write (no {MARKER_NAME}); "
+                "choose another output folder or pass --overwrite"
+            )
+    for url in metadata_urls:
+        if storage.exists(url):
+            storage.remove(url)
+    return False
+
+
+def _run_units(
+    job: _Job, records: UnitRecords, unit_bytes: int, summary: DcpSummary
+) -> list[dict[str, Any]]:
+    """Run every unit not recorded with its file intact; returns what all units wrote."""
+    plan, storage = job.plan, job.storage
+    files: list[dict[str, Any]] = []
+    ledger = CrcLedger()
+    for index, items in enumerate(_units(plan, unit_bytes)):
+        key = unit_key(
+            "dcp", plan.job_key, index, fingerprint([i.fqn for i in items]),
+            direct=None, allow_nonfinite=None,
+        )  # fmt: skip
+        record = records.load("dcp", index, key)
+        if record is not None and _intact(storage, job.out_url, record["result"]["file"]):
+            files.append(record["result"]["file"])
+            ledger.update(CrcLedger.from_json(record["result"].get("ledger", {})))
+            summary.units_kept += 1
+            continue
+        job.ledger = CrcLedger()
+        written = job.write_unit(index, items)
+        records.save("dcp", index, key, {"file": written, "ledger": job.ledger.to_json()})
+        ledger.update(job.ledger)
+        files.append(written)
+        summary.units_run += 1
+        summary.files_written += 1
+    summary.source_records_checked = check_source_records(job.sources, plan.records, ledger)
+    return files
+
+
+def is_dcp_output(storage: Storage, out_url: str) -> bool:
+    """Whether `out_url` holds a complete `--to dcp` output (its marker)."""
+    return storage.exists(join_url(normalize_url(out_url), MARKER_NAME))
+
+
+def verify_dcp_output(out_url: str, *, storage: Storage | None = None) -> dict[str, Any]:
+    """`zerosafe verify OUT` of a `--to dcp` output: every `.distcp` file the marker lists
+    present with its size, every item's data record against the CRC-32 recorded when written.
+
+    Returns:
+        `{"ok", "output", "num_files", "num_items", "failures": [{"file", "error"}]}`.
+    """
+    storage = storage or Storage()
+    out_url = normalize_url(out_url)
+    marker = json.loads(storage.read_bytes(join_url(out_url, MARKER_NAME)))
+    failures = []
+    for folder in marker.get("folders", [""]):
+        rel = f"{folder}/{METADATA_NAME}" if folder else METADATA_NAME
+        if not storage.exists(join_url(out_url, rel)):
+            failures.append({"file": rel, "error": "missing"})
+    items = 0
+    for f in marker["files"]:
+        url = join_url(out_url, f["path"])
+        try:
+            source = storage.open_source(url)
+        except OSError as missing:
+            failures.append({"file": f["path"], "error": str(missing)})
+            continue
+        try:
+            if source.size_bytes != f["size_bytes"]:
+                raise VerificationError(f"{source.size_bytes} bytes, {f['size_bytes']} written")
+            for e in f["items"]:
+                items += 1
+                if e["crc32"] is None:
+                    continue
+                item = _Slice(source, e["offset"], e["length"])
+                zf = TorchZipFile(item)
+                record = zf.storage_record("0")
+                crc = _record_crc(item, zf.data_offset(record), record.size_bytes)
+                if crc != e["crc32"]:
+                    raise VerificationError(
+                        f"{e['fqn']}: data reads back with CRC-32 {crc:08x}, "
+                        f"{e['crc32']:08x} was recorded while writing it"
+                    )
+        except (VerificationError, ValueError, OSError) as err:
+            failures.append({"file": f["path"], "error": str(err)})
+        finally:
+            source.close()
+    return {
+        "ok": not failures, "output": out_url, "num_files": len(marker["files"]),
+        "num_items": items, "failures": failures,
+    }  # fmt: skip

@@ -1,0 +1,104 @@
+"""Reading the byte runs a training-state plan names: open sources counted, chunks with their
+CRC-32s entered in a ledger, and the source records checked against their zip CRC-32s at the
+end. Shared by `--to universal` and `--to dcp`."""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from zerosafe.errors import IntegrityError
+from zerosafe.formats.crc import CrcLedger
+from zerosafe.io.storage import ByteSource, Storage
+from zerosafe.training_state.universal_plan import Run, SourceRecord
+
+__all__ = ["Sources", "check_source_records", "read_runs", "to_float32"]
+
+log = logging.getLogger(__name__)
+
+
+class Sources:
+    """Open source files by plan index, counting the bytes read."""
+
+    def __init__(self, storage: Storage, urls: list[str]) -> None:
+        self._storage = storage
+        self._urls = urls
+        self._open: dict[int, ByteSource] = {}
+        self.bytes_read = 0
+
+    def read(self, file: int, start: int, end: int) -> bytes:
+        src = self._open.get(file)
+        if src is None:
+            src = self._open[file] = self._storage.open_source(self._urls[file])
+        self.bytes_read += end - start
+        return src.read_range(start, end)
+
+    def close(self) -> None:
+        for src in self._open.values():
+            src.close()
+
+
+def to_float32(raw: bytes, dtype: str) -> bytes:
+    """Elements of `dtype` as float32, exactly as torch's `.float()` converts them."""
+    if dtype == "float32":
+        return raw
+    if dtype == "bfloat16":  # bf16 is the top half of a float32: exact
+        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).tobytes()
+    return np.frombuffer(raw, np.dtype(dtype)).astype(np.float32).tobytes()
+
+
+def read_runs(
+    sources: Sources,
+    records: list[SourceRecord],
+    runs: tuple[Run, ...],
+    *,
+    chunk_bytes: int,
+    ledger: CrcLedger,
+    itemsize: int = 4,
+) -> Iterator[tuple[bytes, int | None]]:
+    """`(bytes, CRC-32)` of each chunk of `runs`; a run inside a zip record adds its chunks'
+    CRCs to `ledger` (checked against the record's CRC by `check_source_records`)."""
+    step = max(chunk_bytes // itemsize, 1) * itemsize
+    for run in runs:
+        end = run.offset + run.numel * itemsize
+        record = records[run.record] if run.record >= 0 else None
+        for pos in range(run.offset, end, step):
+            data = sources.read(run.file, pos, min(pos + step, end))
+            crc = None
+            if record is not None:
+                crc = zlib.crc32(data)
+                ledger.add(record.key, pos - record.data_offset, len(data), crc)
+            yield data, crc
+
+
+def check_source_records(sources: Sources, records: list[SourceRecord], ledger: CrcLedger) -> int:
+    """Every source record read, its pieces' CRC-32s combined (padding read in), against the
+    CRC-32 its zip directory records; returns how many were checked.
+
+    Raises:
+        IntegrityError: If one differs: the checkpoint is corrupt or changed during the run.
+    """
+    by_key = {r.key: r for r in records}
+    expected = {
+        r.key: (r.size_bytes, r.crc32) for r in records if r.crc32 != 0 or r.size_bytes == 0
+    }
+
+    def read_gap(key: str, offset: int, length: int) -> bytes:
+        r = by_key[key]
+        return sources.read(r.file, r.data_offset + offset, r.data_offset + offset + length)
+
+    gap: Callable[[str, int, int], bytes] = read_gap
+    result = ledger.check(expected, gap)
+    if result.failed:
+        detail = "; ".join(f"{k}: {w}" for k, w in result.failed[:5])
+        raise IntegrityError(
+            f"{len(result.failed)} record(s) of the checkpoint do not match their recorded "
+            f"CRC-32 ({detail}). The files are corrupt or changed during the run; copy them "
+            "again and re-run (the units already written are checked again then)."
+        )
+    for key, why in result.skipped:
+        log.info("%s: not checked against its CRC-32 (%s)", key, why)
+    return len(result.checked)

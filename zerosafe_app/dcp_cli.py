@@ -1,0 +1,94 @@
+"""The `--to dcp` side of `zerosafe convert`, `inspect` and `verify`: what each prints
+(`zerosafe.training_state.dcp` does the work). `zerosafe_app.cli` checks the arguments first."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from zerosafe.errors import ConfigError
+from zerosafe.units import format_bytes
+
+__all__ = ["convert_dcp", "inspect_dcp", "verify_dcp"]
+
+EXIT_OK, EXIT_CHECK_FAILED = 0, 1
+
+
+def inspect_dcp(args: argparse.Namespace, storage: Any) -> int:
+    from zerosafe.training_state.dcp_plan import plan_dcp
+
+    report = plan_dcp(storage, args.checkpoint, tag=args.tag, layout=args.dcp_layout).to_json()
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return EXIT_OK
+    print(
+        f"--to dcp: {report['num_model_entries']} model entries and the AdamW state of "
+        f"{report['num_params']} trained params of ZeRO-{report['zero_stage']} (world size "
+        f"{report['world_size']}) into .metadata + __<n>_0.distcp"
+    )
+    print(
+        f"  reads {format_bytes(report['read_bytes'])} (masters "
+        f"{format_bytes(report['masters_bytes'])}, moments {format_bytes(report['moments_bytes'])}"
+        f"); writes {format_bytes(report['output_bytes'])} (model "
+        f"{format_bytes(report['model_bytes'])})"
+    )
+    for note in report["notes"]:
+        print(f"  note: {note}")
+    return EXIT_OK
+
+
+def convert_dcp(args: argparse.Namespace, storage: Any) -> int:
+    """`convert --to dcp`: in this process (`zerosafe.training_state.dcp`)."""
+    from zerosafe.training_state.dcp import convert_to_dcp
+
+    summary = convert_to_dcp(
+        args.checkpoint, args.output, tag=args.tag, storage=storage,
+        overwrite=args.overwrite, keep_work=args.keep_work, layout=args.dcp_layout,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps({**summary.to_json(), "via": "local"}, indent=1))
+    elif summary.status == "already-complete":
+        print(
+            f"{args.output}: already a complete DCP checkpoint of this checkpoint; nothing to do."
+        )
+    elif not args.quiet:
+        print(
+            f"wrote a PyTorch DCP checkpoint ({summary.num_items} items: model and AdamW state "
+            f"of {summary.num_params} params) into {args.output} in {summary.seconds:.1f} s "
+            f"(read {format_bytes(summary.bytes_read)}, wrote "
+            f"{format_bytes(summary.bytes_written)}; peak memory "
+            f"{format_bytes(summary.peak_rss_bytes)})"
+        )
+        print(
+            "  verified: every item re-read and checked; "
+            f"{summary.source_records_checked} checkpoint records matched their CRC-32"
+        )
+        if summary.units_kept:
+            print(f"  resumed: kept {summary.units_kept} finished unit(s), ran {summary.units_run}")
+        print(
+            "  resume with `dcp.load({'model': msd, 'optim': osd}, checkpoint_id=...)` and "
+            "`set_state_dict` (docs/training-state.md)"
+        )
+        for note in summary.notes:
+            print(f"  note: {note}")
+    return EXIT_OK
+
+
+def verify_dcp(args: argparse.Namespace, storage: Any) -> int:
+    from zerosafe.training_state.dcp import verify_dcp_output
+
+    if args.against:
+        raise ConfigError("`--against` does not apply to a DCP checkpoint written by --to dcp yet")
+    found = verify_dcp_output(args.output, storage=storage)
+    if args.json:
+        print(json.dumps(found, indent=1))
+    else:
+        status = "OK" if found["ok"] else "FAILED"
+        print(
+            f"{status}  {found['output']}: PyTorch DCP checkpoint, {found['num_files']} files, "
+            f"{found['num_items']} items checked"
+        )
+        for f in found["failures"]:
+            print(f"  {f['file']}: {f['error']}")
+    return EXIT_OK if found["ok"] else EXIT_CHECK_FAILED
