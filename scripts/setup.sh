@@ -13,4 +13,7 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c cons
 if ! .venv/bin/python -c 'import deepspeed' 2>/dev/null; then
     DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation deepspeed==0.19.8
 fi
+# verl (tests only: its checkpoint manager writes the verl fixtures) without its dependencies:
+# its metadata pins transformers<5.11 and pulls Ray, which its checkpoint code does not use.
+"${PIP[@]}" --no-deps verl==0.9.1
 .venv/bin/zerosafe --version
