@@ -166,7 +166,10 @@ def worker(rank: int, world_size: int, out: str, port: int) -> None:
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
     status = {}
+    only = os.environ.get("VERL_VARIANTS")  # a comma-separated subset, when debugging one
     for name, make in VARIANTS.items():
+        if only and name not in only.split(","):
+            continue
         folder = out if name == "fsdp2" else f"{out}/{name}"
         try:
             make(rank, mesh, folder)

@@ -204,3 +204,15 @@ def test_swapped_rank_files_are_refused_in_one_line(
     (tmp_path / "r0").rename(b)
     line = refused(capsys, actor, tmp_path / "out")
     assert "rank 0's local shard is [33, 24]" in line and "[34, 24]" in line
+
+
+@pytest.mark.slow
+def test_an_fsdp1_save_is_refused_in_one_line(
+    verl_run: Run, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """FSDP1's ShardedTensors are not read: `fsdp_config.json` says so before any rank file is
+    opened (torch 2.13's FSDP1 needs an accelerator, so no CPU test writes a real one)."""
+    actor = _copy_actor(verl_run, tmp_path)
+    (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1, "world_size": 2}))
+    line = refused(capsys, actor, tmp_path / "out")
+    assert "FSDP1" in line and "verl.model_merger" in line

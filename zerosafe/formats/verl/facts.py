@@ -55,7 +55,7 @@ def describe(
     }
     dtypes = Counter(t.dtype for t in built.tensors.values())
     about = [
-        f"Checkpoint  {url}  (verl FSDP{fsdp_version or '?'}, world size {len(models)})",
+        f"Checkpoint  {url}  (verl, {_wrapping(fsdp_version)}, world size {len(models)})",
         f"  {len(built.tensors)} tensors ({params:,} elements) in {len(models)} model rank "
         f"file(s), {format_bytes(sum(f.size_bytes for f in models))}; optimizer and extra "
         "state files are never read",
@@ -96,6 +96,14 @@ def describe(
         notes=_notes(built, config), native=config,
         lowp_missing="verl saves only the sharded model weights, no second copy",
     )  # fmt: skip
+
+
+def _wrapping(fsdp_version: Any) -> str:
+    if fsdp_version in (1, 2):
+        return f"FSDP{fsdp_version}"
+    if fsdp_version == 0:
+        return "model not FSDP-wrapped"
+    return "FSDP version not recorded"
 
 
 def _notes(built: Built, config: dict[str, Any] | None) -> list[str]:

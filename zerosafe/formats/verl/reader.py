@@ -6,7 +6,8 @@ folder), per rank R of W:
 
 - `model_world_size_W_rank_R.pt`: `torch.save` of the rank's `model.state_dict()`: under FSDP2
   a `DTensor` per parameter, its local shard and its spec (device mesh, placements), under
-  FSDP1 (`SHARDED_STATE_DICT`) a `ShardedTensor` (not read here: refused by name);
+  FSDP1 (`SHARDED_STATE_DICT`) a `ShardedTensor` (not read yet: refused in one line; torch
+  2.13's FSDP1 needs an accelerator, so no CPU test could write one);
 - `optim_world_size_W_rank_R.pt` and `extra_state_world_size_W_rank_R.pt`: optimizer, LR
   scheduler and RNG state, never read;
 and on rank 0 `fsdp_config.json` (`{"FSDP_version": 2, "world_size": W}`) and `huggingface/`
@@ -27,7 +28,12 @@ import re
 from typing import Any
 
 from zerosafe.config import ConvertOptions
-from zerosafe.errors import CheckpointFormatError, ConfigError
+from zerosafe.errors import (
+    CheckpointFormatError,
+    ConfigError,
+    UnsafePickleError,
+    UnsupportedCheckpointError,
+)
 from zerosafe.formats.base import SourceLayout
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.formats.verl.facts import describe
@@ -184,6 +190,8 @@ def _read_config(storage: Storage, url: str, world_size: int) -> dict[str, Any] 
         ) from e
     if not isinstance(config, dict):
         raise CheckpointFormatError(f"{config_url}: expected a JSON object, found {config!r}")
+    if config.get("FSDP_version") == 1:
+        raise UnsupportedCheckpointError(_fsdp1_refusal(config_url))
     saved = config.get("world_size")
     if saved != world_size:
         raise CheckpointFormatError(
@@ -192,6 +200,14 @@ def _read_config(storage: Storage, url: str, world_size: int) -> dict[str, Any] 
             "come from different saves. Copy the save's folder again as one."
         )
     return config
+
+
+def _fsdp1_refusal(where: str) -> str:
+    return (
+        f"{where}: an FSDP1 save (FSDP_version 1: `ShardedTensor`s), which zerosafe does not "
+        "read yet (it reads verl's FSDP2 actors: DTensors); convert it with verl's model_merger "
+        "(`python -m verl.model_merger merge --backend fsdp --local_dir DIR --target_dir OUT`)"
+    )
 
 
 def _load_ranks(
@@ -204,7 +220,12 @@ def _load_ranks(
             file_url = join_url(url, name)
             archive = TorchZipFile(storage.open_source(file_url))
             loaded.append(RankFile(rank=rank, file=rank_files[rank], zip=archive, state={}))
-            state = archive.load()
+            try:
+                state = archive.load()
+            except UnsafePickleError as e:
+                if "torch.distributed._shard." in str(e):  # ShardedTensor and its metadata
+                    raise UnsupportedCheckpointError(_fsdp1_refusal(file_url)) from e
+                raise
             if not isinstance(state, dict):
                 raise CheckpointFormatError(
                     f"{file_url}: holds a {type(state).__name__}, where verl saves the rank's "
