@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -106,10 +108,16 @@ def test_fsdp2_actor_is_bit_exact_to_the_live_weights_and_verls_merger(
 
 @pytest.mark.slow
 def test_fsdp2_actor_logits_equal_the_live_model(
-    verl_run: Run, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    verl_run: Run, prefect_env: dict[str, str], tmp_path: Path
 ) -> None:
+    """The real command as a user runs it (the Prefect flow, embedded), then `from_pretrained`."""
     root, out = verl_run("fsdp2"), tmp_path / "out"
-    convert(capsys, root / ACTOR, out)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerosafe_app.cli", "convert", "--json", str(root / ACTOR), str(out)],
+        capture_output=True, text=True, env=prefect_env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["status"] == "converted"
     live = load_file(root / "live-logits.safetensors")["logits"]
     input_ids = torch.arange(2 * 9).reshape(2, 9) % 67  # make_verl_checkpoint.input_ids()
     threads = torch.get_num_threads()
