@@ -30,12 +30,13 @@ def verl_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def verl_run(verl_root: Path) -> Callable[[str], Path]:
     """`verl_run(name)`: the folder of a generated variant (`fsdp2`, `replicate`, `shard1`,
-    `merger`), failing the test, saying why, where verl could not write it (never skipping)."""
+    `lora`; `merger`, `lora-merger`: the folders whose `merged/` verl's merger wrote), failing the test, saying why, where verl could not write it (never skipping)."""
 
     def get(name: str) -> Path:
         status = json.loads((verl_root / "status.json").read_text()).get(name, "not generated")
         if status != "ok":
             pytest.fail(f"verl could not write the '{name}' checkpoint here: {status}")
-        return verl_root if name in ("fsdp2", "merger") else verl_root / name
+        folder = {"fsdp2": "", "merger": "", "lora-merger": "lora"}.get(name, name)
+        return verl_root / folder if folder else verl_root
 
     return get

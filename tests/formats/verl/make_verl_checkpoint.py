@@ -7,10 +7,15 @@ embedding's dim-0 shards are uneven: 34 and 33 rows) for two AdamW steps under F
 `model_world_size_2_rank_{0,1}.pt` (DTensor local shards), `optim_...`/`extra_state_...`,
 `fsdp_config.json` and `huggingface/` (config, generation config, tokenizer).
 
-Beside it, rank 0 writes the live model's full weights (`OUT/live.safetensors`, gathered with
+The same ranks also save, with the same manager, `OUT/replicate/` (every parameter a
+`Replicate()` DTensor), `OUT/shard1/` (FSDP2 with `Shard(1)` placements, which zerosafe refuses)
+and `OUT/lora/` (a peft LoRA actor), each at `global_step_1/actor/` with its live weights.
+
+Beside the main one, rank 0 writes the live model's full weights (`OUT/live.safetensors`, gathered with
 `full_tensor()` right after the save) and its logits on fixed input ids
 (`OUT/live-logits.safetensors`). Then, in a single process, verl's own `model_merger`
-(`FSDPModelMerger.merge_and_save`) merges the checkpoint into `OUT/merged/` as its users run it.
+(`FSDPModelMerger.merge_and_save`) merges the checkpoint into `OUT/merged/` as its users run it
+(and the LoRA actor into `OUT/lora/merged/`); `OUT/status.json` says which of these worked.
 
 verl's package `__init__` (and that of `verl.utils.checkpoint`) import its Ray controller, which
 this CPU test environment does not install (ray is a large runtime the checkpoint code never
@@ -37,6 +42,8 @@ TAG = f"global_step_{STEPS}"
 
 def _import_verl() -> None:
     for name in ("verl", "verl.utils.checkpoint"):
+        if name in sys.modules:
+            continue
         spec = importlib.util.find_spec(name)
         assert spec is not None and spec.submodule_search_locations is not None, name
         module = types.ModuleType(name)
@@ -154,7 +161,28 @@ def shard1(rank: int, mesh, out: str) -> None:  # type: ignore[no-untyped-def]
     _save(model, out, 1, ["model"])
 
 
-VARIANTS = {"fsdp2": fsdp2, "replicate": replicate, "shard1": shard1}
+def lora(rank: int, mesh, out: str) -> None:  # type: ignore[no-untyped-def]
+    """A LoRA actor (peft on q/v projections, as verl's `lora_rank`), FSDP2, one step."""
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(11)
+    model = get_peft_model(
+        build_model(),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    batch = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    _save(model, out, 1, ["model"])
+    _save_live(model, f"{out}/live.safetensors", rank)
+
+
+VARIANTS = {"fsdp2": fsdp2, "replicate": replicate, "shard1": shard1, "lora": lora}
 
 
 def worker(rank: int, world_size: int, out: str, port: int) -> None:
@@ -182,13 +210,14 @@ def worker(rank: int, world_size: int, out: str, port: int) -> None:
     torch.distributed.destroy_process_group()
 
 
-def merge(out: str) -> None:
-    """verl's own merger, as `python -m verl.model_merger merge --backend fsdp` runs it."""
+def merge(out: str, tag: str = TAG) -> None:
+    """verl's own merger, as `python -m verl.model_merger merge --backend fsdp` runs it, into
+    `OUT/merged` (a LoRA actor: the base model there, the adapter in `merged/lora_adapter`)."""
     _import_verl()
     from verl.model_merger.base_model_merger import ModelMergerConfig
     from verl.model_merger.fsdp_model_merger import FSDPModelMerger
 
-    local = f"{out}/{TAG}/actor"
+    local = f"{out}/{tag}/actor"
     config = ModelMergerConfig(
         operation="merge", backend="fsdp", local_dir=local, target_dir=f"{out}/merged",
         hf_model_config_path=f"{local}/huggingface",
@@ -209,11 +238,15 @@ def main() -> None:
     out = sys.argv[1]
     mp.spawn(worker, args=(2, out, _free_port()), nprocs=2, join=True)
     status = json.loads(Path(out, "status-ranks.json").read_text())
-    try:
-        merge(out)
-        status["merger"] = "ok"
-    except Exception as e:  # reported by the test that needs the merger's output
-        status["merger"] = f"{type(e).__name__}: {e}"
+    for name, folder, tag in (
+        ("merger", out, TAG),
+        ("lora-merger", f"{out}/lora", "global_step_1"),
+    ):
+        try:
+            merge(folder, tag)
+            status[name] = "ok"
+        except Exception as e:  # reported by the test that needs the merger's output
+            status[name] = f"{type(e).__name__}: {e}"
     Path(out, "status.json").write_text(json.dumps(status))
 
 

@@ -224,3 +224,31 @@ def test_an_fsdp1_save_is_refused_in_one_line(
     (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1, "world_size": 2}))
     line = refused(capsys, actor, tmp_path / "out")
     assert "FSDP1" in line and "verl.model_merger" in line
+
+
+@pytest.mark.slow
+def test_a_lora_actor_converts_bit_exact_under_its_state_dict_names(
+    verl_run: Run, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A peft LoRA actor under FSDP2: every tensor bit-exact under the state dict's own (PEFT)
+    names, with a warning that this is not the base model's HF layout (no adapter output yet)."""
+    root, out = verl_run("lora"), tmp_path / "out"
+    summary = convert(capsys, root / "global_step_1/actor", out)
+    assert any("LoRA actor (8 LoRA tensors)" in w for w in summary["warnings"]), summary
+    got = load_file(out / "model.safetensors")
+    live = load_file(root / "live.safetensors")
+    assert set(live) - set(got) == {"base_model.model.lm_head.weight"}  # tied: an alias
+    assert "base_model.model.model.layers.1.self_attn.v_proj.lora_B.default.weight" in got
+    assert all(torch.equal(t, live[n]) for n, t in got.items())
+    # verl's merger: the base model under its own names, the adapter apart without `.default`,
+    # every tensor cast to bf16; the same values after that cast and renaming
+    merged = verl_run("lora-merger") / "merged"
+    theirs = load_file(merged / "model.safetensors")
+    theirs.update(load_file(merged / "lora_adapter" / "adapter_model.safetensors"))
+    for name, tensor in got.items():
+        if ".lora_" in name:
+            name = name.replace(".default.weight", ".weight")
+        else:
+            name = name.replace("base_model.model.", "").replace(".base_layer.", ".")
+        assert torch.equal(tensor.to(torch.bfloat16), theirs.pop(name)), name
+    assert not theirs

@@ -93,7 +93,7 @@ def describe(
         format=_FORMAT, where=url, tag=tag, files=files, slots=built.slots,
         tensors=built.tensors, order=built.order, aliases=built.aliases, source=source,
         facts=facts, metadata_bytes=metadata_bytes, main_slot_kind="shard",
-        notes=_notes(built, config), native=config,
+        notes=_notes(built, config), warnings=_warnings(built), native=config,
         lowp_missing="verl saves only the sharded model weights, no second copy",
     )  # fmt: skip
 
@@ -104,6 +104,18 @@ def _wrapping(fsdp_version: Any) -> str:
     if fsdp_version == 0:
         return "model not FSDP-wrapped"
     return "FSDP version not recorded"
+
+
+def _warnings(built: Built) -> list[str]:
+    lora = [k for k in built.order if ".lora_A." in k or ".lora_B." in k]
+    if not lora:
+        return []
+    return [
+        f"a LoRA actor ({len(lora)} LoRA tensors): the output keeps the state dict's PEFT names "
+        "(`base_model.model.`, `.base_layer`, `.default`), which from_pretrained of the base "
+        "model does not load; verl's model_merger writes the base weights under the model's "
+        "own names and the adapter apart"
+    ]
 
 
 def _notes(built: Built, config: dict[str, Any] | None) -> list[str]:
