@@ -5,7 +5,7 @@ embedding's dim-0 shards are uneven: 34 and 33 rows) for two AdamW steps under F
 (`fully_shard` of each decoder layer, then the root), and save it with verl 0.9.1's own
 `FSDPCheckpointManager.save_checkpoint` into `OUT/global_step_2/actor/`: the rank files
 `model_world_size_2_rank_{0,1}.pt` (DTensor local shards), `optim_...`/`extra_state_...`,
-`fsdp_config.json` and `huggingface/` (config, generation config, tokenizer).
+`fsdp_config.json` and `huggingface/` (config, tokenizer).
 
 The same ranks also save, with the same manager, `OUT/replicate/` (every parameter a
 `Replicate()` DTensor), `OUT/shard1/` (FSDP2 with `Shard(1)` placements, which zerosafe refuses)

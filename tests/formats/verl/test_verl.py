@@ -252,3 +252,26 @@ def test_a_lora_actor_converts_bit_exact_under_its_state_dict_names(
             name = name.replace("base_model.model.", "").replace(".base_layer.", ".")
         assert torch.equal(tensor.to(torch.bfloat16), theirs.pop(name)), name
     assert not theirs
+
+
+@pytest.mark.slow
+def test_inspect_and_the_job_identity(verl_run: Run, capsys: pytest.CaptureFixture[str]) -> None:
+    """`inspect` says what it found; the job key's identities, from a listing, are the files
+    the reader reads; `--tag` is the save's own or refused."""
+    from zerosafe.config import ConvertOptions
+    from zerosafe.errors import ConfigError
+    from zerosafe.formats.registry import quick_identities, read_source
+
+    ckpt = verl_run("fsdp2") / ACTOR
+    code, stdout, err = run(capsys, "inspect", str(ckpt))
+    assert code == 0, err
+    assert "(verl, FSDP2, world size 2)" in stdout
+    assert "Shard(0) x 20 (1 split unevenly over the ranks)" in stdout
+    assert "tied: lm_head.weight -> model.embed_tokens.weight" in stdout
+    storage, options = Storage(), ConvertOptions()
+    layout = read_source(storage, str(ckpt), tag=None, options=options)
+    assert quick_identities(storage, str(ckpt), None) == (layout.tag, layout.identities)
+    assert layout.tag == ACTOR and [f.role for f in layout.files] == ["metadata", "model", "model"]
+    assert read_source(storage, str(ckpt), tag=ACTOR, options=options).tag == ACTOR
+    with pytest.raises(ConfigError, match="one save"):
+        read_source(storage, str(ckpt), tag="global_step_9", options=options)
