@@ -9,7 +9,9 @@ embedding's dim-0 shards are uneven: 34 and 33 rows) for two AdamW steps under F
 
 The same ranks also save, with the same manager, `OUT/replicate/` (every parameter a
 `Replicate()` DTensor), `OUT/shard1/` (FSDP2 with `Shard(1)` placements, which zerosafe refuses)
-and `OUT/lora/` (a peft LoRA actor), each at `global_step_1/actor/` with its live weights.
+`OUT/lora/` (a peft LoRA actor), `OUT/fsdp1/` (verl's FSDP1 actor: DTensors too) and
+`OUT/sharded_tensor/` (FSDP1 without a device mesh: ShardedTensors, which zerosafe refuses),
+each at `global_step_1/actor/` with its live weights.
 
 Beside the main one, rank 0 writes the live model's full weights (`OUT/live.safetensors`, gathered with
 `full_tensor()` right after the save) and its logits on fixed input ids
@@ -182,7 +184,47 @@ def lora(rank: int, mesh, out: str) -> None:  # type: ignore[no-untyped-def]
     _save_live(model, f"{out}/live.safetensors", rank)
 
 
-VARIANTS = {"fsdp2": fsdp2, "replicate": replicate, "shard1": shard1, "lora": lora}
+def fsdp1(rank: int, mesh, out: str, *, with_mesh: bool = True) -> None:  # type: ignore[no-untyped-def]
+    """verl's FSDP1 actor (`FullyShardedDataParallel` with its device mesh, each decoder layer
+    wrapped, flat params; `device_id` the CPU here): the manager saves a `SHARDED_STATE_DICT`,
+    of DTensors (torch's FSDP1 makes them when given a device mesh, as verl does). Without
+    the mesh (`with_mesh=False`), of `ShardedTensor`s."""
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(10)
+    policy = functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}
+    )
+    model = FSDP(
+        build_model(), auto_wrap_policy=policy, device_mesh=mesh if with_mesh else None,
+        use_orig_params=False,
+        device_id=torch.device("cpu"),
+    )  # fmt: skip
+    _save(model, out, 1, ["model"])
+    with FSDP.summon_full_params(model, writeback=False):
+        full = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in full.items()}, f"{out}/live.safetensors")
+
+
+def sharded_tensor(rank: int, mesh, out: str) -> None:  # type: ignore[no-untyped-def]
+    fsdp1(rank, mesh, out, with_mesh=False)
+
+
+VARIANTS = {
+    "fsdp2": fsdp2,
+    "replicate": replicate,
+    "shard1": shard1,
+    "lora": lora,
+    "fsdp1": fsdp1,
+    "sharded_tensor": sharded_tensor,
+}
 
 
 def worker(rank: int, world_size: int, out: str, port: int) -> None:

@@ -215,15 +215,28 @@ def test_swapped_rank_files_are_refused_in_one_line(
 
 
 @pytest.mark.slow
-def test_an_fsdp1_save_is_refused_in_one_line(
+def test_an_fsdp1_actor_converts_bit_exact(
     verl_run: Run, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """FSDP1's ShardedTensors are not read: `fsdp_config.json` says so before any rank file is
-    opened (torch 2.13's FSDP1 needs an accelerator, so no CPU test writes a real one)."""
-    actor = _copy_actor(verl_run, tmp_path)
-    (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 1, "world_size": 2}))
-    line = refused(capsys, actor, tmp_path / "out")
-    assert "FSDP1" in line and "verl.model_merger" in line
+    """verl wraps FSDP1 with its device mesh, so the sharded state dict holds DTensors too.
+    FSDP1 saves a tied head as a separate copy (its own storage), so both names are written."""
+    root, out = verl_run("fsdp1"), tmp_path / "out"
+    actor = root / "global_step_1/actor"
+    assert json.loads((actor / "fsdp_config.json").read_text())["FSDP_version"] == 1
+    convert(capsys, actor, out)
+    got = load_file(out / "model.safetensors")
+    live = load_file(root / "live.safetensors")
+    assert set(got) == set(live)
+    assert all(torch.equal(t, live[n]) for n, t in got.items())
+
+
+@pytest.mark.slow
+def test_fsdp1_sharded_tensors_are_refused_in_one_line(
+    verl_run: Run, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """FSDP1 without a device mesh saves `ShardedTensor`s: refused by name, no code run."""
+    line = refused(capsys, verl_run("sharded_tensor") / "global_step_1/actor", tmp_path / "out")
+    assert "ShardedTensor" in line and "FULL_STATE_DICT" in line
 
 
 @pytest.mark.slow

@@ -5,9 +5,9 @@ verl 0.9.1) writes, into one folder (`global_step_N/actor/` under the trainer's 
 folder), per rank R of W:
 
 - `model_world_size_W_rank_R.pt`: `torch.save` of the rank's `model.state_dict()`: under FSDP2
-  a `DTensor` per parameter, its local shard and its spec (device mesh, placements), under
-  FSDP1 (`SHARDED_STATE_DICT`) a `ShardedTensor` (not read yet: refused in one line; torch
-  2.13's FSDP1 needs an accelerator, so no CPU test could write one);
+  a `DTensor` per parameter, its local shard and its spec (device mesh, placements); under
+  FSDP1 (`SHARDED_STATE_DICT`) the same DTensors, as verl wraps FSDP1 with a device mesh
+  (without one, torch saves `ShardedTensor`s: refused in one line);
 - `optim_world_size_W_rank_R.pt` and `extra_state_world_size_W_rank_R.pt`: optimizer, LR
   scheduler and RNG state, never read;
 and on rank 0 `fsdp_config.json` (`{"FSDP_version": 2, "world_size": W}`) and `huggingface/`
@@ -190,8 +190,6 @@ def _read_config(storage: Storage, url: str, world_size: int) -> dict[str, Any] 
         ) from e
     if not isinstance(config, dict):
         raise CheckpointFormatError(f"{config_url}: expected a JSON object, found {config!r}")
-    if config.get("FSDP_version") == 1:
-        raise UnsupportedCheckpointError(_fsdp1_refusal(config_url))
     saved = config.get("world_size")
     if saved != world_size:
         raise CheckpointFormatError(
@@ -204,9 +202,10 @@ def _read_config(storage: Storage, url: str, world_size: int) -> dict[str, Any] 
 
 def _fsdp1_refusal(where: str) -> str:
     return (
-        f"{where}: an FSDP1 save (FSDP_version 1: `ShardedTensor`s), which zerosafe does not "
-        "read yet (it reads verl's FSDP2 actors: DTensors); convert it with verl's model_merger "
-        "(`python -m verl.model_merger merge --backend fsdp --local_dir DIR --target_dir OUT`)"
+        f"{where}: an FSDP1 save of `ShardedTensor`s (FSDP1 wrapped without a device mesh), "
+        "which zerosafe does not read (it reads DTensors: FSDP2, and FSDP1 with a device mesh, "
+        "as verl wraps it), nor does verl's model_merger (torch.load needs a process group); "
+        "load it into the FSDP-wrapped model on its W ranks and save a FULL_STATE_DICT"
     )
 
 
