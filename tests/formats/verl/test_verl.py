@@ -223,10 +223,13 @@ def test_an_fsdp1_actor_converts_bit_exact(
     root, out = verl_run("fsdp1"), tmp_path / "out"
     actor = root / "global_step_1/actor"
     assert json.loads((actor / "fsdp_config.json").read_text())["FSDP_version"] == 1
-    convert(capsys, actor, out)
+    summary = convert(capsys, actor, out)
+    notes = json.dumps(summary)
+    assert "lm_head.weight is saved apart from model.embed_tokens.weight" in notes, notes
     got = load_file(out / "model.safetensors")
     live = load_file(root / "live.safetensors")
     assert set(got) == set(live)
+    assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
     assert all(torch.equal(t, live[n]) for n, t in got.items())
 
 

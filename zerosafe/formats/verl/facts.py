@@ -78,6 +78,7 @@ def describe(
         "uneven": built.uneven,
         "dtypes": dict(dtypes),
         "aliases": dict(built.aliases),
+        "copies": dict(built.copies),
         "non_tensor_entries": list(built.non_tensor),
         "model_files": model_files,
         "files": {"model": len(models), "total_bytes": total},
@@ -122,6 +123,11 @@ def _notes(built: Built, config: dict[str, Any] | None) -> list[str]:
     notes = []
     if config is None:
         notes.append("no fsdp_config.json (verl writes it on rank 0): world size from file names")
+    for name, first in built.copies.items():
+        notes.append(
+            f"{name} is saved apart from {first} with the same size and CRC-32 in every rank "
+            "file (FSDP1 saves a tied weight as a copy): both are written, no tie is recorded"
+        )
     if built.non_tensor:
         notes.append(
             f"{len(built.non_tensor)} non-tensor entr(ies) not converted: "

@@ -52,6 +52,10 @@ class Built:
     """Sharded tensors whose rows do not split evenly over the ranks."""
     non_tensor: list[str] = field(default_factory=list)
     """State-dict keys whose values are not tensors (not converted)."""
+    copies: dict[str, str] = field(default_factory=dict)
+    """Tensors saved apart whose local shards have the same size and CRC-32 as an earlier
+    tensor's in every rank file (FSDP1 saves a tied head as a copy): name -> the earlier one.
+    Both are written; this only explains why no tie is recorded."""
 
 
 def shard_rows(rows: int, world_size: int) -> list[int]:
@@ -179,7 +183,23 @@ def build_tensors(url: str, ranks: Sequence[RankFile]) -> Built:
         built.uneven += placement == "Shard(0)" and shape[0] % len(ranks) != 0
         built.tensors[key] = _fragments(key, shape, dtype, role, rows, ranks, locals_, pending)
     built.slots = _resolve_slots(pending)
+    built.copies = _same_crcs(built)
     return built
+
+
+def _same_crcs(built: Built) -> dict[str, str]:
+    seen: dict[tuple[Any, ...], str] = {}
+    copies = {}
+    for name, tensor in built.tensors.items():
+        slots = [built.slots[f[0]] for f in tensor.fragments]
+        if not slots or any(not s.record_crc32 for s in slots):
+            continue  # saved without CRCs: nothing to compare
+        key = (tensor.shape, tensor.dtype, *((s.rank, s.numel, s.record_crc32) for s in slots))
+        if key in seen:
+            copies[name] = seen[key]
+        else:
+            seen[key] = name
+    return copies
 
 
 def _check_plain(where: str, values: Sequence[TensorRecord]) -> None:
