@@ -291,3 +291,30 @@ def test_inspect_and_the_job_identity(verl_run: Run, capsys: pytest.CaptureFixtu
     assert read_source(storage, str(ckpt), tag=ACTOR, options=options).tag == ACTOR
     with pytest.raises(ConfigError, match="one save"):
         read_source(storage, str(ckpt), tag="global_step_9", options=options)
+
+
+@pytest.mark.slow
+def test_the_global_step_folder_converts_its_actor(
+    verl_run: Run, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`global_step_2/` (the folder a user has) holds one save, `actor/`: converted, with a
+    note saying so, the model files still from `actor/huggingface/`."""
+    root, out = verl_run("fsdp2"), tmp_path / "out"
+    summary = convert(capsys, root / "global_step_2", out)
+    assert "the only save in" in json.dumps(summary) and "verl FSDP" in json.dumps(summary)
+    got = load_file(out / "model.safetensors")
+    live = load_file(root / "live.safetensors")
+    assert all(torch.equal(t, live[n]) for n, t in got.items()) and len(got) == 20
+    assert (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_global_step_folder_with_actor_and_critic_lists_both(
+    verl_run: Run, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    step = tmp_path / "global_step_2"
+    step.mkdir()
+    for name in ("actor", "critic"):
+        shutil.copytree(verl_run("fsdp2") / ACTOR, step / name)
+    line = refused(capsys, step, tmp_path / "out")
+    assert "actor" in line and "critic" in line
