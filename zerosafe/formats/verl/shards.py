@@ -102,6 +102,17 @@ def _check_dtensor(where: str, pieces: Sequence[DTensorRecord], world_size: int)
         )
     _mesh_size(where, first.spec, world_size)
     for rank, piece in enumerate(pieces):
+        mesh = piece.spec.get("mesh")
+        coordinate = mesh.get("_coordinate_on_dim") if isinstance(mesh, InertObject) else None
+        if coordinate is not None and tuple(coordinate) != (rank,):
+            # the shards are placed by the file's rank: a mesh that orders the ranks otherwise
+            # would place them wrong
+            raise UnsupportedCheckpointError(
+                f"{where}: rank {rank}'s file holds the shard of mesh coordinate "
+                f"{list(coordinate)}, not [{rank}]: the rank files were renamed or mixed up "
+                "(copy the folder again), or the device mesh orders the ranks otherwise, "
+                "which zerosafe does not read"
+            )
         if not piece.local.is_contiguous():
             raise CheckpointFormatError(
                 f"{where}: rank {rank}'s local shard is not contiguous (stride "
