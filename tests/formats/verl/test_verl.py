@@ -318,3 +318,13 @@ def test_a_global_step_folder_with_actor_and_critic_lists_both(
         shutil.copytree(verl_run("fsdp2") / ACTOR, step / name)
     line = refused(capsys, step, tmp_path / "out")
     assert "actor" in line and "critic" in line
+
+
+@pytest.mark.slow
+def test_pt2st_on_one_rank_file_says_to_convert_the_folder(
+    verl_run: Run, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    rank_file = verl_run("fsdp2") / ACTOR / "model_world_size_2_rank_0.pt"
+    code, _, err = run(capsys, "pt2st", str(rank_file), str(tmp_path / "x.safetensors"))
+    assert code == 2, err
+    assert "is a DTensor" in err and "zerosafe convert" in err and "\n" not in err.strip()
