@@ -20,4 +20,7 @@ fi
 "${PIP[@]}" --no-deps accelerate peft ai2-olmo-core cached-path bettermap \
     dataclass-extensions importlib-resources pandas dill
 "${PIP[@]}" google-cloud-storage  # cached-path imports it at import time
+# verl (tests only: its checkpoint manager writes the verl fixtures) without its dependencies:
+# its metadata pins transformers<5.11 and pulls Ray, which its checkpoint code does not use.
+"${PIP[@]}" --no-deps verl==0.9.1
 .venv/bin/zerosafe --version

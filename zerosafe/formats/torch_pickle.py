@@ -25,6 +25,8 @@ from zerosafe.errors import CheckpointFormatError, UnsafePickleError
 
 __all__ = [
     "ALLOWED_GLOBALS",
+    "DTENSOR_GLOBALS",
+    "DTensorRecord",
     "DTypeToken",
     "InertObject",
     "RestrictedUnpickler",
@@ -249,9 +251,101 @@ def _rebuild_from_type_v2(
     func: Callable[..., Any], new_type: Any, args: tuple[Any, ...], state: Any
 ) -> Any:
     # Only our own rebuild functions can arrive here (the allowlist resolved `func`).
+    if isinstance(new_type, _WrapperSubclass) and func is _rebuild_wrapper_subclass:
+        return _dtensor_record(func(*args), state)
     if not isinstance(new_type, _TensorClass):
         raise UnsafePickleError(f"tensor subclass {new_type!r} is not supported")
     return func(*args)
+
+
+class _WrapperSubclass:
+    """A tensor subclass `torch._utils._rebuild_wrapper_subclass` may name: `DTensor` only."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _WrapperArgs:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DTensorRecord:
+    """A `torch.distributed.tensor.DTensor` as `torch.save` pickles it (FSDP2's sharded state
+    dict): the global shape and dtype, this rank's local shard (a lazy `TensorRecord`) and
+    its spec, an inert `DTensorSpec` (mesh and placements as data; none of their code runs)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+    local: TensorRecord
+    spec: InertObject
+
+    @property
+    def placements(self) -> tuple[Any, ...]:
+        """The spec's placements: inert `Shard` (field `dim`), `Replicate`, ... records."""
+        found = self.spec.get("placements", ())
+        return tuple(found) if isinstance(found, (tuple, list)) else ()
+
+
+def _rebuild_wrapper_subclass(
+    cls: Any,
+    dtype: str,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    storage_offset: int,
+    layout: Any,
+    device: Any,
+    requires_grad: bool,
+) -> _WrapperArgs:
+    if not isinstance(cls, _WrapperSubclass):
+        raise UnsafePickleError(f"wrapper tensor subclass {cls!r} is not supported")
+    if layout != "strided":
+        raise CheckpointFormatError(f"a DTensor has layout {layout!r}; only strided is read")
+    return _WrapperArgs(
+        shape=tuple(_exact_int(s, "size") for s in size),
+        stride=tuple(_exact_int(s, "stride") for s in stride),
+        dtype=str(dtype),
+        requires_grad=bool(requires_grad),
+    )
+
+
+def _dtensor_record(wrapper: _WrapperArgs, state: Any) -> DTensorRecord:
+    # `_set_obj_state`'s state: a dict, or `(dict state, slot state)` (DTensor has slots)
+    fields: dict[str, Any] = {}
+    parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+    for part in parts:
+        if isinstance(part, dict):
+            fields.update(part)
+        elif part is not None:
+            fields.clear()
+            break
+    local, spec = fields.get("_local_tensor"), fields.get("_spec")
+    if not isinstance(local, TensorRecord) or not isinstance(spec, InertObject):
+        raise CheckpointFormatError(
+            "a DTensor is pickled without the `_local_tensor` and `_spec` torch.save writes "
+            f"(found {sorted(fields) or type(state).__name__})"
+        )
+    if local.dtype != wrapper.dtype:
+        raise CheckpointFormatError(
+            f"a DTensor of dtype {wrapper.dtype} holds a local shard of dtype {local.dtype}"
+        )
+    return DTensorRecord(
+        shape=wrapper.shape, stride=wrapper.stride, dtype=wrapper.dtype,
+        requires_grad=wrapper.requires_grad, local=local, spec=spec,
+    )  # fmt: skip
+
+
+def _get_layout(name: str) -> str:
+    # torch.serialization._get_layout('torch.strided'): only the strided layout is named.
+    if name != "torch.strided":
+        raise UnsafePickleError(f"tensor layout '{name}' is not supported")
+    return "strided"
 
 
 def _codecs_encode(text: str, encoding: str = "utf-8") -> bytes:
@@ -324,6 +418,22 @@ _INERT_GLOBALS = (
     "numpy.dtype",
 )
 
+DTENSOR_GLOBALS = (
+    # FSDP2's sharded state dict (verl's `model_world_size_W_rank_R.pt`): each DTensor's spec,
+    # its device mesh and placements, kept as inert records (torch 2.13's pickle).
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+    "torch.distributed.tensor._dtensor_spec.TensorMeta",
+    "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
+    "torch.distributed.device_mesh.DeviceMesh",
+    "torch.distributed._mesh_layout._MeshLayout",
+    "torch.distributed._mesh_layout._FlatLayout",
+    "torch.distributed.tensor.placement_types.Shard",
+    "torch.distributed.tensor.placement_types.Replicate",
+    # read so that a reader can refuse them by name, never converted
+    "torch.distributed.tensor.placement_types.Partial",
+    "torch.distributed.tensor.placement_types._StridedShard",
+)
+
 ALLOWED_GLOBALS: dict[str, Any] = {
     # Containers and plain data constructors.
     "collections.OrderedDict": collections.OrderedDict,
@@ -357,6 +467,11 @@ ALLOWED_GLOBALS: dict[str, Any] = {
     "torch.storage.UntypedStorage": _StorageType("uint8"),
     **{f"torch.{name}": _DTypeToken(name) for name in _TORCH_DTYPES},
     **{name: _inert(name) for name in _INERT_GLOBALS},
+    # DTensors: `_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, args, state)`
+    "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
+    "torch.distributed.tensor.DTensor": _WrapperSubclass("torch.distributed.tensor.DTensor"),
+    "torch.serialization._get_layout": _get_layout,
+    **{name: _inert(name) for name in DTENSOR_GLOBALS},
 }
 """Every global a checkpoint pickle may name, and what it becomes. Anything else is refused."""
 

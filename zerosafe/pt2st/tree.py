@@ -62,6 +62,7 @@ from typing import Any, Literal
 
 from zerosafe.errors import CheckpointFormatError, UnsupportedCheckpointError
 from zerosafe.formats.torch_pickle import (
+    DTensorRecord,
     DTypeToken,
     InertObject,
     TensorRecord,
@@ -321,6 +322,12 @@ class _Encoder:
             return {kind.__name__: [self.encode_key(v) for v in obj]}
         if kind is slice:
             return {"slice": [self.encode_key(v) for v in (obj.start, obj.stop, obj.step)]}
+        if kind is DTensorRecord:
+            raise UnsupportedCheckpointError(
+                f"{format_path(path)} is a DTensor: one rank's shard of a sharded (FSDP2) state "
+                "dict, not a whole tensor; convert the folder holding every rank's file with "
+                "`zerosafe convert` (verl: the actor folder)"
+            )
         raise UnsupportedCheckpointError(
             f"value of type '{kind.__module__}.{kind.__qualname__}' at {format_path(path)} "
             "cannot be stored as JSON; save it as a plain container instead"

@@ -95,7 +95,8 @@ COPY_CHUNK_BYTES = 8 * 2**20
 
 def model_files_folder(source: dict[str, Any], options: ConvertOptions) -> str | None:
     """Where a job copies model files from: the folder `options.model_files` names, else the
-    folder above the converted tag (the checkpoint folder holding `latest`); None when
+    folder the reader names (`source["model_files"]`: verl's `huggingface/`), else the folder
+    above the converted tag (the checkpoint folder holding `latest`); None when
     `copy_model_files` is off.
 
     Args:
@@ -106,6 +107,8 @@ def model_files_folder(source: dict[str, Any], options: ConvertOptions) -> str |
         return None
     if options.model_files is not None:
         return options.model_files
+    if source.get("model_files"):  # where the format keeps them (verl: `huggingface/`)
+        return str(source["model_files"])
     tag_url = source.get("tag_url") or source.get("checkpoint")
     if not tag_url:
         return None

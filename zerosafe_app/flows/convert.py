@@ -460,6 +460,11 @@ def _source_text(cfg: JobConfig, source: dict[str, Any]) -> str:
             f"{source.get('num_tensors_in_checkpoint')} tensors selected, "
             f"{source.get('num_distcp_files')} .distcp files)"
         )
+    if source.get("format") == "verl":
+        return (
+            f"`{cfg.source}` (verl, FSDP{source.get('fsdp_version')}, "
+            f"{source.get('num_tensors')} tensors, world size {source.get('world_size')})"
+        )
     return (
         f"`{cfg.source}` (tag {source.get('tag')}, ZeRO-{source.get('stage')}, "
         f"world size {source.get('world_size')})"

@@ -1,0 +1,145 @@
+"""What `inspect`, the plan's notes and the manifest say about a verl FSDP checkpoint, and the
+`SourceLayout` that carries it: `describe` is the one place the reader's `source` and `facts`
+are made."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from zerosafe.formats.base import SourceLayout
+from zerosafe.units import format_bytes
+
+if TYPE_CHECKING:
+    from zerosafe.formats.verl.shards import Built
+    from zerosafe.plan.model import Slot, SourceFile
+
+__all__ = ["describe"]
+
+_FORMAT = "verl"
+_FORMAT_NAME = "verl FSDP"
+
+
+def describe(
+    *,
+    url: str,
+    tag: str,
+    files: list[SourceFile],
+    built: Built,
+    config: dict[str, Any] | None,
+    model_files: str | None,
+    metadata_bytes: int,
+) -> SourceLayout:
+    """The reader's `SourceLayout`: tensors, slots, and what the manifest and `inspect` say."""
+    models = [f for f in files if f.role == "model"]
+    fsdp_version = config.get("FSDP_version") if config else None
+    params = sum(math.prod(t.shape) for t in built.tensors.values())
+    total = sum(f.size_bytes for f in files)
+    source = {
+        "format": _FORMAT,
+        "format_name": _FORMAT_NAME,
+        "checkpoint": url,
+        "tag": tag,
+        "world_size": len(models),
+        "fsdp_version": fsdp_version,
+        "num_tensors": len(built.tensors),
+        "num_params": params,
+        "non_tensor_entries": list(built.non_tensor),
+        "checkpoint_bytes": total,
+        "files": [{"url": f.url, "size_bytes": f.size_bytes, "version": f.version} for f in files],
+        "model_files": model_files,
+        "content_sha256": _fingerprint(files, built.slots),
+    }
+    dtypes = Counter(t.dtype for t in built.tensors.values())
+    about = [
+        f"Checkpoint  {url}  (verl, {_wrapping(fsdp_version)}, world size {len(models)})",
+        f"  {len(built.tensors)} tensors ({params:,} elements) in {len(models)} model rank "
+        f"file(s), {format_bytes(sum(f.size_bytes for f in models))}; optimizer and extra "
+        "state files are never read",
+        "  placements: "
+        + ", ".join(f"{p} x {n}" for p, n in sorted(built.placements.items()))
+        + (f" ({built.uneven} split unevenly over the ranks)" if built.uneven else ""),
+        "  dtypes: " + ", ".join(f"{d} x {n}" for d, n in dtypes.most_common()),
+        f"  model files: {model_files or 'none (no huggingface/ folder)'}",
+    ]
+    if built.aliases:
+        about.append(
+            "  tied: " + ", ".join(f"{a} -> {t}" for a, t in sorted(built.aliases.items()))
+        )
+    facts = {
+        "checkpoint": url,
+        "world_size": len(models),
+        "fsdp_version": fsdp_version,
+        "tensors": len(built.tensors),
+        "placements": dict(built.placements),
+        "uneven": built.uneven,
+        "dtypes": dict(dtypes),
+        "aliases": dict(built.aliases),
+        "copies": dict(built.copies),
+        "non_tensor_entries": list(built.non_tensor),
+        "model_files": model_files,
+        "files": {"model": len(models), "total_bytes": total},
+        "about": about,
+        "read_labels": {
+            "main": "local shards of the model rank files",
+            "other": "other",
+            "metadata": "pickles, zip directories and fsdp_config.json",
+            "never": "optimizer and extra-state files are never read",
+        },
+    }
+    return SourceLayout(
+        format=_FORMAT, where=url, tag=tag, files=files, slots=built.slots,
+        tensors=built.tensors, order=built.order, aliases=built.aliases, source=source,
+        facts=facts, metadata_bytes=metadata_bytes, main_slot_kind="shard",
+        notes=_notes(built, config), warnings=_warnings(built), native=config,
+        lowp_missing="verl saves only the sharded model weights, no second copy",
+    )  # fmt: skip
+
+
+def _wrapping(fsdp_version: Any) -> str:
+    if fsdp_version in (1, 2):
+        return f"FSDP{fsdp_version}"
+    if fsdp_version == 0:
+        return "model not FSDP-wrapped"
+    return "FSDP version not recorded"
+
+
+def _warnings(built: Built) -> list[str]:
+    lora = [k for k in built.order if ".lora_A." in k or ".lora_B." in k]
+    if not lora:
+        return []
+    return [
+        f"a LoRA actor ({len(lora)} LoRA tensors): the output keeps the state dict's PEFT names "
+        "(`base_model.model.`, `.base_layer`, `.default`), which from_pretrained of the base "
+        "model does not load; verl's model_merger writes the base weights under the model's "
+        "own names and the adapter apart"
+    ]
+
+
+def _notes(built: Built, config: dict[str, Any] | None) -> list[str]:
+    notes = []
+    if config is None:
+        notes.append("no fsdp_config.json (verl writes it on rank 0): world size from file names")
+    for name, first in built.copies.items():
+        notes.append(
+            f"{name} is saved apart from {first} with the same size and CRC-32 in every rank "
+            "file (FSDP1 saves a tied weight as a copy): both are written, no tie is recorded"
+        )
+    if built.non_tensor:
+        notes.append(
+            f"{len(built.non_tensor)} non-tensor entr(ies) not converted: "
+            + ", ".join(built.non_tensor[:8])
+        )
+    return notes
+
+
+def _fingerprint(files: Sequence[SourceFile], slots: Sequence[Slot]) -> str:
+    """SHA-256 over every local shard's name, record size and CRC-32 (zip directory form):
+    from headers only, the same after copies and moves, different for a changed shard."""
+    h = hashlib.sha256(f"verl {sum(f.role == 'model' for f in files)}\n".encode())
+    for s in sorted(slots, key=lambda s: s.name):
+        h.update(f"{s.name}\0{s.record_size_bytes}\0{s.record_crc32}\n".encode())
+    return h.hexdigest()
