@@ -13,13 +13,13 @@ import pytest
 
 from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import VerificationError
 from zerosafe.io.lease import LeaseHeldError
 from zerosafe.io.storage import Storage
 from zerosafe.pipeline import (
     MergeReadiness,
     WorkLayout,
-    convert_checkpoint,
     extract_unit,
     finish_job,
     hold_work,

@@ -524,7 +524,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         # This process runs its own threads (see serial_torch): set once torch is imported,
         # beside the planning, not before it.
         preload("torch", then=serial_torch)
-        from zerosafe.pipeline import convert_checkpoint
+        from zerosafe.driver import convert_checkpoint
 
         summary = convert_checkpoint(
             args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,

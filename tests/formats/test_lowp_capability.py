@@ -12,7 +12,7 @@ import pytest
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConfigError
 from zerosafe.formats.registry import READERS, check_options
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 from zerosafe_app.cli import main
 
 

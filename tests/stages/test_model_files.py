@@ -19,7 +19,7 @@ from safetensors import safe_open
 from tests.conftest import REPO, SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConfigError
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 from zerosafe.plan.model import job_key_of
 from zerosafe.verify.output import verify_output
 from zerosafe_app.cli import main

@@ -27,7 +27,7 @@ from zerosafe.errors import IntegrityError, LayoutMismatchError
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import LeaseHeldError
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 from zerosafe_app.cli import main
 
 TAG = "global_step2"

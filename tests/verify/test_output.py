@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 from zerosafe.verify.output import verify_output
 
 REPO = Path(__file__).resolve().parents[2]

@@ -323,7 +323,7 @@ def _run_job(cfg: JobConfig) -> dict[str, Any]:
 
 def _run_held(cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: float) -> RunSummary:
     """Plan, then (holding the work area) run the stages and publish; the same steps as
-    `zerosafe.pipeline.convert_checkpoint`, as tasks."""
+    `zerosafe.driver.convert_checkpoint`, as tasks."""
     options = cfg.options()
     job = JobPlan.from_json(
         inspect(

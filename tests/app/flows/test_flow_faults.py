@@ -18,7 +18,7 @@ from tests.app.flows.conftest import convert_json, journal, run_cli
 from tests.conftest import REPO
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from tests.conftest import SAMPLE_CKPT
 from tests.helpers import load_output
 from zerosafe.config import ConvertOptions
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 from zerosafe.stages.clean import find_leftovers
 from zerosafe.stages.results import JobPlan
 from zerosafe_app.tasks._common import Job

@@ -23,7 +23,7 @@ from tests.formats.dcp.test_convert import assert_matches, load_output, model_or
 from tests.io.s3.conftest import aws_environment, aws_home, bucket, moto  # noqa: F401 - fixtures
 from tests.io.s3.support import MotoServer, assert_same_output, upload_folder
 from zerosafe.config import ConvertOptions
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 
 pytestmark = pytest.mark.slow
 

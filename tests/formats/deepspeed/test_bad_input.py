@@ -20,7 +20,7 @@ from zerosafe.errors import (
     UnsafePickleError,
     UnsupportedCheckpointError,
 )
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 from zerosafe_app.cli import main
 
 TAG = "global_step2"

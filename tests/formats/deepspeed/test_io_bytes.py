@@ -10,7 +10,7 @@ from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
 from zerosafe.formats.deepspeed.checkpoint import build_plan, open_zero_checkpoint
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])

@@ -22,7 +22,7 @@ from tests.conftest import SHARED_FIXTURES
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import UnsupportedCheckpointError
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 from zerosafe.plan.build import plan_checkpoint
 from zerosafe_app.cli import main
 

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError, UnsupportedCheckpointError
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 from zerosafe.verify.output import verify_output
 
 try:

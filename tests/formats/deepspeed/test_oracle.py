@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from zerosafe.config import ConvertOptions
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 from zerosafe.verify.output import verify_output
 
 try:

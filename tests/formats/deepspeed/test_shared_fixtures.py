@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tests.conftest import SHARED_FIXTURES, shared_fixture_names
 from tests.helpers import load_output, same_bytes, upcast
 from zerosafe.config import ConvertOptions
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 
 NAMES = shared_fixture_names()
 pytestmark = pytest.mark.skipif(not NAMES, reason=f"{SHARED_FIXTURES} not present")

@@ -29,7 +29,7 @@ from zerosafe.errors import (
     LayoutMismatchError,
     UnsupportedCheckpointError,
 )
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 from zerosafe.verify.output import verify_output
 from zerosafe_app.cli import main
 

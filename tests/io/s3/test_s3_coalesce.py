@@ -14,7 +14,7 @@ from tests.io.s3.support import MotoServer, download_folder, upload_folder
 from tests.io.test_coalesce import MergeTrace, merge_request_bound
 from zerosafe.config import ConvertOptions
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 
 
 def test_merge_requests_follow_bytes_not_fragments(

@@ -24,7 +24,7 @@ from tests.io.s3.support import (
 from zerosafe.config import ConvertOptions
 from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 
 
 @pytest.mark.parametrize("route", ["s3-s3", "s3-local", "local-s3"])
