@@ -31,7 +31,7 @@ def main() -> None:
         from zerosafe.driver import convert_checkpoint
 
         def run(src: str, dst: str) -> dict:
-            return convert_checkpoint(src, dst, ConvertOptions(**options))
+            return convert_checkpoint(src, dst, ConvertOptions(**options)).to_json()
     else:
         from zerosafe_app.flows.runtime import configure_embedded_prefect
 

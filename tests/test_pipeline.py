@@ -172,8 +172,7 @@ def test_an_already_complete_summary_is_three_keys() -> None:
     summary = RunSummary.already_complete("/out", "k")
     assert summary.to_json() == {"status": "already-complete", "output": "/out", "job_key": "k"}
     assert (
-        RunSummary.from_json(summary.to_json()) == summary
-        and summary["status"] == "already-complete"
+        RunSummary.from_json(summary.to_json()) == summary and summary.status == "already-complete"
     )
 
 

@@ -209,7 +209,11 @@ def check_free_space(
             raise StorageError(
                 f"{url}: the conversion needs {format_bytes(need)} there but only "
                 f"{format_bytes(free)} is free. Free space, choose another output"
-                + ("" if direct else ", or use --direct (no intermediate copy) for a local source")
+                + (
+                    ""
+                    if direct
+                    else ", or use --mode direct (no intermediate copy) for a local source"
+                )
                 + ", then run the same command again."
             )
 

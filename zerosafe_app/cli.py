@@ -176,11 +176,6 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         "staged for object stores; default)",
     )
     p.add_argument(
-        "--direct",
-        action="store_true",
-        help="same as --mode direct (kept for one release)",
-    )
-    p.add_argument(
         "--keep-fp32",
         action="append",
         default=[],
@@ -384,19 +379,15 @@ def _add_verify(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _requested_mode(args: argparse.Namespace) -> str:
-    return "direct" if args.direct else str(args.mode)
-
-
 def _options(args: argparse.Namespace) -> Any:
     from zerosafe.config import ConvertOptions, choose_mode
 
     try:
         source = getattr(args, "checkpoint", None)
         if source:
-            direct, why = choose_mode(source, _requested_mode(args))
+            direct, why = choose_mode(source, args.mode)
         else:  # `inspect --simulate`: no source to choose by
-            direct, why = _requested_mode(args) == "direct", f"{_requested_mode(args)}, as asked"
+            direct, why = args.mode == "direct", f"{args.mode}, as asked"
         return ConvertOptions(
             dtype=args.dtype,
             max_shard_size=args.max_shard_size,
@@ -534,7 +525,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         preload("torch")
         summary = convert_with_flow(
             args, options, show_progress=show_progress, api=api,
-            storage_options=_storage_options(args), mode=_requested_mode(args),
+            storage_options=_storage_options(args), mode=args.mode,
         )  # fmt: skip
     print_convert_result(
         args.output, summary, via=via, why=why, as_json=args.json, quiet=args.quiet

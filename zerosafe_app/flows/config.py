@@ -21,8 +21,6 @@ from zerosafe.units import parse_size
 
 __all__ = ["JobConfig", "load_job_config"]
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
 
 class JobConfig(BaseModel):
     """One conversion job."""
@@ -142,7 +140,7 @@ class JobConfig(BaseModel):
         """The engine's options for this job."""
         direct, why = choose_mode(self.source, self.mode)
         return ConvertOptions(
-            dtype=_DTYPES[self.dtype],
+            dtype=self.dtype,
             max_shard_size=self.max_shard_size,
             tied=self.tied,
             exclude_frozen=self.exclude_frozen,

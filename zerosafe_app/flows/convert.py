@@ -36,6 +36,7 @@ from prefect.states import Completed, Failed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from zerosafe.config import ConvertOptions
+from zerosafe.dtypes import short_name
 from zerosafe.errors import ConversionError, VerificationError
 from zerosafe.io.lease import Lease
 from zerosafe.io.storage import Storage, is_local, join_url
@@ -538,7 +539,7 @@ def run_convert(
 
     bar = TerminalProgress() if show_progress else NullProgress()
     set_progress(bar)  # the flow starts it with the total once the plan is known
-    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[options.dtype]
+    dtype = short_name(options.dtype)
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     try:

@@ -303,7 +303,8 @@ def test_full_disk_names_the_path_and_the_same_command_then_completes(
         "bf16",
         "--max-shard-size",
         SHARDS,
-        "--direct",
+        "--mode",
+        "direct",
         "--memory",
         "256MB",
     )

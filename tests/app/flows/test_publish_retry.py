@@ -18,8 +18,8 @@ from prefect.logging import disable_run_logger
 from tests.conftest import SAMPLE_CKPT
 from tests.helpers import load_output
 from zerosafe.config import ConvertOptions
-from zerosafe.io.storage import Storage
 from zerosafe.driver import convert_checkpoint
+from zerosafe.io.storage import Storage
 from zerosafe.stages.clean import find_leftovers
 from zerosafe.stages.results import JobPlan
 from zerosafe_app.tasks._common import Job

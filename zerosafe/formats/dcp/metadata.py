@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from zerosafe.dtypes import DTYPES
 from zerosafe.errors import CheckpointFormatError, UnsafePickleError
 from zerosafe.formats.torch_zip import DTypeToken, InertObject, TorchSize
 
@@ -56,12 +57,6 @@ def _path(*parts: Any) -> str:
     return "/".join(str(p) for p in parts)
 
 
-_DTYPES = (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "uint16", "uint32", "uint64", "bool", "complex64", "complex128", "float8_e4m3fn",
-    "float8_e5m2",
-)  # fmt: skip
-
 _INERT_CLASSES = (
     f"{_METADATA}.Metadata",
     f"{_METADATA}.TensorStorageMetadata",
@@ -82,7 +77,7 @@ ALLOWED_GLOBALS: dict[str, Any] = {
     "pathlib.WindowsPath": _path,
     "pathlib.PurePosixPath": _path,
     "collections.OrderedDict": dict,
-    **{f"torch.{name}": DTypeToken(name) for name in _DTYPES},
+    **{f"torch.{name}": DTypeToken(name) for name in DTYPES},
 }
 """Every global a DCP `.metadata` pickle may name, and what it becomes. Anything else is
 refused. Seen in torch 2.13's files: the DCP classes, `torch.Size`, dtypes,
