@@ -59,8 +59,8 @@ def test_publish_again_with_the_same_inputs_returns_the_same_result(
     from zerosafe_app.tasks.publish import finish, publish
 
     out = tmp_path / "out"
-    job = JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(out), STAGED.as_dict()))
-    task_job = Job(str(SAMPLE_CKPT), str(out), job.work_url, job.job_key, STAGED.as_dict(), {})
+    job = JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(out), STAGED))
+    task_job = Job(str(SAMPLE_CKPT), str(out), job.work_url, job.job_key, STAGED, {})
     j = task_job.as_dict()
     extracts = [extract.fn(j, p.index, p.rank, p.label) for p in job.parts]
     n = len(job.shards)
