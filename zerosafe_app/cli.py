@@ -20,11 +20,15 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from zerosafe._version import __version__
 from zerosafe.errors import ConfigError, ConversionError, VerificationError
 from zerosafe.units import size_argument
+
+if TYPE_CHECKING:
+    from zerosafe.config import ConvertOptions
+    from zerosafe.io.storage import Storage
 
 __all__ = ["main", "run", "with_flag_names"]
 
@@ -213,7 +217,7 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return parse_option_pairs(getattr(args, "storage_option", None) or [])
 
 
-def _storage(args: argparse.Namespace) -> Any:
+def _storage(args: argparse.Namespace) -> Storage:
     """Storage for the command's URLs; a `credentials` block reference needs Prefect."""
     from zerosafe.io.storage import Storage
 
@@ -379,7 +383,7 @@ def _add_verify(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _options(args: argparse.Namespace) -> Any:
+def _options(args: argparse.Namespace) -> ConvertOptions:
     from zerosafe.config import ConvertOptions, choose_mode
 
     try:
@@ -467,7 +471,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_before_starting(args: argparse.Namespace, options: Any) -> str | None:
+def _check_before_starting(args: argparse.Namespace, options: ConvertOptions) -> str | None:
     """Refuse what is plainly wrong in well under a second, before the flow (and the embedded
     Prefect server, seconds to start) begins: a folder that holds no checkpoint, a tag that is
     not there, an output that cannot be written. The flow checks everything again.

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from zerosafe.units import format_bytes
+
+if TYPE_CHECKING:
+    from zerosafe.stages.results import RunSummary
 
 __all__ = ["print_convert_result", "print_summary"]
 
 
 def print_convert_result(
-    output: str, summary: Any, *, via: str, why: str, as_json: bool, quiet: bool
+    output: str, summary: RunSummary, *, via: str, why: str, as_json: bool, quiet: bool
 ) -> None:
-    """Print what a `convert` run did (`summary` is a `RunSummary`; `via` and `why`: where it
-    ran): the JSON, one line for an output that was already complete, or the summary lines;
+    """Print what a `convert` run did (`via` and `why`: where it ran): the JSON, one line for an output that was already complete, or the summary lines;
     then the run's warnings on stderr."""
     if as_json:
         print(json.dumps({**summary.to_json(), "via": via, "via_reason": why}, indent=1))
@@ -30,9 +32,10 @@ def print_convert_result(
             print(f"zerosafe: warning: {warning}", file=sys.stderr)
 
 
-def print_summary(output: str, summary: Any, *, ran: str) -> None:
-    """The few lines a converted run prints (`summary` is a `RunSummary`; `ran`: where)."""
+def print_summary(output: str, summary: RunSummary, *, ran: str) -> None:
+    """The few lines a converted run prints (`ran`: where it ran)."""
     stats = summary.stats
+    assert stats is not None  # a converted run has its stats
     print(
         f"converted {summary.num_tensors} tensors into {len(summary.files)} file(s) in {output} "
         f"in {summary.seconds:.1f} s ({format_bytes(summary.throughput_bytes_per_second)}/s read; "

@@ -9,9 +9,13 @@ import importlib
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zerosafe.errors import ConversionError
+
+if TYPE_CHECKING:
+    from zerosafe.config import ConvertOptions
+    from zerosafe.stages.results import RunSummary
 
 __all__ = ["convert_with_flow", "lost_api", "preload", "route"]
 
@@ -51,13 +55,13 @@ def route(via: str) -> tuple[str, str, str | None]:
 
 def convert_with_flow(
     args: argparse.Namespace,
-    options: Any,
+    options: ConvertOptions,
     *,
     show_progress: bool,
     api: str | None,
     storage_options: dict[str, Any],
     mode: str,
-) -> Any:
+) -> RunSummary:
     """Run the flow `convert` against the configured Prefect API, or, with none, against a
     private server that ends with this command."""
     from zerosafe_app.flows.runtime import configure_embedded_prefect, private_server, use_api

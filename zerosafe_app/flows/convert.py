@@ -4,7 +4,7 @@ Deployments reference `flows/convert.py:convert`. Its parameters are the job con
 flat (so the Prefect UI shows a form and `--param dtype=bf16` works), plus `conf`, a YAML job
 file they override. `zerosafe convert` runs this same flow, embedded.
 
-Each stage task is cached by (stage, plan id, unit, content fingerprint of its inputs) with
+Each stage task is cached by (stage, job key, unit, content fingerprint of its inputs) with
 results persisted in the work area, so a killed run started again skips every task whose
 output is complete and still present. Before submitting a task the flow checks that output
 on disk and refreshes the cache where it vanished or changed.
