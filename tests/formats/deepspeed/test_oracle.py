@@ -164,7 +164,7 @@ def _read_output(out: Path, summary: RunSummary) -> dict[str, torch.Tensor]:
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert sorted(set(index["weight_map"].values())) == sorted(files)
     else:
-        assert files == ["model.safetensors"]
+        assert files == ("model.safetensors",)
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(out / f), "pt") as handle:
