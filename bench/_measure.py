@@ -13,8 +13,9 @@ that one read covers the tree. `rchar`/`wchar` count bytes through read/write sy
 (page-cache hits included, mmap page faults not); `read_bytes`/`write_bytes` count what went
 to or came from the block device.
 
-A `zerosafe convert` may be served by the warm process kept beside the local Prefect server
-(`zerosafe_app.warm`): the conversion then runs in a child of that process, outside the
+A `zerosafe convert` of a checkout from before 2026-11-26 (a `before` variant) may be served
+by the warm process such checkouts kept beside a local Prefect server (`zerosafe_app.warm`,
+since removed): the conversion then runs in a child of that process, outside the
 command's tree. `run_measured` names a stats file in the command's environment
 (`ZEROSAFE_WARM_STATS`); the command writes the child's pid there, the sampler adds that
 child's tree to every sample, and the child's own CPU seconds and I/O counts (which it writes

@@ -13,4 +13,11 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c cons
 if ! .venv/bin/python -c 'import deepspeed' 2>/dev/null; then
     DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation deepspeed==0.19.8
 fi
+# The frameworks whose own save code writes some test checkpoints (accelerate, peft,
+# OLMo-core). Their metadata asks for older filelock/rich/huggingface-hub than the suite
+# runs with, which pip's resolver cannot satisfy; they work with ours, so they go in
+# without it, pinned by constraints.txt, with the modules their import paths need.
+"${PIP[@]}" --no-deps accelerate peft ai2-olmo-core cached-path bettermap \
+    dataclass-extensions importlib-resources pandas dill
+"${PIP[@]}" google-cloud-storage  # cached-path imports it at import time
 .venv/bin/zerosafe --version

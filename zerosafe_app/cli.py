@@ -481,7 +481,7 @@ def _check_before_starting(args: argparse.Namespace, options: ConvertOptions) ->
         stat-only check the flow's inspect makes first): then there is nothing to run.
     """
     from zerosafe.errors import ConfigError
-    from zerosafe.formats.registry import check_options, detect_format
+    from zerosafe.formats.registry import check_options, find_save
     from zerosafe.io.storage import normalize_url
     from zerosafe.stages.output import quick_done
 
@@ -489,9 +489,9 @@ def _check_before_starting(args: argparse.Namespace, options: ConvertOptions) ->
     if source == output:
         raise ConfigError(f"{output}: the output folder must differ from the checkpoint folder")
     storage = _storage(args)
-    reader = detect_format(storage, source, args.tag)
-    check_options(reader, source, options)
-    reader.quick_identities(storage, source, args.tag)
+    found = find_save(storage, source, args.tag)  # the save one level down, where nested
+    check_options(found.reader, found.url, options)
+    found.reader.quick_identities(storage, found.url, args.tag)
     storage.ensure_folder(output)
     return quick_done(storage, source, args.tag, output, options)
 

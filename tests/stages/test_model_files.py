@@ -305,3 +305,23 @@ def test_a_config_over_the_cap_is_not_parsed(hf_ckpt: Path, capsys) -> None:
     assert main(["inspect", str(hf_ckpt), "--json"]) == 0
     warnings = json.loads(capsys.readouterr().out)["warnings"]
     assert len(warnings) == 1 and "config.json" in warnings[0] and "16 MiB" in warnings[0]
+
+
+def test_an_olmo_core_experiment_config_is_not_copied(hf_ckpt: Path, tmp_path: Path) -> None:
+    """Issue 26: OLMo-core's trainer writes its experiment config as `stepN/config.json`
+    (`json.dumps` of `Config.as_config_dict()`); beside the weights, from_pretrained would
+    take it for a transformers config. It is skipped, saying why; the tokenizer still comes."""
+    from olmo_core.nn.transformer import TransformerConfig
+
+    model = TransformerConfig.llama_like(d_model=64, vocab_size=128, n_layers=2, n_heads=4)
+    experiment = {"run_name": "r", "model": model.as_config_dict()}
+    (hf_ckpt / "config.json").write_text(json.dumps(experiment))
+    out = tmp_path / "out"
+    summary = convert_checkpoint(str(hf_ckpt), str(out), ConvertOptions())
+    assert [e["file"] for e in _manifest(out)["model_files"]] == [
+        "tokenizer.json", "tokenizer_config.json", "additional_chat_templates/tool.jinja",
+    ]  # fmt: skip
+    assert not (out / "config.json").exists()
+    (warning,) = [w for w in summary.warnings if "config.json" in w]
+    assert "OLMo-core's experiment config" in warning and "not copied" in warning
+    assert verify_output(str(out))["ok"]

@@ -16,12 +16,14 @@ from zerosafe.formats.base import FormatReader, SourceLayout
 from zerosafe.formats.dcp.reader import DcpReader
 from zerosafe.formats.deepspeed.reader import DeepSpeedReader
 from zerosafe.formats.deepspeed.universal import UniversalReader
+from zerosafe.formats.nested import Found, find_nested, refuse_optimizer_only
 from zerosafe.io.storage import Storage, join_url, normalize_url
 
 __all__ = [
     "READERS",
     "check_options",
     "detect_format",
+    "find_save",
     "formats_listed",
     "formats_text",
     "quick_identities",
@@ -69,12 +71,24 @@ def reader_named(name: str) -> FormatReader:
 
 
 def detect_format(storage: Storage, url: str, tag: str | None = None) -> FormatReader:
-    """The reader of the checkpoint at `url` (and `tag`, a folder inside it), from listings only.
+    """The reader of the checkpoint at `url` (and `tag`), from listings only (`find_save`)."""
+    return find_save(storage, url, tag).reader
+
+
+def find_save(storage: Storage, url: str, tag: str | None = None) -> Found:
+    """Where the checkpoint at `url` (and `tag`, a folder inside it) is, and its reader, from
+    listings only.
 
     With a `tag` that names a folder of `url`, that folder decides (a DeepSpeed checkpoint
     folder may hold both a ZeRO tag and the universal folder ds_to_universal.py made of it).
+    Else a reader that claims `url` reads it; else the one save one level down
+    (`zerosafe.formats.nested`: `checkpoint-4/pytorch_model_fsdp_0` for `checkpoint-4`).
     A folder no reader claims goes to DeepSpeed's, the original format, whose errors say
     precisely what the folder lacks (and list the formats).
+
+    Raises:
+        CheckpointFormatError: If several subfolders hold a save, or DCP chunks lack their
+            `.metadata`.
     """
     url = normalize_url(url)
     if tag and "/" not in tag and tag not in (".", ".."):
@@ -82,11 +96,15 @@ def detect_format(storage: Storage, url: str, tag: str | None = None) -> FormatR
         if storage.isdir(tag_url):
             for reader in READERS:
                 if reader.detect(storage, tag_url):
-                    return reader
+                    return Found(reader=reader, url=url, given=url)
     for reader in READERS:
         if reader.detect(storage, url):
-            return reader
-    return reader_named(FALLBACK)
+            return Found(reader=reader, url=url, given=url)
+    if tag is None:
+        nested = find_nested(storage, url, READERS)
+        if nested is not None:
+            return nested
+    return Found(reader=reader_named(FALLBACK), url=url, given=url)
 
 
 def check_options(reader: FormatReader, url: str, options: ConvertOptions) -> None:
@@ -123,9 +141,13 @@ def read_source(
         ConfigError: For options the format refuses (`check_options`), or `check_lowp` on a
             checkpoint that keeps no 16-bit copy (`SourceLayout.lowp_missing`).
     """
-    reader = detect_format(storage, url, tag)
-    check_options(reader, url, options)
-    layout = reader.read(storage, url, tag=tag, options=options)
+    found = find_save(storage, url, tag)
+    check_options(found.reader, found.url, options)
+    layout = found.reader.read(storage, found.url, tag=tag, options=options)
+    refuse_optimizer_only(layout, options)
+    if found.nested:  # say which folder was converted, and keep the one given
+        layout.notes.insert(0, found.note)
+        layout.source["found_in"] = found.given
     if options.check_lowp and layout.lowp_missing is not None:
         raise _no_lowp_copy(layout.where, layout.lowp_missing)
     return layout
@@ -143,4 +165,5 @@ def quick_identities(
     storage: Storage, url: str, tag: str | None
 ) -> tuple[str, list[dict[str, Any]]]:
     """`(tag, identities)` of the files converting `url` reads, from listings and stats."""
-    return detect_format(storage, url, tag).quick_identities(storage, url, tag)
+    found = find_save(storage, url, tag)
+    return found.reader.quick_identities(storage, found.url, tag)

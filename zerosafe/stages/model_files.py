@@ -137,16 +137,48 @@ def list_model_files(storage: Storage, folder: str) -> tuple[list[str], list[str
             for n in storage.listdir(join_url(folder, CHAT_TEMPLATES_DIR))
             if n.endswith(".jinja")
         ]
-    if not is_local(folder):
-        return found, []
     kept, warnings = [], []
     for name in found:
-        why = _not_copied_because(folder, name)
+        why = _not_copied_because(folder, name) if is_local(folder) else None
         if why is None:
             kept.append(name)
         else:
             warnings.append(why)
+    if "config.json" in kept:
+        why = _not_a_transformers_config(storage, folder)
+        if why is not None:
+            kept.remove("config.json")
+            warnings.append(why)
     return kept, warnings
+
+
+def _not_a_transformers_config(storage: Storage, folder: str) -> str | None:
+    """Why `folder/config.json` is not copied as the model's config, or None when it may be
+    one. OLMo-core writes its experiment config under that name into each `stepN/` folder
+    (`ConfigSaverCallback`: `json.dumps(config.as_config_dict())`, every section tagged with
+    its `_CLASS_`, no `model_type`); copied beside the weights, from_pretrained would
+    misread it. A file that is not JSON is left to `read_config` to report."""
+    url = join_url(folder, "config.json")
+    if storage.identity(url).size_bytes > CONFIG_MAX_BYTES:
+        return None
+    try:
+        config = json.loads(storage.read_bytes(url))
+    except (ValueError, OSError):
+        return None
+    if not isinstance(config, dict) or "model_type" in config:
+        return None
+    sections = [config, *(v for v in config.values() if isinstance(v, dict))]
+    classes = [c for s in sections if isinstance(c := s.get("_CLASS_"), str)]
+    olmo = [c for c in classes if c.startswith("olmo_core.")]
+    if not olmo:
+        return None
+    return (
+        f"{url}: OLMo-core's experiment config (sections tagged `_CLASS_` '{olmo[0]}'), not a "
+        "transformers config; not copied, since from_pretrained would misread it. The "
+        "weights keep OLMo-core's own names; OLMo-core's Hugging Face conversion "
+        "(examples/huggingface/convert_checkpoint_to_hf.py in its repository) maps them to a "
+        "transformers model, or pass `--model-files DIR` with a transformers config"
+    )
 
 
 def _not_copied_because(folder: str, name: str) -> str | None:

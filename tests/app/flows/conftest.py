@@ -36,6 +36,20 @@ def journal(work: Path) -> list[dict[str, Any]]:
     return sorted(entries, key=lambda e: e["time"])
 
 
+def results_persisted(work: Path) -> bool:
+    """Whether Prefect persisted a result for every unit the journal says finished, counted
+    per stage by the cache key's `zerosafe-<stage>-` prefix: a test that kills a run once this
+    holds knows "completed" means completed and cached, not merely executed. (Other tasks
+    persist results too, so comparing totals lets a unit whose result is still being written
+    pass when the machine is loaded.)"""
+    entries = journal(work)
+    for stage in ("extract", "merge", "verify"):
+        done = sum(1 for e in entries if e["stage"] == stage)
+        if len(list((work / "results").glob(f"zerosafe-{stage}-*"))) < done:
+            return False
+    return True
+
+
 def work_dir(out: Path) -> Path:
     (work,) = (out / ".zerosafe-work").iterdir()
     return work

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench.forge import forge_checkpoint, transformer_shapes
-from tests.app.flows.conftest import convert_json, journal, run_cli
+from tests.app.flows.conftest import convert_json, journal, results_persisted, run_cli
 from tests.conftest import REPO
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
@@ -152,9 +152,7 @@ def test_sigkill_during_merges_then_resume(
         # Kill only once Prefect persisted a result for every task the journal says finished,
         # so "completed" below means completed and cached, not merely executed.
         (work,) = work_root.iterdir()
-        done = [e for e in journal(work) if e["stage"] in ("extract", "merge", "verify")]
-        results = list((work / "results").glob("zerosafe-*")) if (work / "results").exists() else []
-        return merges_done() >= 2 and len(results) >= len(done)
+        return merges_done() >= 2 and results_persisted(work)
 
     _wait_for(lambda: merges_done() >= 2, 600, "two merges to finish")
     _wait_for(results_settled, 60, "results to be persisted")

@@ -80,3 +80,22 @@ def dcp_oracle(dcp_root: Path) -> Callable[[str], dict[str, object]]:
 def copy_checkpoint(src: Path, dest: Path) -> Path:
     shutil.copytree(src, dest)
     return dest
+
+
+@pytest.fixture(scope="session")
+def olmo_core_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real OLMo-core checkpoint, written once per test session by OLMo-core's own
+    `save_model_and_optim_state` (FSDP2 over 2 gloo ranks on the CPU): `step3/model_and_optim/`,
+    `step3/config.json`, `step3/train/rank0.pt`, and `live.safetensors`, the live model's full
+    state dict (`make_olmo_core_checkpoint.py` says more). A checkpoint OLMo-core could not
+    write fails the test, saying why."""
+    out = tmp_path_factory.mktemp("olmo_core")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [sys.executable, "-m", "tests.formats.dcp.make_olmo_core_checkpoint", str(out)],
+        check=True, cwd=REPO, env=env, timeout=600,
+    )  # fmt: skip
+    status = json.loads((out / "status.json").read_text()).get("olmo_core", "not generated")
+    if status != "ok":
+        pytest.fail(f"OLMo-core could not write its checkpoint here: {status}")
+    return out

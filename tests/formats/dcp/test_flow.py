@@ -17,7 +17,7 @@ import pytest
 
 from bench.forge import transformer_shapes
 from bench.forge_dcp import forge_dcp_checkpoint
-from tests.app.flows.conftest import convert_json, journal
+from tests.app.flows.conftest import convert_json, journal, results_persisted
 from tests.conftest import REPO
 from tests.formats.dcp.test_convert import assert_matches, load_output, model_oracle
 from tests.io.s3.conftest import aws_environment, aws_home, bucket, moto  # noqa: F401 - fixtures
@@ -92,9 +92,7 @@ def test_sigkill_during_merges_then_resume(
 
     def results_settled() -> bool:
         (work,) = work_root.iterdir()
-        done = [e for e in journal(work) if e["stage"] in ("extract", "merge", "verify")]
-        results = list((work / "results").glob("zerosafe-*")) if (work / "results").exists() else []
-        return merges_done() >= 2 and len(results) >= len(done)
+        return merges_done() >= 2 and results_persisted(work)
 
     try:
         _wait_for(lambda: merges_done() >= 2, 600, "two merges to finish")

@@ -90,9 +90,12 @@ def dcp_facts(
     if meta.byte_entries:
         shown = ", ".join(meta.byte_entries[:8]) + (" ..." if len(meta.byte_entries) > 8 else "")
         about.append(f"  non-tensor entries (listed in the manifest, not converted): {shown}")
+    if meta.writers:
+        about.append(f"  written by: {', '.join(meta.writers)}")
     return {
         "checkpoint": url,
         "dcp_version": meta.version,
+        "writers": list(meta.writers),
         "tensors_in_checkpoint": len(meta.tensors),
         "tensors_selected": len(chosen),
         "select": list(selected.select),
@@ -130,6 +133,11 @@ def dcp_notes(meta: DcpMetadata, selected: Selected, located: _Located) -> list[
             f"{len(meta.byte_entries)} non-tensor entr(ies) listed in the manifest, not "
             f"converted: {shown}"
         )
+    if meta.written_by_olmo_core:
+        notes.append(
+            "written by OLMo-core's checkpointer: tensors keep OLMo-core's own names (no "
+            "Hugging Face mapping is applied)"
+        )
     formats = {c.serialization for row in located for c in row if c is not None}
     if "safetensors" in formats:
         notes.append("chunks stored as safetensors (SerializationFormat.SAFETENSORS)")
@@ -150,6 +158,7 @@ def dcp_source_block(
         "checkpoint": url,
         "tag": url.rstrip("/").rsplit("/", 1)[-1],
         "dcp_version": meta.version,
+        "writers": list(meta.writers),
         "num_tensors_in_checkpoint": len(meta.tensors),
         "num_tensors_selected": len(selected.pairs),
         "num_params": sum(math.prod(meta.tensors[fqn].size) for fqn, _ in selected.pairs),

@@ -12,22 +12,57 @@
 The unpickler here knows exactly the globals that file needs (`ALLOWED_GLOBALS`, a table of
 its own: DeepSpeed's are in `zerosafe.torch_zip`), turns DCP's classes into inert records and
 then into the frozen dataclasses below; any other global is refused, naming it.
+
+Other writers of the same format. OLMo-core's `RemoteFileSystemWriter`
+(olmo_core/distributed/checkpoint/filesystem.py, ai2-olmo-core 3.0.0; what
+`save_model_and_optim_state` and its trainer's `Checkpointer` use) fills `storage_data` with
+its own `olmo_core.distributed.checkpoint.filesystem._StorageInfo(relative_path, offset,
+length)` dataclass; everything else in its `.metadata` is torch's (`Metadata`, `StorageMeta`
+with its save id, no `version`). Its `__{rank}_{n}.distcp` files are torch's default form:
+each tensor chunk is `torch.save(chunk.clone())` appended at `offset` (a complete zip
+archive of `length` bytes, no compression), each non-tensor value its raw `torch.save`
+bytes. So its `_StorageInfo` is read as data exactly like torch's (`STORAGE_INFO_CLASSES`).
+
+Drift across torch releases (2.3 to 2.13) and Python versions, each form accepted here
+because it means the same bytes (tests/formats/dcp/test_metadata_drift.py writes each one):
+- `TensorProperties`: DCP's own class since torch PR #116248 (early 2024, torch 2.3); before
+  it, and in any file a writer made with the old class (torch's own BC test
+  `test_sharded_tensor_dependency` still writes one), it is
+  `torch.distributed._shard.sharded_tensor.metadata.TensorProperties`, whose memory-format
+  enum is `MEM_FORMAT_ENCODING` (DCP's is `_MEM_FORMAT_ENCODING`). Both pickle their state as
+  the tuple `(dtype, layout, requires_grad, memory-format enum, pin_memory)`; only `dtype` is
+  used (chunks are checked against their own archives' shapes and strides).
+- `Metadata.storage_meta` (`StorageMeta`, torch PR #124772, 2.4; torch 2.3 cannot unpickle a
+  file that has it) and `Metadata.version`
+  (torch PR #155343, mid-2025; `"1.0.0"` in 2.13, absent in OLMo-core's files): absent means
+  None. `StorageMeta.modules` came later than its other fields; none of it is used.
+- `_StorageInfo.transform_descriptors` (stream transforms such as compression, 2025):
+  absent in older files and, since torch drops None fields when pickling it, in newer files
+  that used no transform. A chunk with transforms is refused by the reader.
+- `StorageMeta.checkpoint_id` as a path: `pathlib.PosixPath(*parts)` up to Python 3.12,
+  `pathlib._local.PosixPath(text)` from 3.13.
+Fields that would change where a chunk's bytes are (an unknown field of `_StorageInfo`,
+`ChunkStorageMetadata` or `TensorStorageMetadata`, a `TensorProperties` tuple of another
+length, a `version` other than 1.x) are refused, naming them, rather than ignored.
 """
 
 from __future__ import annotations
 
 import io
+import ntpath
 import pickle
+import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from zerosafe.dtypes import DTYPES
-from zerosafe.errors import CheckpointFormatError, UnsafePickleError
+from zerosafe.errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError
 from zerosafe.formats.torch_zip import DTypeToken, InertObject, TorchSize
 
 __all__ = [
     "ALLOWED_GLOBALS",
+    "STORAGE_INFO_CLASSES",
     "DcpMetadata",
     "StorageInfo",
     "TensorMeta",
@@ -35,6 +70,8 @@ __all__ = [
 ]
 
 _METADATA = "torch.distributed.checkpoint.metadata"
+_SHARDED = "torch.distributed._shard.sharded_tensor.metadata"
+_TENSOR_PROPERTIES = (f"{_METADATA}.TensorProperties", f"{_SHARDED}.TensorProperties")
 
 
 def _inert(qualname: str) -> type[InertObject]:
@@ -52,36 +89,62 @@ def _layout(name: Any) -> str:
     return str(name)
 
 
-def _path(*parts: Any) -> str:
-    # StorageMeta.checkpoint_id: a pathlib path on the saving machine, kept as text.
-    return "/".join(str(p) for p in parts)
+def _posix_path(*parts: Any) -> str:
+    # StorageMeta.checkpoint_id: a pathlib path on the saving machine, kept as text. Python
+    # <= 3.12 pickles its parts ('/', 'a', 'b'), 3.13 the whole text.
+    return posixpath.join(*(str(p) for p in parts)) if parts else ""
 
+
+def _windows_path(*parts: Any) -> str:
+    return ntpath.join(*(str(p) for p in parts)) if parts else ""
+
+
+STORAGE_INFO_CLASSES: dict[str, tuple[str, frozenset[str]]] = {
+    "torch.distributed.checkpoint.filesystem._StorageInfo": (
+        "torch's FileSystemWriter",
+        frozenset({"relative_path", "offset", "length", "transform_descriptors"}),
+    ),
+    "olmo_core.distributed.checkpoint.filesystem._StorageInfo": (
+        "OLMo-core's RemoteFileSystemWriter",
+        frozenset({"relative_path", "offset", "length"}),
+    ),
+}
+"""The `storage_data` value classes zerosafe reads, as data: qualname -> (the writer that
+pickles it, the fields it may carry). Both locate a chunk as bytes `[offset, offset + length)`
+of `relative_path`, a file in the checkpoint folder (see the module docstring)."""
 
 _INERT_CLASSES = (
     f"{_METADATA}.Metadata",
     f"{_METADATA}.TensorStorageMetadata",
     f"{_METADATA}.BytesStorageMetadata",
     f"{_METADATA}.ChunkStorageMetadata",
-    f"{_METADATA}.TensorProperties",
     f"{_METADATA}.MetadataIndex",
     f"{_METADATA}.StorageMeta",
+    *_TENSOR_PROPERTIES,
     f"{_METADATA}._MEM_FORMAT_ENCODING",
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    f"{_SHARDED}.MEM_FORMAT_ENCODING",
+    *STORAGE_INFO_CLASSES,
 )
 
 ALLOWED_GLOBALS: dict[str, Any] = {
     **{name: _inert(name) for name in _INERT_CLASSES},
     "torch.Size": _torch_size,
     "torch.serialization._get_layout": _layout,
-    "pathlib.PosixPath": _path,
-    "pathlib.WindowsPath": _path,
-    "pathlib.PurePosixPath": _path,
+    "pathlib.PosixPath": _posix_path,
+    "pathlib.PurePosixPath": _posix_path,
+    "pathlib.WindowsPath": _windows_path,
+    "pathlib.PureWindowsPath": _windows_path,
+    "pathlib._local.PosixPath": _posix_path,
+    "pathlib._local.PurePosixPath": _posix_path,
+    "pathlib._local.WindowsPath": _windows_path,
+    "pathlib._local.PureWindowsPath": _windows_path,
     "collections.OrderedDict": dict,
     **{f"torch.{name}": DTypeToken(name) for name in DTYPES},
 }
 """Every global a DCP `.metadata` pickle may name, and what it becomes. Anything else is
-refused. Seen in torch 2.13's files: the DCP classes, `torch.Size`, dtypes,
-`torch.serialization._get_layout` and `pathlib.PosixPath`."""
+refused. Seen in torch 2.13's and OLMo-core 3.0.0's files: the DCP classes, `torch.Size`,
+dtypes, `torch.serialization._get_layout`, `pathlib.PosixPath` and OLMo-core's
+`_StorageInfo`; the older and newer forms of the module docstring's drift list."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,7 +180,15 @@ class DcpMetadata:
     storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo]
     """`(fqn, chunk offsets)` (offsets None for a non-tensor value) -> where it is stored."""
     version: str | None
+    writers: tuple[str, ...] = ()
+    """Who wrote the chunks, from the `storage_data` classes (`STORAGE_INFO_CLASSES`):
+    `torch's FileSystemWriter`, `OLMo-core's RemoteFileSystemWriter`."""
     globals_found: frozenset[str]
+
+    @property
+    def written_by_olmo_core(self) -> bool:
+        """Whether OLMo-core's checkpoint writer wrote it (its names are OLMo-core's own)."""
+        return any(w.startswith("OLMo-core") for w in self.writers)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -146,11 +217,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def _fields(obj: Any, qualname: str, url: str, where: str) -> dict[str, Any]:
-    """The field dict of an inert DCP record, checking it is the class expected."""
-    if not isinstance(obj, InertObject) or obj.qualname != qualname:
+def _fields(obj: Any, qualnames: str | tuple[str, ...], url: str, where: str) -> dict[str, Any]:
+    """The field dict of an inert DCP record, checking it is (one of) the class(es) expected."""
+    names = (qualnames,) if isinstance(qualnames, str) else qualnames
+    if not isinstance(obj, InertObject) or obj.qualname not in names:
         raise CheckpointFormatError(
-            f"{url}: {where} is {_describe(obj)}, expected a '{qualname.rsplit('.', 1)[-1]}'; "
+            f"{url}: {where} is {_describe(obj)}, expected a '{names[0].rsplit('.', 1)[-1]}'; "
             "the file is not DCP metadata written by torch.distributed.checkpoint"
         )
     state = obj.state
@@ -161,6 +233,19 @@ def _fields(obj: Any, qualname: str, url: str, where: str) -> dict[str, Any]:
     if state is None:
         return {}
     return {"__state__": state}
+
+
+def _only_fields(
+    fields: Mapping[str, Any], known: frozenset[str], url: str, where: str, what: str
+) -> None:
+    """Refuse fields no known writer sets: they could change where the bytes are."""
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise UnsupportedCheckpointError(
+            f"{url}: {where} is a {what} with field(s) {unknown} that zerosafe does not know "
+            f"(it reads {sorted(known)}); a newer writer may store the bytes differently, so "
+            "nothing was converted. Report the writer and its version."
+        )
 
 
 def _describe(obj: Any) -> str:
@@ -178,23 +263,43 @@ def _int_tuple(value: Any, url: str, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _tensor_meta(fqn: str, obj: Any, url: str) -> TensorMeta:
-    where = f"'{fqn}'"
-    f = _fields(obj, f"{_METADATA}.TensorStorageMetadata", url, where)
-    props = _fields(
-        f.get("properties"), f"{_METADATA}.TensorProperties", url, f"{where} properties"
-    )
-    # TensorProperties pickles its fields as a tuple: (dtype, layout, requires_grad, ...).
-    state = props.get("__state__")
-    dtype = state[0] if isinstance(state, tuple) and state else props.get("dtype")
+_CHUNK_FIELDS = frozenset({"offsets", "sizes"})
+_TENSOR_FIELDS = frozenset({"properties", "size", "chunks"})
+
+
+def _dtype_of(props: Any, url: str, where: str) -> str:
+    """The dtype of a `TensorProperties` (DCP's or ShardedTensor's: the module docstring)."""
+    fields = _fields(props, _TENSOR_PROPERTIES, url, f"{where} properties")
+    state = fields.get("__state__")
+    if isinstance(state, tuple):
+        # __getstate__: (dtype, layout, requires_grad, memory-format enum, pin_memory)
+        if len(state) != 5:
+            raise UnsupportedCheckpointError(
+                f"{url}: {where} has TensorProperties of {len(state)} values, expected the 5 "
+                "(dtype, layout, requires_grad, memory_format, pin_memory) torch 2.3 to 2.13 "
+                "write; a newer torch may describe its chunks differently, so nothing was "
+                "converted. Report the torch version that wrote it."
+            )
+        dtype = state[0]
+    else:
+        dtype = fields.get("dtype")
     if not isinstance(dtype, DTypeToken):
         raise CheckpointFormatError(
             f"{url}: {where} has dtype {_describe(dtype)}, expected a torch dtype; the metadata "
             "is corrupt"
         )
+    return str(dtype)
+
+
+def _tensor_meta(fqn: str, obj: Any, url: str) -> TensorMeta:
+    where = f"'{fqn}'"
+    f = _fields(obj, f"{_METADATA}.TensorStorageMetadata", url, where)
+    _only_fields(f, _TENSOR_FIELDS, url, where, "TensorStorageMetadata")
+    dtype = _dtype_of(f.get("properties"), url, where)
     chunks = []
     for i, chunk in enumerate(f.get("chunks") or ()):
         c = _fields(chunk, f"{_METADATA}.ChunkStorageMetadata", url, f"{where} chunk {i}")
+        _only_fields(c, _CHUNK_FIELDS, url, f"{where} chunk {i}", "ChunkStorageMetadata")
         chunks.append(
             (
                 _int_tuple(c.get("offsets"), url, f"{where} chunk {i} offsets"),
@@ -203,7 +308,7 @@ def _tensor_meta(fqn: str, obj: Any, url: str) -> TensorMeta:
         )
     return TensorMeta(
         fqn=fqn,
-        dtype=str(dtype),
+        dtype=dtype,
         size=_int_tuple(f.get("size"), url, f"{where} size"),
         chunks=tuple(chunks),
     )
@@ -216,16 +321,17 @@ def _leaves_folder(path: str) -> bool:
     return path.startswith(("/", "\\")) or "://" in path or ".." in parts
 
 
-def _storage_entry(key: Any, value: Any, url: str) -> tuple[tuple[str, Any], StorageInfo]:
+def _storage_entry(key: Any, value: Any, url: str) -> tuple[tuple[str, Any], StorageInfo, str]:
+    """One `storage_data` item: its `(fqn, offsets)` key, where it is, and who wrote it."""
     k = _fields(key, f"{_METADATA}.MetadataIndex", url, "a storage_data key")
     fqn = k.get("fqn")
     if not isinstance(fqn, str):
         raise CheckpointFormatError(f"{url}: a storage_data key has fqn {fqn!r}, expected text")
     offset = k.get("offset")
     offsets = None if offset is None else _int_tuple(offset, url, f"'{fqn}' storage offset")
-    v = _fields(
-        value, "torch.distributed.checkpoint.filesystem._StorageInfo", url, f"'{fqn}' storage"
-    )
+    v = _fields(value, tuple(STORAGE_INFO_CLASSES), url, f"'{fqn}' storage")
+    writer, known = STORAGE_INFO_CLASSES[value.qualname]
+    _only_fields(v, known, url, f"'{fqn}' storage", f"_StorageInfo of {writer}")
     path, start, length = v.get("relative_path"), v.get("offset"), v.get("length")
     if not isinstance(path, str) or type(start) is not int or type(length) is not int:
         raise CheckpointFormatError(
@@ -243,7 +349,37 @@ def _storage_entry(key: Any, value: Any, url: str) -> tuple[tuple[str, Any], Sto
     info = StorageInfo(
         relative_path=path, offset=start, length=length, transform_descriptors=transforms
     )
-    return (fqn, offsets), info
+    return (fqn, offsets), info, writer
+
+
+def _check_version(version: Any, url: str) -> str | None:
+    """`Metadata.version` as text: None (written before it existed, or by OLMo-core), or 1.x
+    (`"1.0.0"` in torch 2.13); a later major version is refused."""
+    if version is None:
+        return None
+    text = str(version)
+    if not isinstance(version, (str, float, int)) or text.split(".", 1)[0] != "1":
+        raise UnsupportedCheckpointError(
+            f"{url}: DCP metadata version {text!r}; zerosafe reads version 1 (torch up to "
+            "2.13) and metadata without a version. A newer torch may lay chunks out "
+            "differently: convert with the torch that wrote it (`dcp_to_torch_save`), or "
+            "report the version."
+        )
+    return text
+
+
+def _load(data: bytes, url: str) -> tuple[Any, frozenset[str]]:
+    unpickler = _MetadataUnpickler(data, url)
+    try:
+        root = unpickler.load()
+    except CheckpointFormatError:
+        raise
+    except Exception as e:
+        raise CheckpointFormatError(
+            f"{url}: the DCP metadata pickle could not be read ({type(e).__name__}: {e}); the "
+            "file is truncated or corrupt. Copy the checkpoint again."
+        ) from e
+    return root, frozenset(unpickler.globals_found)
 
 
 def parse_metadata(data: bytes, url: str) -> DcpMetadata:
@@ -258,18 +394,11 @@ def parse_metadata(data: bytes, url: str) -> DcpMetadata:
 
     Raises:
         UnsafePickleError: If the pickle names a global outside `ALLOWED_GLOBALS`.
+        UnsupportedCheckpointError: If it carries fields or a version zerosafe does not know
+            (the module docstring lists the forms it reads).
         CheckpointFormatError: If it is not DCP metadata (another pickle, corrupt, truncated).
     """
-    unpickler = _MetadataUnpickler(data, url)
-    try:
-        root = unpickler.load()
-    except CheckpointFormatError:
-        raise
-    except Exception as e:
-        raise CheckpointFormatError(
-            f"{url}: the DCP metadata pickle could not be read ({type(e).__name__}: {e}); the "
-            "file is truncated or corrupt. Copy the checkpoint again."
-        ) from e
+    root, globals_found = _load(data, url)
     m = _fields(root, f"{_METADATA}.Metadata", url, "the pickled object")
     sd = m.get("state_dict_metadata")
     if not isinstance(sd, Mapping):
@@ -289,13 +418,18 @@ def parse_metadata(data: bytes, url: str) -> DcpMetadata:
             f"{url}: 'storage_data' is {_describe(raw_storage)}, expected a dict; was the "
             "checkpoint written by a storage writer other than torch's FileSystemWriter?"
         )
-    storage = dict(_storage_entry(k, v, url) for k, v in raw_storage.items())
-    version = m.get("version")
+    storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
+    writers: set[str] = set()
+    for k, v in raw_storage.items():
+        key, info, writer = _storage_entry(k, v, url)
+        storage[key] = info
+        writers.add(writer)
     return DcpMetadata(
         url=url,
         tensors=tensors,
         byte_entries=tuple(byte_entries),
         storage=storage,
-        version=None if version is None else str(version),
-        globals_found=frozenset(unpickler.globals_found),
+        version=_check_version(m.get("version"), url),
+        writers=tuple(sorted(writers)),
+        globals_found=globals_found,
     )

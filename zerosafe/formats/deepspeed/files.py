@@ -19,6 +19,11 @@ from zerosafe.errors import (
     LayoutMismatchError,
     UnsupportedCheckpointError,
 )
+from zerosafe.formats.deepspeed.engines import (
+    explain_unreadable,
+    nebula_placeholder_error,
+    not_committed_error,
+)
 from zerosafe.formats.deepspeed.moe import check_moe_file_name
 from zerosafe.formats.deepspeed.types import LoadedFile, TagFiles
 from zerosafe.formats.torch_legacy import open_torch_file
@@ -246,8 +251,14 @@ def _refuse_moe_with_model_parallel(found: TagFiles) -> None:
 def load_file(storage: Storage, url: str, role: str, rank: int) -> LoadedFile:
     identity = storage.identity(url)
     source = storage.open_source(url)
-    zf = open_torch_file(source)
-    obj = zf.load()
+    try:
+        zf = open_torch_file(source)
+        obj = zf.load()
+    except CheckpointFormatError as e:  # another engine's file, or a save not finished?
+        raise explain_unreadable(storage, source, e) from e
+    placeholder = nebula_placeholder_error(url, obj)
+    if placeholder is not None:
+        raise placeholder
     if not isinstance(obj, dict):
         raise CheckpointFormatError(
             f"{url}: expected a dict at the top of the pickle, got {type(obj).__name__}"
@@ -283,7 +294,10 @@ def check_ranks(
     world_size: int,
     stage: int,
     mp: int = 0,
+    storage: Storage | None = None,
 ) -> None:
+    """Refuse missing or stale rank files; with `storage`, a missing file in a tag that
+    `latest` does not name is a save not finished (an asynchronous writer's)."""
     ranks = set(by_rank)
     missing = sorted(set(range(world_size)) - ranks)
     extra = sorted(ranks - set(range(world_size)))
@@ -298,6 +312,13 @@ def check_ranks(
         + f"zero_pp_rank_{{r}}_mp_rank_{mp:02d}_"
         + ("optim_states.pt" if what == "optimizer" else "model_states.pt")
     )
+    if missing and storage is not None:
+        unfinished = not_committed_error(
+            storage, tag_url, f"{tag_url}: {what} file for rank(s) {missing} missing "
+            f"({pattern.format(r=missing[0])})"
+        )  # fmt: skip
+        if unfinished is not None:
+            raise unfinished
     if missing:
         raise CheckpointFormatError(
             f"{tag_url}: {what} file for rank(s) {missing} missing ({pattern.format(r=missing[0])}); "

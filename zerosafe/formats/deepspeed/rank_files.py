@@ -77,9 +77,9 @@ def open_rank_files(
     model0 = _model0(tag_url, stage, model_by_rank, mp)
     world_size = _world_size_of(first_optim, model0.obj.get("dp_world_size"))
     _check_world_sizes(model0, first_optim, world_size, model_parallel)
-    check_ranks(tag_url, "optimizer", optim_by_rank, world_size, stage, mp)
+    check_ranks(tag_url, "optimizer", optim_by_rank, world_size, stage, mp, storage)
     if stage == 3:
-        check_ranks(tag_url, "model states", model_by_rank, world_size, stage, mp)
+        check_ranks(tag_url, "model states", model_by_rank, world_size, stage, mp, storage)
     optim_files = [optim_by_rank[r] for r in range(world_size)]
     model_files = [model_by_rank[r] for r in sorted(model_by_rank)]
     check_one_save(tag_url, optim_files, model_files)

@@ -1,0 +1,81 @@
+"""Finding the save one level below the folder passed, for any reader (fast: DCP folders
+written in-process by torch.distributed.checkpoint, and the shipped DeepSpeed ZeRO-3 sample)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
+from zerosafe.errors import CheckpointFormatError
+from zerosafe.formats.registry import find_save, quick_identities, read_source
+from zerosafe.io.storage import Storage
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _dcp(folder: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    weights = {"embed.weight": torch.randn(5, 3), "head.weight": torch.randn(2, 3)}
+    dcp.save({"model": dict(weights)}, checkpoint_id=str(folder), no_dist=True)
+    return weights
+
+
+def test_one_dcp_save_one_level_down_converts(tmp_path: Path) -> None:
+    ckpt = tmp_path / "checkpoint-4"
+    weights = _dcp(ckpt / "pytorch_model_fsdp_0")
+    (ckpt / ".cache").mkdir()  # hidden folders are never candidates
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "toy"}))
+    storage = Storage()
+    found = find_save(storage, str(ckpt))
+    assert found.nested and found.reader.name == "dcp" and found.given == str(ckpt)
+    assert found.url == f"{ckpt}/pytorch_model_fsdp_0"
+    tag, identities = quick_identities(storage, str(ckpt), None)
+    assert (tag, identities) == quick_identities(storage, found.url, None)
+    summary = convert_checkpoint(str(ckpt), str(tmp_path / "out"))
+    assert f"converting {found.url} (the only save in {ckpt}: PyTorch DCP)" in summary.notes
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(got[k], v) for k, v in weights.items()) and sorted(got) == sorted(
+        weights
+    )
+    assert (tmp_path / "out" / "config.json").read_text() == (ckpt / "config.json").read_text()
+
+
+def test_a_deepspeed_save_one_level_down_converts(sample_ckpt: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.move(str(sample_ckpt), run / "ckpt")
+    layout = read_source(Storage(), str(run), tag=None, options=ConvertOptions())
+    assert layout.format == "deepspeed" and layout.where == f"{run}/ckpt/global_step2"
+    assert layout.notes[0] == f"converting {run}/ckpt (the only save in {run}: DeepSpeed ZeRO)"
+    assert layout.source["found_in"] == str(run)
+
+
+def test_saves_of_two_formats_are_listed(sample_ckpt: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.move(str(sample_ckpt), run / "ds")
+    _dcp(run / "step-10")
+    with pytest.raises(CheckpointFormatError) as e:
+        find_save(Storage(), str(run))
+    assert str(e.value) == (
+        f"{run}: holds 2 saves one level down: ds/ (DeepSpeed ZeRO), step-10/ (PyTorch DCP); "
+        "zerosafe converts one save at a time: pass the folder of the one to convert "
+        f"(e.g. {run}/ds)"
+    )
+
+
+def test_a_save_claimed_at_the_top_is_never_searched_below(tmp_path: Path) -> None:
+    """A DCP folder is one save even if a subfolder holds another."""
+    top = tmp_path / "step-10"
+    _dcp(top)
+    _dcp(top / "inner", seed=1)
+    found = find_save(Storage(), str(top))
+    assert not found.nested and found.url == str(top) and found.note == ""

@@ -1,0 +1,177 @@
+"""Finding the save inside the folder a user has, from listings only.
+
+Training stacks write the weights one level below the folder a user thinks of as "the
+checkpoint": the HF Trainer with accelerate FSDP2 writes `checkpoint-N/pytorch_model_fsdp_0/`
+(a DCP folder) beside `optimizer_0/`, `config.json` and the tokenizer; OLMo-core writes
+`stepN/model_and_optim/`; verl `global_step_N/actor/`. When no reader claims the folder given,
+each reader's `detect` is asked about its immediate subfolders: exactly one save there is
+converted (and named in a note), several are refused with their list, and a folder holding
+DCP chunk files without the global `.metadata` is refused saying what is missing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from zerosafe.config import ConvertOptions
+from zerosafe.errors import CheckpointFormatError
+from zerosafe.formats.base import FormatReader, SourceLayout
+from zerosafe.io.storage import Storage, join_url
+
+__all__ = [
+    "IGNORED_SUBFOLDER",
+    "Found",
+    "find_nested",
+    "refuse_optimizer_only",
+    "refuse_partial_dcp",
+]
+
+IGNORED_SUBFOLDER = re.compile(r"^(optimizer(_\d+)?|\..*)$")
+"""Subfolders never taken for the save: accelerate's `save_fsdp_optimizer` writes the
+optimizer state as its own DCP folder, `optimizer_N` (`OPTIMIZER_NAME`), beside the model's
+`pytorch_model_fsdp_N`; it holds no weights (its keys are `optimizer.state.*` and
+`optimizer.param_groups.*`), so it is no candidate. Hidden folders neither. A folder of
+optimizer state under another name is a second candidate, so it is listed, never converted
+silently."""
+_OPTIMIZER_STATE = re.compile(
+    r"^((optimizer|optim)\.)?state\..+\.(exp_avg|exp_avg_sq|max_exp_avg_sq|step|"
+    r"momentum_buffer|sum|square_avg|acc_delta)$"
+)
+"""A tensor of optimizer state as `get_optimizer_state_dict` names it (`state.<param>.<key>`
+for torch's optimizers), under accelerate's `optimizer.` or torchtitan's `optim.` key."""
+_PER_RANK = re.compile(r"(^|[_-])rank[_-]?\d+$")
+_DISTCP = re.compile(r"^__\d+_\d+\.distcp$")
+_DCP_METADATA = ".metadata"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Found:
+    """Where the save is: the folder read and its reader, and the folder the user gave."""
+
+    reader: FormatReader
+    url: str
+    """The folder read (and named in the job's identities)."""
+    given: str
+    """The folder the user passed; `url` itself unless the save was found one level down."""
+
+    @property
+    def nested(self) -> bool:
+        return self.url != self.given
+
+    @property
+    def note(self) -> str:
+        """`converting X/sub (the only save in X)`, for the plan's notes; "" if not nested."""
+        if not self.nested:
+            return ""
+        return f"converting {self.url} (the only save in {self.given}: {self.reader.title})"
+
+
+def _subfolders(storage: Storage, url: str) -> list[str]:
+    return sorted(n for n in storage.listdir(url) if storage.isdir(join_url(url, n)))
+
+
+def find_nested(storage: Storage, url: str, readers: Sequence[FormatReader]) -> Found | None:
+    """The one save one level below `url`, or None where there is none.
+
+    Raises:
+        CheckpointFormatError: If several subfolders hold a save (listed, with how to pick
+            one), or a folder holds DCP chunks without `.metadata` (`refuse_partial_dcp`).
+    """
+    if not storage.isdir(url):
+        return None
+    refuse_partial_dcp(storage, url)
+    found: list[Found] = []
+    ignored: list[str] = []
+    for name in _subfolders(storage, url):
+        if IGNORED_SUBFOLDER.match(name):
+            ignored.append(name)
+            continue
+        sub = join_url(url, name)
+        reader = next((r for r in readers if r.detect(storage, sub)), None)
+        if reader is not None:
+            found.append(Found(reader=reader, url=sub, given=url))
+    if len(found) > 1:
+        listed = ", ".join(f"{f.url.rsplit('/', 1)[-1]}/ ({f.reader.title})" for f in found)
+        names = [f.url.rsplit("/", 1)[-1] for f in found]
+        if all(_PER_RANK.search(n) for n in names):  # rank_0/, rank_1/: not saves of a model
+            raise CheckpointFormatError(
+                f"{url}: {len(found)} folders that look like per-rank saves ({listed}): each "
+                "holds one rank's part under an index of its own, and no global index says "
+                "how they make the model. Save from all ranks into one folder (DCP: "
+                "torch.distributed.checkpoint.save with the process group, which writes one "
+                "global `.metadata`), then convert that folder"
+            )
+        raise CheckpointFormatError(
+            f"{url}: holds {len(found)} saves one level down: {listed}; zerosafe converts one "
+            f"save at a time: pass the folder of the one to convert (e.g. {found[0].url})"
+        )
+    if not found:
+        _refuse_partial_dcp_below(storage, url, ignored)
+        return None
+    return found[0]
+
+
+def refuse_partial_dcp(storage: Storage, url: str) -> None:
+    """Refuse a folder of DCP chunk files (`__R_S.distcp`) without the global `.metadata`.
+
+    Raises:
+        CheckpointFormatError: Naming the chunks found and what is missing.
+    """
+    names = storage.listdir(url)
+    chunks = sorted(n for n in names if _DISTCP.match(n))
+    if not chunks or _DCP_METADATA in names:
+        return
+    shown = ", ".join(chunks[:4]) + (f" and {len(chunks) - 4} more" if len(chunks) > 4 else "")
+    raise CheckpointFormatError(
+        f"{url}: PyTorch DCP chunk files ({shown}) but no `.metadata`, the global index "
+        "rank 0 writes last, after every rank's chunks: the save is not finished, or was "
+        "copied without its hidden `.metadata` file (`cp *` skips it), or each rank saved on "
+        "its own (no_dist). Copy `.metadata` too, or save with torch.distributed.checkpoint "
+        "from all ranks into one folder, then convert that folder"
+    )
+
+
+def _refuse_partial_dcp_below(storage: Storage, url: str, ignored: Sequence[str]) -> None:
+    """Refuse per-rank subfolders of DCP chunks without `.metadata` (`rank0/__0_0.distcp`),
+    which no reader claims."""
+    partial = []
+    for name in _subfolders(storage, url):
+        if name in ignored:
+            continue
+        names = storage.listdir(join_url(url, name))
+        if _DCP_METADATA not in names and any(_DISTCP.match(n) for n in names):
+            partial.append(name)
+    if not partial:
+        return
+    raise CheckpointFormatError(
+        f"{url}: {len(partial)} folder(s) of PyTorch DCP chunk files without a `.metadata` "
+        f"({', '.join(p + '/' for p in partial[:6])}{' ...' if len(partial) > 6 else ''}): "
+        "per-rank saves (or unfinished ones), with no global `.metadata` saying how the "
+        "chunks make the tensors. Save with torch.distributed.checkpoint from all ranks into "
+        "one folder (rank 0 writes its `.metadata`), or copy the missing `.metadata`, then "
+        "convert that folder"
+    )
+
+
+def refuse_optimizer_only(layout: SourceLayout, options: ConvertOptions) -> None:
+    """Refuse converting, by default, a save that holds optimizer state and no weights
+    (accelerate's `optimizer_0/` passed itself): its moments would be written as the model.
+    `--select` converts them on purpose.
+
+    Raises:
+        CheckpointFormatError: Naming the state found and the fixes.
+    """
+    names = [t.name for t in layout.tensors.values()]
+    if options.select or not names or not all(_OPTIMIZER_STATE.match(n) for n in names):
+        return
+    top = sorted(
+        {n.split(".state.", 1)[0] + ".state" if ".state." in n else "state" for n in names}
+    )
+    raise CheckpointFormatError(
+        f"{layout.where}: holds optimizer state only ({len(names)} tensors under "
+        f"{', '.join(repr(t) for t in top)}, e.g. {names[0]}), no weights: accelerate "
+        "writes the model's weights in `pytorch_model_fsdp_N/` beside `optimizer_N/`; pass "
+        f"that folder, or `--select {top[0]}` to convert the optimizer state as it is"
+    )
