@@ -110,6 +110,7 @@ def convert_once(
 ) -> dict[str, Any]:
     import zerosafe.pipeline as pipeline
     from zerosafe.config import ConvertOptions
+    from zerosafe.driver import convert_checkpoint
     from zerosafe.io.storage import Storage
     from zerosafe.stages import streaming
 
@@ -144,7 +145,7 @@ def convert_once(
     storage = Storage({"endpoint_url": proxy.url})
     started = time.monotonic()
     try:
-        summary = pipeline.convert_checkpoint(src, out, ConvertOptions(), storage=storage)
+        summary = convert_checkpoint(src, out, ConvertOptions(), storage=storage)
     finally:
         pipeline.merge_shard = original  # type: ignore[assignment]
     wall = time.monotonic() - started
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.forge import forge_checkpoint, transformer_shapes
     from zerosafe.config import ConvertOptions
-    from zerosafe.pipeline import convert_checkpoint
+    from zerosafe.driver import convert_checkpoint
     from zerosafe.stages.streaming import serial_torch
 
     serial_torch()

@@ -28,10 +28,10 @@ def main() -> None:
     kind, ckpt, out, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     if kind == "engine":
         from zerosafe.config import ConvertOptions
-        from zerosafe.pipeline import convert_checkpoint
+        from zerosafe.driver import convert_checkpoint
 
         def run(src: str, dst: str) -> dict:
-            return convert_checkpoint(src, dst, ConvertOptions(**options))
+            return convert_checkpoint(src, dst, ConvertOptions(**options)).to_json()
     else:
         from zerosafe_app.flows.runtime import configure_embedded_prefect
 

@@ -1,20 +1,23 @@
-"""`ConvertOptions` takes its fields' names from before 0.2 for one release."""
+"""`ConvertOptions` takes its fields' own names only (0.1.0 was the first release: no aliases)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from zerosafe.config import ConvertOptions
 
 
-def test_old_option_names_are_aliases_of_the_new_ones() -> None:
-    old = ConvertOptions(
-        memory_bytes=2 * 10**9, max_shard_bytes=10**6, extract_part_bytes=2**21, check_finite=False
-    )
-    new = ConvertOptions(
-        memory=2 * 10**9, max_shard_size=10**6, extract_part_size=2**21, allow_nonfinite=True
-    )
-    assert old == new and old.as_dict() == new.as_dict()
-    assert ConvertOptions(check_finite=True).allow_nonfinite is False
-    assert "memory_bytes" not in ConvertOptions().as_dict()  # aliases are not stored
+@pytest.mark.parametrize(
+    "old", ["memory_bytes", "max_shard_bytes", "extract_part_bytes", "check_finite"]
+)
+def test_names_of_an_unreleased_version_are_refused(old: str) -> None:
+    with pytest.raises(TypeError, match=old):
+        ConvertOptions(**{old: 1})
+
+
+def test_replace_validates_again() -> None:
+    new = ConvertOptions(memory=2 * 10**9, max_shard_size=10**6, extract_part_size=2**21)
+    assert dataclasses.replace(new, dtype="bf16").dtype == "bfloat16"
     assert dataclasses.replace(new, dtype="bf16").memory == 2 * 10**9

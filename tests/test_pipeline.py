@@ -13,13 +13,13 @@ import pytest
 
 from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import VerificationError
 from zerosafe.io.lease import LeaseHeldError
 from zerosafe.io.storage import Storage
 from zerosafe.pipeline import (
     MergeReadiness,
     WorkLayout,
-    convert_checkpoint,
     extract_unit,
     finish_job,
     hold_work,
@@ -172,8 +172,7 @@ def test_an_already_complete_summary_is_three_keys() -> None:
     summary = RunSummary.already_complete("/out", "k")
     assert summary.to_json() == {"status": "already-complete", "output": "/out", "job_key": "k"}
     assert (
-        RunSummary.from_json(summary.to_json()) == summary
-        and summary["status"] == "already-complete"
+        RunSummary.from_json(summary.to_json()) == summary and summary.status == "already-complete"
     )
 
 

@@ -21,6 +21,7 @@ from zerosafe._version import __version__
 # `zerosafe` command's start-up) does not import every module of the engine.
 _LAZY = {
     "ConvertOptions": "zerosafe.config",
+    "convert_checkpoint": "zerosafe.driver",
     "CheckpointFormatError": "zerosafe.errors",
     "ConfigError": "zerosafe.errors",
     "ConversionError": "zerosafe.errors",
@@ -52,6 +53,7 @@ _LAZY = {
 
 if TYPE_CHECKING:
     from zerosafe.config import ConvertOptions
+    from zerosafe.driver import convert_checkpoint
     from zerosafe.errors import (
         CheckpointFormatError,
         ConfigError,
@@ -112,6 +114,7 @@ __all__ = [
     "ZeroCheckpoint",
     "__version__",
     "build_plan",
+    "convert_checkpoint",
     "convert_pt",
     "convert_to_universal",
     "lazify_checkpoint",

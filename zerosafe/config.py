@@ -7,10 +7,10 @@ The flows validate user input (CLI flags, YAML job files, Prefect parameters) in
 from __future__ import annotations
 
 import re
-from dataclasses import InitVar, asdict, dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from zerosafe.dtypes import ALIASES, DTYPES
+from zerosafe.dtypes import output_dtype
 from zerosafe.errors import ConfigError
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "DEFAULT_MEMORY_BYTES",
     "ConvertOptions",
     "choose_mode",
-    "normalize_dtype",
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -29,17 +28,6 @@ TASK_OVERHEAD_BYTES = 32 * 2**20
 """What a task holds besides its chunk buffers (plan, headers, Python objects)."""
 MIN_CHUNK_BYTES = 1 * 2**20
 MAX_CHUNK_BYTES = 64 * 2**20
-
-OUTPUT_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def normalize_dtype(name: str) -> str:
-    """`fp32`/`bf16`/`fp16` or torch names -> a torch name allowed for output."""
-    key = ALIASES.get(name, name)
-    if key not in OUTPUT_DTYPES:
-        raise ConfigError(f"`dtype` must be one of fp32, bf16, fp16 (got '{name}')")
-    assert key in DTYPES
-    return key
 
 
 def _dotted_prefix(field: str, prefix: str) -> str:
@@ -156,30 +144,8 @@ class ConvertOptions:
     None: `model` with the default selection, nothing with `select`. Dots around it are
     ignored; one that is only dots (`.`) is refused."""
 
-    # The names these options had before 0.2, accepted for one release (`memory_bytes=` is
-    # `memory=`; `check_finite=False` is `allow_nonfinite=True`). Not stored.
-    memory_bytes: InitVar[int | None] = None
-    max_shard_bytes: InitVar[int | None] = None
-    extract_part_bytes: InitVar[int | None] = None
-    check_finite: InitVar[bool | None] = None
-
-    def __post_init__(
-        self,
-        memory_bytes: int | None,
-        max_shard_bytes: int | None,
-        extract_part_bytes: int | None,
-        check_finite: bool | None,
-    ) -> None:
-        renamed = {
-            "memory": memory_bytes,
-            "max_shard_size": max_shard_bytes,
-            "extract_part_size": extract_part_bytes,
-            "allow_nonfinite": None if check_finite is None else not check_finite,
-        }
-        for name, value in renamed.items():
-            if value is not None:
-                object.__setattr__(self, name, value)
-        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", output_dtype(self.dtype))
         if isinstance(self.select, str) or not all(isinstance(p, str) for p in self.select):
             raise ConfigError(f"`select` must be a list of key prefixes (got {self.select!r})")
         object.__setattr__(self, "select", tuple(_dotted_prefix("select", p) for p in self.select))

@@ -1,7 +1,7 @@
-"""One conversion job's lifecycle as plain functions, and the driver that runs them in order.
+"""One conversion job's lifecycle as plain functions.
 
-A job, step by step (`convert_checkpoint` runs it in one process, one unit at a time,
-recording each finished unit in the work area so that a killed run resumes; the flow
+A job, step by step (`zerosafe.driver.convert_checkpoint` runs it in one process, one unit
+at a time, recording each finished unit in the work area so that a killed run resumes; the flow
 `convert` in `zerosafe_app` schedules the very same functions as cached, retried, parallel
 Prefect tasks):
 
@@ -26,7 +26,6 @@ import os
 import resource
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from zerosafe.config import ConvertOptions
@@ -34,7 +33,7 @@ from zerosafe.errors import IntegrityError, StorageError, VerificationError
 from zerosafe.formats.safetensors import HeaderEntry, build_header
 from zerosafe.io.lease import Lease, destination_lease, work_lease
 from zerosafe.io.residency import serial_merge_reason
-from zerosafe.io.storage import Storage, is_local, join_url, local_path, normalize_url
+from zerosafe.io.storage import Storage, is_local, join_url, local_path
 from zerosafe.plan.build import plan_checkpoint
 from zerosafe.plan.model import Plan, save_plan
 from zerosafe.stages.model_files import model_files_folder
@@ -51,7 +50,6 @@ from zerosafe.stages.output import (
     shard_location,
 )
 from zerosafe.stages.output import publish as publish_output
-from zerosafe.stages.progress import NullProgress, Progress
 from zerosafe.stages.results import (
     ExtractResult,
     JobPlan,
@@ -73,7 +71,7 @@ from zerosafe.stages.shards import (
     read_intermediate_sums,
     shard_metadata,
 )
-from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
+from zerosafe.stages.unit_records import fingerprint
 from zerosafe.units import format_bytes
 from zerosafe.verify.output import lowp_report
 from zerosafe.verify.tensors import verify_shard
@@ -83,7 +81,6 @@ __all__ = [
     "WorkLayout",
     "check_free_space",
     "cleanup_warning",
-    "convert_checkpoint",
     "expected_shard_bytes",
     "extract_unit",
     "finish_job",
@@ -96,6 +93,7 @@ __all__ = [
     "parts_to_extract",
     "peak_rss_bytes",
     "plan_job",
+    "plan_job_and_load",
     "publish_job",
     "run_stats",
     "shard_identity",
@@ -211,7 +209,11 @@ def check_free_space(
             raise StorageError(
                 f"{url}: the conversion needs {format_bytes(need)} there but only "
                 f"{format_bytes(free)} is free. Free space, choose another output"
-                + ("" if direct else ", or use --direct (no intermediate copy) for a local source")
+                + (
+                    ""
+                    if direct
+                    else ", or use --mode direct (no intermediate copy) for a local source"
+                )
                 + ", then run the same command again."
             )
 
@@ -654,96 +656,6 @@ def summarize(
 # -- the sequential driver ------------------------------------------------------------------------
 
 
-def convert_checkpoint(
-    ckpt_url: str,
-    out_url: str,
-    options: ConvertOptions | None = None,
-    *,
-    tag: str | None = None,
-    storage: Storage | None = None,
-    work_url: str | None = None,
-    progress: Progress | None = None,
-) -> RunSummary:
-    """Convert a checkpoint tag into verified safetensors in `out_url`, in this process.
-
-    The same steps as the flow `convert`, one unit of work at a time: the same leases, the
-    same cleanup and the same summary.
-
-    Args:
-        ckpt_url: The checkpoint folder (holding `latest`) or a tag folder.
-        out_url: The output folder.
-        options: Output dtype, shard size, memory budget, tied/frozen policy, direct mode.
-        tag: The tag to convert instead of the one `latest` names.
-        storage: Storage to read and write through (its counter records the bytes).
-        work_url: Where to keep the plan and intermediates; by default inside `out_url`.
-        progress: Receives byte progress.
-
-    Returns:
-        The run's summary (`RunSummary.to_json()` for JSON).
-
-    Raises:
-        ConversionError: For bad input or options, an output that may not be replaced, a
-            live run holding the output or work area, or a failed check.
-    """
-    options = options or ConvertOptions()
-    storage = storage or Storage()
-    ckpt_url, out_url = normalize_url(ckpt_url), normalize_url(out_url)
-    work_url = normalize_url(work_url) if work_url else None
-    started = time.monotonic()
-    with hold_destination(storage, ckpt_url, out_url) as out_lease:
-        job, plan = plan_job_and_load(
-            storage, ckpt_url, out_url, options, tag=tag, work_url=work_url
-        )
-        if plan is None:
-            return RunSummary.already_complete(out_url, job.job_key)
-        for warning in job.warnings:
-            log.warning("%s", warning)
-        with hold_work(storage, job) as work_lease:
-            return _run_held(
-                job, plan, storage, options, progress or NullProgress(), started=started,
-                leases=(out_lease, work_lease),
-            )  # fmt: skip
-
-
-def _run_held(
-    job: JobPlan,
-    plan: Plan,
-    storage: Storage,
-    options: ConvertOptions,
-    progress: Progress,
-    *,
-    started: float,
-    leases: Sequence[Lease] = (),
-) -> RunSummary:
-    work = WorkLayout(job.work_url)
-    units = _UnitRunner(job, plan, storage, work, options, progress)
-    extracts, merges, verifies = units.run()
-    stats = run_stats(
-        job, options, extracts=extracts, merges=merges, verifies=verifies,
-        seconds=time.monotonic() - started, tasks_executed=units.executed,
-        peak_rss_bytes=peak_rss_bytes(),
-    )  # fmt: skip
-    for lease in leases:  # another run took over: it owns the output now
-        lease.check()
-    published = publish_job(
-        plan, storage, job.destination, work, options,
-        extracts=extracts, merges=merges, verifies=verifies, stats=stats,
-    )  # fmt: skip
-    summary = summarize(job, published, verifies, seconds=time.monotonic() - started)
-    if units.resumed:
-        summary = replace(summary, notes=(*summary.notes, units.resumed))
-    try:
-        finish_job(
-            storage, destination=job.destination, job_key=job.job_key, work_url=job.work_url,
-            keep_work=options.keep_work,
-        )  # fmt: skip
-    except (StorageError, OSError) as e:
-        warning = cleanup_warning(job.destination, job.work_url, e)
-        log.warning("%s", warning)
-        summary = replace(summary, warnings=(*summary.warnings, warning))
-    return summary
-
-
 def unit_key_options(options: ConvertOptions) -> dict[str, bool]:
     """The options in a unit's key besides the job key (`zerosafe.stages.unit_records.unit_key`)."""
     return {
@@ -770,160 +682,3 @@ def verify_fingerprint(identity: tuple[int, str] | None, tensors: TensorRecords)
     """What a verify reads, for its key: the shard's size and version, and the checksums its
     merge recorded."""
     return fingerprint(identity, tensors)
-
-
-class _UnitRunner:
-    """Every unit of work of one run, in an order the flow could take: a shard is merged as
-    soon as its parts are extracted, and verified as soon as it is merged.
-
-    A unit whose record (`UnitRecords`) a killed run left, under this run's key and with its
-    output still on disk as recorded, is not run again: its recorded result is used.
-
-    A shard's verify runs in a second thread while the next unit runs, as the flow's two
-    parallel tasks would (when the memory budget holds two tasks, `parallel_tasks`): it
-    re-reads what the merge just wrote, mostly from the page cache and on the other core,
-    while the next merge waits on the disk. At most one verify runs beside that unit.
-    """
-
-    def __init__(
-        self,
-        job: JobPlan,
-        plan: Plan,
-        storage: Storage,
-        work: WorkLayout,
-        options: ConvertOptions,
-        progress: Progress,
-    ) -> None:
-        self.job, self.plan, self.storage, self.work = job, plan, storage, work
-        self.options, self.progress = options, progress
-        self.records = UnitRecords(storage, work.root)
-        self.key_options = unit_key_options(options)
-        self.executed = {"extract": 0, "merge": 0, "verify": 0}
-        self.kept = {"extract": 0, "merge": 0, "verify": 0}
-        self.extracts: dict[int, ExtractResult] = {}
-        self.merges: dict[int, MergeResult] = {}
-        self.verifies: dict[int, VerifyResult] = {}
-        self.reused: set[int] = set()
-
-    @property
-    def resumed(self) -> str:
-        """A note naming the units a killed run had finished (empty when none)."""
-        kept = [f"{n} {stage}" for stage, n in self.kept.items() if n]
-        if not kept:
-            return ""
-        return (
-            f"resumed: {', '.join(kept)} unit(s) finished by an interrupted run were kept "
-            "(their output checked on disk), not run again"
-        )
-
-    def run(self) -> tuple[list[ExtractResult], list[MergeResult], list[VerifyResult]]:
-        job, options = self.job, self.options
-        self.reused = reusable_shards(self.storage, job.destination, self.plan)
-        parts = parts_to_extract(job, direct=options.direct, reused=self.reused)
-        readiness = MergeReadiness(job.shards, direct=options.direct, reused=self.reused)
-        stages = stage_bytes(job, parts, direct=options.direct)
-        self.progress.start("convert", sum(stages.values()), stages=stages)
-        locator = open_locator(self.plan, self.storage, self.work, options)
-        beside = (
-            ThreadPoolExecutor(1, thread_name_prefix="zerosafe-verify")
-            if options.parallel_tasks > 1
-            else None
-        )
-        running: list[tuple[int, Future[VerifyResult]]] = []
-
-        def collect() -> None:
-            while running:
-                shard, future = running.pop()
-                self.verifies[shard] = future.result()
-
-        def merge_and_verify(shards: list[int]) -> None:
-            for shard in shards:
-                self.merges[shard] = self._merge(shard, locator)
-                collect()
-                if beside is None:
-                    self.verifies[shard] = self._verify(shard)
-                else:
-                    running.append((shard, beside.submit(self._verify, shard)))
-
-        try:
-            merge_and_verify(readiness.ready())
-            for part in parts:
-                self.extracts[part.index] = self._extract(part)
-                merge_and_verify(readiness.part_done(part.index))
-            collect()
-        finally:
-            locator.close()
-            if beside is not None:
-                beside.shutdown(wait=True, cancel_futures=True)
-        self.progress.finish()
-        assert not readiness.waiting, f"shards never became ready: {readiness.waiting}"
-        return (
-            [self.extracts[i] for i in sorted(self.extracts)],
-            [self.merges[i] for i in sorted(self.merges)],
-            [self.verifies[i] for i in sorted(self.verifies)],
-        )
-
-    def _key(self, stage: str, index: int, content: str) -> str:
-        return unit_key(stage, self.job.job_key, index, content, **self.key_options)
-
-    def _extract(self, part: PartWork) -> ExtractResult:
-        key = self._key("extract", part.index, "")
-        record = self.records.load("extract", part.index, key)
-        if record is not None:
-            kept = ExtractResult.from_json(record["result"])
-            if intermediate_is_present(
-                self.plan, self.storage, self.work, part.index, kept.content_sha256
-            ):
-                self.kept["extract"] += 1
-                self.progress.advance(part.size_bytes, "extract")
-                return kept
-        result = extract_unit(
-            self.plan, part.index, self.storage, self.work, self.options,
-            on_bytes=lambda n: self.progress.advance(n, "extract"),
-        )  # fmt: skip
-        self.executed["extract"] += 1
-        self.records.save("extract", part.index, key, result.to_json())
-        return result
-
-    def _merge(self, shard: int, locator: DirectLocator | StagedLocator) -> MergeResult:
-        work = self.job.shards[shard]
-        content = merge_fingerprint(
-            work, direct=self.options.direct, reused=self.reused,
-            content_sha256={i: e.content_sha256 for i, e in self.extracts.items()},
-        )  # fmt: skip
-        key = self._key("merge", shard, content)
-        record = self.records.load("merge", shard, key)
-        if record is not None and record.get("identity") == list(self._identity(shard) or ()):
-            self.kept["merge"] += 1
-            self.progress.advance(work.source_bytes, "merge")
-            return MergeResult.from_json(record["result"])
-        result = merge_unit(
-            self.plan, shard, self.storage, self.job.destination, self.work, self.options,
-            locator=locator, on_bytes=lambda n: self.progress.advance(n, "merge"),
-        )  # fmt: skip
-        if result.reused:
-            return result
-        self.executed["merge"] += 1
-        self.records.save(
-            "merge", shard, key, result.to_json(), identity=list(self._identity(shard) or ())
-        )
-        return result
-
-    def _verify(self, shard: int) -> VerifyResult:
-        merged = self.merges[shard]
-        key = self._key("verify", shard, verify_fingerprint(self._identity(shard), merged.tensors))
-        record = self.records.load("verify", shard, key)
-        if record is not None:
-            self.kept["verify"] += 1
-            self.progress.advance(self.job.shards[shard].data_bytes, "verify")
-            return VerifyResult.from_json(record["result"])
-        result = verify_unit(
-            self.plan, shard, self.storage, self.job.destination, self.options,
-            expected=merged.tensors, on_bytes=lambda n: self.progress.advance(n, "verify"),
-        )  # fmt: skip
-        self.executed["verify"] += 1
-        self.records.save("verify", shard, key, result.to_json())
-        return result
-
-    def _identity(self, shard: int) -> tuple[int, str] | None:
-        return shard_identity(self.plan, self.storage, self.job.destination, shard)

@@ -19,13 +19,16 @@ import logging
 import math
 import os
 import sys
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from zerosafe._version import __version__
 from zerosafe.errors import ConfigError, ConversionError, VerificationError
-from zerosafe.units import format_bytes, size_argument
+from zerosafe.units import size_argument
+
+if TYPE_CHECKING:
+    from zerosafe.config import ConvertOptions
+    from zerosafe.io.storage import Storage
 
 __all__ = ["main", "run", "with_flag_names"]
 
@@ -186,11 +189,6 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         "staged for object stores; default)",
     )
     p.add_argument(
-        "--direct",
-        action="store_true",
-        help="same as --mode direct (kept for one release)",
-    )
-    p.add_argument(
         "--keep-fp32",
         action="append",
         default=[],
@@ -228,7 +226,7 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return parse_option_pairs(getattr(args, "storage_option", None) or [])
 
 
-def _storage(args: argparse.Namespace) -> Any:
+def _storage(args: argparse.Namespace) -> Storage:
     """Storage for the command's URLs; a `credentials` block reference needs Prefect."""
     from zerosafe.io.storage import Storage
 
@@ -394,11 +392,7 @@ def _add_verify(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _requested_mode(args: argparse.Namespace) -> str:
-    return "direct" if args.direct else str(args.mode)
-
-
-def _options(args: argparse.Namespace) -> Any:
+def _options(args: argparse.Namespace) -> ConvertOptions:
     from zerosafe.config import ConvertOptions, choose_mode
 
     if getattr(args, "dcp_layout", "torch") != "torch":
@@ -406,9 +400,9 @@ def _options(args: argparse.Namespace) -> Any:
     try:
         source = getattr(args, "checkpoint", None)
         if source:
-            direct, why = choose_mode(source, _requested_mode(args))
+            direct, why = choose_mode(source, args.mode)
         else:  # `inspect --simulate`: no source to choose by
-            direct, why = _requested_mode(args) == "direct", f"{_requested_mode(args)}, as asked"
+            direct, why = args.mode == "direct", f"{args.mode}, as asked"
         return ConvertOptions(
             dtype=args.dtype,
             max_shard_size=args.max_shard_size,
@@ -474,11 +468,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             f"`{given[0]}` applies only with `--simulate SPEC`; drop it to inspect a checkpoint"
         )
     if args.to == "universal":
-        return _inspect_universal(args)
+        from zerosafe_app.cli_universal import inspect_universal
+
+        return inspect_universal(args, _storage(args))
     if args.to == "dcp":
+        from zerosafe_app.cli_universal import check_universal_args
         from zerosafe_app.dcp_cli import inspect_dcp
 
-        _check_universal_args(args)
+        check_universal_args(args)
         return inspect_dcp(args, _storage(args))
     options = _options(args)
     storage = _storage(args)
@@ -491,7 +488,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_before_starting(args: argparse.Namespace, options: Any) -> str | None:
+def _check_before_starting(args: argparse.Namespace, options: ConvertOptions) -> str | None:
     """Refuse what is plainly wrong in well under a second, before the flow (and the embedded
     Prefect server, seconds to start) begins: a folder that holds no checkpoint, a tag that is
     not there, an output that cannot be written. The flow checks everything again.
@@ -516,139 +513,26 @@ def _check_before_starting(args: argparse.Namespace, options: Any) -> str | None
     return quick_done(storage, source, args.tag, output, options)
 
 
-def _preload(module: str, then: Callable[[], None] | None = None) -> None:
-    """Import `module` in a background thread, then call `then` there: torch takes a second to
-    import and the merge needs it only after the checkpoint is read and planned (and, with the
-    flow, after Prefect is imported and the run created), so its import overlaps that work. A
-    later `import` of it waits for this one (the import lock), never runs it twice."""
-
-    def load() -> None:
-        with contextlib.suppress(Exception):  # the real import reports any problem
-            importlib.import_module(module)
-            if then is not None:
-                then()
-
-    threading.Thread(target=load, name=f"zerosafe-preload-{module}", daemon=True).start()
-
-
-def _route(via: str) -> tuple[str, str, str | None]:
-    """Where `convert` runs: (`local` or `prefect`, why, the configured Prefect API or None)."""
-    from zerosafe_app.flows.runtime import configured_api
-
-    if via == "local":
-        return "local", "in this process (--via local)", None
-    api = configured_api()
-    if api is not None:
-        return "prefect", f"the Prefect flow on {api[0]} ({api[1]})", api[0]
-    if via == "prefect":
-        return (
-            "prefect",
-            "the Prefect flow on a private server of this command (--via prefect)",
-            None,
-        )
-    return "local", "in this process (no Prefect API configured; --via prefect runs the flow)", None
-
-
-def _check_universal_args(args: argparse.Namespace) -> None:
-    """`--to universal` / `--to dcp` take the checkpoint, the output and `--tag`; refuse what
-    they ignore."""
-    to = f"`--to {args.to}`"
-    if args.to != "dcp" and args.dcp_layout != "torch":
-        raise ConfigError("`--dcp-layout` applies only with `--to dcp`")
-    if args.dtype != "fp32":
-        raise ConfigError(
-            f"`--dtype` does not apply with {to}: it writes the float32 masters and Adam "
-            "moments as they are"
-        )
-    if getattr(args, "work_dir", None):
-        raise ConfigError(
-            f"`--work-dir` does not apply with {to} yet: its unit records live in "
-            "OUTPUT/.zerosafe-work"
-        )
-    if getattr(args, "via", "local") == "prefect":
-        raise ConfigError(
-            f"{to} runs in the command's own process only for now; drop `--via "
-            "prefect` (or pass `--via local`)"
-        )
-
-
-def _inspect_universal(args: argparse.Namespace) -> int:
-    from zerosafe.training_state import plan_universal
-
-    _check_universal_args(args)
-    report = plan_universal(_storage(args), args.checkpoint, tag=args.tag).to_json()
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return EXIT_OK
-    print(
-        f"--to universal: {report['num_params']} trained params of ZeRO-{report['zero_stage']} "
-        f"(world size {report['world_size']}) into {report['folder']}/zero/<param>/"
-        "{fp32,exp_avg,exp_avg_sq}.pt"
-    )
-    print(
-        f"  reads {format_bytes(report['read_bytes'])} (masters "
-        f"{format_bytes(report['masters_bytes'])}, moments {format_bytes(report['moments_bytes'])}, "
-        f"model states {format_bytes(report['model_states_bytes'])}); writes "
-        f"{format_bytes(report['output_bytes'])}"
-    )
-    for note in report["notes"]:
-        print(f"  note: {note}")
-    return EXIT_OK
-
-
-def _convert_universal(args: argparse.Namespace) -> int:
-    """`convert --to universal`: in this process (`zerosafe.training_state`)."""
-    from zerosafe.training_state import convert_to_universal
-
-    _check_universal_args(args)
-    summary = convert_to_universal(
-        args.checkpoint, args.output, tag=args.tag, storage=_storage(args),
-        overwrite=args.overwrite, keep_work=args.keep_work,
-    )  # fmt: skip
-    if args.json:
-        print(json.dumps({**summary.to_json(), "via": "local"}, indent=1))
-    elif summary.status == "already-complete":
-        print(
-            f"{args.output}: already a complete universal checkpoint of this checkpoint; nothing to do."
-        )
-    elif not args.quiet:
-        print(
-            f"wrote a DeepSpeed universal checkpoint of {summary.num_params} params into "
-            f"{args.output}/{summary.folder} in {summary.seconds:.1f} s ({summary.files_written} "
-            f"files; read {format_bytes(summary.bytes_read)} for "
-            f"{format_bytes(summary.masters_bytes + summary.moments_bytes)} of masters and "
-            f"moments; peak memory {format_bytes(summary.peak_rss_bytes)})"
-        )
-        print(
-            f"  verified: every file written re-read and checked; "
-            f"{summary.source_records_checked} checkpoint records matched their CRC-32"
-        )
-        if summary.units_kept:
-            print(f"  resumed: kept {summary.units_kept} finished unit(s), ran {summary.units_run}")
-        print(
-            '  resume with `"checkpoint": {"load_universal": true}` and '
-            f"`engine.load_checkpoint('{args.output}')`"
-        )
-        for note in summary.notes:
-            print(f"  note: {note}")
-    return EXIT_OK
-
-
 def _cmd_convert(args: argparse.Namespace) -> int:
     from zerosafe.stages.progress import NullProgress, TerminalProgress
     from zerosafe.stages.results import RunSummary
+    from zerosafe_app.cli_report import print_convert_result
+    from zerosafe_app.cli_run import convert_with_flow, preload, route
 
     if args.to == "universal":
-        return _convert_universal(args)
+        from zerosafe_app.cli_universal import convert_universal
+
+        return convert_universal(args, _storage(args))
     if args.to == "dcp":
+        from zerosafe_app.cli_universal import check_universal_args
         from zerosafe_app.dcp_cli import convert_dcp
 
-        _check_universal_args(args)
+        check_universal_args(args)
         return convert_dcp(args, _storage(args))
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()
     done = _check_before_starting(args, options)
-    via, why, api = _route(args.via)
+    via, why, api = route(args.via)
     summary: RunSummary
     if done is not None:  # complete and intact: no checkpoint byte read, nothing started
         summary = RunSummary.already_complete(args.output, done)
@@ -657,95 +541,23 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
         # This process runs its own threads (see serial_torch): set once torch is imported,
         # beside the planning, not before it.
-        _preload("torch", then=serial_torch)
-        from zerosafe.pipeline import convert_checkpoint
+        preload("torch", then=serial_torch)
+        from zerosafe.driver import convert_checkpoint
 
         summary = convert_checkpoint(
             args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
             progress=TerminalProgress() if show_progress else NullProgress(), storage=_storage(args),
         )  # fmt: skip
     else:
-        _preload("torch")
-        summary = _convert_with_flow(args, options, show_progress=show_progress, api=api)
-    if args.json:
-        print(json.dumps({**summary.to_json(), "via": via, "via_reason": why}, indent=1))
-    elif summary.status == "already-complete":
-        print(
-            f"{args.output}: already a complete conversion of this checkpoint with these options; nothing to do."
-        )
-    elif not args.quiet:
-        _print_summary(args.output, summary, ran=why)
-    if summary.status == "converted" and not args.json:
-        for warning in summary.warnings:
-            print(f"zerosafe: warning: {warning}", file=sys.stderr)
-    return EXIT_OK
-
-
-def _convert_with_flow(
-    args: argparse.Namespace, options: Any, *, show_progress: bool, api: str | None
-) -> Any:
-    """Run the flow `convert` against the configured Prefect API, or, with none, against a
-    private server that ends with this command."""
-    from zerosafe_app.flows.runtime import configure_embedded_prefect, private_server, use_api
-
-    configure_embedded_prefect(verbose=args.verbose)
-    with contextlib.ExitStack() as stack:
-        if api is None:
-            stack.enter_context(use_api(*stack.enter_context(private_server())))
-        from zerosafe_app.flows.convert import run_convert  # Prefect only from here on
-
-        try:
-            return run_convert(
-                args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
-                show_progress=show_progress, quiet=args.quiet,
-                storage_options=_storage_options(args), mode=_requested_mode(args),
-            )  # fmt: skip
-        except Exception as e:
-            if not _lost_api(e):
-                raise
-            raise ConversionError(
-                f"the Prefect API at {os.environ.get('PREFECT_API_URL')} stopped answering "
-                f"({type(e).__name__}: {e}); nothing was marked complete and finished work is "
-                "kept: start the server again (or use --via local) and run the same command"
-            ) from e
-
-
-def _lost_api(error: BaseException) -> bool:
-    """Whether `error` (or what caused it) is the Prefect API going away mid-run: a refused
-    or dropped connection, or a timeout, from the HTTP client."""
-    import httpx
-
-    seen: BaseException | None = error
-    for _ in range(10):
-        if seen is None:
-            return False
-        if isinstance(seen, httpx.TransportError | ConnectionError):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _print_summary(output: str, summary: Any, *, ran: str) -> None:
-    """The few lines a converted run prints (`summary` is a `RunSummary`; `ran`: where)."""
-    stats = summary.stats
-    print(
-        f"converted {summary.num_tensors} tensors into {len(summary.files)} file(s) in {output} "
-        f"in {summary.seconds:.1f} s ({format_bytes(summary.throughput_bytes_per_second)}/s read; "
-        f"peak memory {format_bytes(stats.peak_rss_bytes)})"
+        preload("torch")
+        summary = convert_with_flow(
+            args, options, show_progress=show_progress, api=api,
+            storage_options=_storage_options(args), mode=args.mode,
+        )  # fmt: skip
+    print_convert_result(
+        args.output, summary, via=via, why=why, as_json=args.json, quiet=args.quiet
     )
-    if stats.source_read_ratio:
-        print(
-            f"  read {format_bytes(stats.source_bytes_read)} from the source: "
-            f"{stats.source_read_ratio:.3f} x the {format_bytes(stats.source_bytes_needed)} "
-            "it needs (the tensor bytes it copies, plus metadata and headers)"
-        )
-    print(f"  ran: {ran}")
-    if stats.mode_reason:
-        print(f"  mode: {stats.mode_reason}")
-    for alias, target in summary.aliases.items():
-        print(f"  tied: {alias} -> {target} (stored once; recorded in the metadata)")
-    for note in summary.notes:
-        print(f"  note: {note}")
+    return EXIT_OK
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

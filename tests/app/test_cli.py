@@ -89,7 +89,8 @@ def test_convert_json_summary(tmp_path: Path, capsys) -> None:
                 "--via",
                 "local",
                 "--json",
-                "--direct",
+                "--mode",
+                "direct",
                 str(SAMPLE_CKPT),
                 str(tmp_path / "o"),
             ]

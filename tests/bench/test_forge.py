@@ -315,7 +315,7 @@ def test_zerosafe_converts_bit_exact(stage: int, tmp_path: Path) -> None:
     from safetensors import safe_open
 
     from zerosafe.config import ConvertOptions
-    from zerosafe.pipeline import convert_checkpoint
+    from zerosafe.driver import convert_checkpoint
 
     info = forge(tmp_path / "ckpt", stage=stage, frozen=FROZEN, sub_group_numel=25_000)
     out = tmp_path / "out"
@@ -388,7 +388,7 @@ def test_zip64_records_read_by_zipfile_and_torch(tmp_path: Path) -> None:
 
 def test_zerosafe_reads_zip64_records(tmp_path: Path) -> None:
     from zerosafe.config import ConvertOptions
-    from zerosafe.pipeline import convert_checkpoint
+    from zerosafe.driver import convert_checkpoint
 
     info = forge(tmp_path / "ckpt", stage=2, zip64_threshold=2000)
     convert_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "out"), ConvertOptions(direct=True))

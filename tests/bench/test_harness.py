@@ -66,7 +66,7 @@ def test_check_output_finds_a_wrong_element(
     forged: tuple[Path, F.ForgeInfo], tmp_path: Path
 ) -> None:
     from zerosafe.config import ConvertOptions
-    from zerosafe.pipeline import convert_checkpoint
+    from zerosafe.driver import convert_checkpoint
 
     ckpt, info = forged
     out = tmp_path / "out"

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import ConfigError
 from zerosafe.formats.registry import READERS, check_options
-from zerosafe.pipeline import convert_checkpoint
 from zerosafe_app.cli import main
 
 

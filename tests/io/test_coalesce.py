@@ -237,8 +237,8 @@ def test_conversion_from_a_remote_source_is_coalesced_and_equal(
 
     from bench.forge import forge_checkpoint, transformer_shapes
     from zerosafe.config import ConvertOptions
+    from zerosafe.driver import convert_checkpoint
     from zerosafe.io.storage import Storage
-    from zerosafe.pipeline import convert_checkpoint
     from zerosafe.stages import streaming
 
     ckpt = tmp_path / "ckpt"

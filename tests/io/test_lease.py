@@ -15,10 +15,10 @@ import pytest
 
 from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.io import lease as lease_module
 from zerosafe.io.lease import LeaseHeldError, LeaseLostError, work_lease
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
 
 
 def _takers(work: Path, n: int) -> list[str]:

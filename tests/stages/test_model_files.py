@@ -18,8 +18,8 @@ from safetensors import safe_open
 
 from tests.conftest import REPO, SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import ConfigError
-from zerosafe.pipeline import convert_checkpoint
 from zerosafe.plan.model import job_key_of
 from zerosafe.verify.output import verify_output
 from zerosafe_app.cli import main
@@ -53,8 +53,8 @@ def test_model_files_are_copied_recorded_and_verified(hf_ckpt: Path, tmp_path: P
     assert not (out / "training_args.bin").exists() and not (out / "zero_to_fp32.py").exists()
     for name in copied:
         assert (out / name).read_bytes() == (hf_ckpt / name).read_bytes()
-    assert any("copies 4 model file(s)" in n for n in summary["notes"])
-    assert not summary["warnings"]  # the sample ties lm_head, as the config says; fp32 both
+    assert any("copies 4 model file(s)" in n for n in summary.notes)
+    assert not summary.warnings  # the sample ties lm_head, as the config says; fp32 both
     assert verify_output(str(out))["ok"]
 
     (out / "tokenizer.json").write_text('{"model": {"x": 1}}')
@@ -64,9 +64,9 @@ def test_model_files_are_copied_recorded_and_verified(hf_ckpt: Path, tmp_path: P
     ]
     # The same command again copies it anew, and only that: every shard is kept.
     again = convert_checkpoint(str(hf_ckpt), str(out), ConvertOptions())
-    assert again["status"] == "converted" and verify_output(str(out))["ok"]
+    assert again.status == "converted" and verify_output(str(out))["ok"]
     assert (out / "tokenizer.json").read_bytes() == (hf_ckpt / "tokenizer.json").read_bytes()
-    assert convert_checkpoint(str(hf_ckpt), str(out))["status"] == "already-complete"
+    assert convert_checkpoint(str(hf_ckpt), str(out)).status == "already-complete"
 
 
 def test_source_changes_are_copied_again(hf_ckpt: Path, tmp_path: Path) -> None:
@@ -74,12 +74,12 @@ def test_source_changes_are_copied_again(hf_ckpt: Path, tmp_path: Path) -> None:
     convert_checkpoint(str(hf_ckpt), str(out))
     (hf_ckpt / "generation_config.json").write_text('{"max_length": 9}')
     (hf_ckpt / "config.json").write_text(json.dumps({**CONFIG, "vocab_size": 97}))
-    assert convert_checkpoint(str(hf_ckpt), str(out))["status"] == "converted"
+    assert convert_checkpoint(str(hf_ckpt), str(out)).status == "converted"
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 97
     assert (out / "generation_config.json").exists() and verify_output(str(out))["ok"]
     # Turned off: the copies go, the weights stay.
     assert (
-        convert_checkpoint(str(hf_ckpt), str(out), ConvertOptions(copy_model_files=False))["status"]
+        convert_checkpoint(str(hf_ckpt), str(out), ConvertOptions(copy_model_files=False)).status
         == "converted"
     )
     assert not (out / "config.json").exists() and not (out / "additional_chat_templates").exists()
@@ -92,11 +92,11 @@ def test_model_files_from_another_folder(sample_ckpt: Path, tmp_path: Path) -> N
     (other / "config.json").write_text(json.dumps(CONFIG))
     out = tmp_path / "out"
     summary = convert_checkpoint(str(sample_ckpt), str(out), ConvertOptions())
-    assert any("no config.json or tokenizer files" in n for n in summary["notes"])
+    assert any("no config.json or tokenizer files" in n for n in summary.notes)
     assert (
-        convert_checkpoint(str(sample_ckpt), str(out), ConvertOptions(model_files=str(other)))[
-            "status"
-        ]
+        convert_checkpoint(
+            str(sample_ckpt), str(out), ConvertOptions(model_files=str(other))
+        ).status
         == "converted"
     )  # the same job: only the copies are made
     assert (out / "config.json").read_text() == json.dumps(CONFIG)
@@ -154,12 +154,12 @@ def test_keep_fp32(tmp_path: Path) -> None:
     assert kept == {k for k in dtypes if "norm" in k} | {"side.bias"}
     assert {d for k, d in dtypes.items() if k not in kept} == {"BF16", "I64"}
     assert _manifest(out)["options"]["keep_fp32"] == ["norm", r"^side\.bias$"]
-    assert any("kept in float32" in n for n in summary["notes"])
+    assert any("kept in float32" in n for n in summary.notes)
     assert verify_output(str(out), against=str(SAMPLE_CKPT))["ok"]
     options = ConvertOptions(dtype="bf16", keep_fp32=("nothing_matches",))
     assert (
         "matches no floating tensor"
-        in convert_checkpoint(str(SAMPLE_CKPT), str(tmp_path / "o2"), options)["warnings"][0]
+        in convert_checkpoint(str(SAMPLE_CKPT), str(tmp_path / "o2"), options).warnings[0]
     )
 
 
@@ -232,13 +232,13 @@ def test_a_link_out_of_the_folder_is_skipped_and_modes_are_never_widened(
     out = tmp_path / "out"
     summary = convert_checkpoint(str(hf_ckpt), str(out))
     assert not (out / "tokenizer.model").exists()
-    assert any("tokenizer.model" in w and "outside" in w for w in summary["warnings"]), summary
+    assert any("tokenizer.model" in w and "outside" in w for w in summary.warnings), summary
     copied = [e["file"] for e in _manifest(out)["model_files"]]
     assert "tokenizer.model" not in copied and "merges.txt" in copied
     assert (out / "merges.txt").read_text() == "a b\n" and not (out / "merges.txt").is_symlink()
     assert (out / "tokenizer.json").stat().st_mode & 0o777 == 0o600
     assert verify_output(str(out))["ok"]
-    assert convert_checkpoint(str(hf_ckpt), str(out))["status"] == "already-complete"
+    assert convert_checkpoint(str(hf_ckpt), str(out)).status == "already-complete"
 
 
 def _convert_in_subprocess(ckpt: Path, out: Path) -> subprocess.CompletedProcess[str]:
@@ -322,6 +322,6 @@ def test_an_olmo_core_experiment_config_is_not_copied(hf_ckpt: Path, tmp_path: P
         "tokenizer.json", "tokenizer_config.json", "additional_chat_templates/tool.jinja",
     ]  # fmt: skip
     assert not (out / "config.json").exists()
-    (warning,) = [w for w in summary["warnings"] if "config.json" in w]
+    (warning,) = [w for w in summary.warnings if "config.json" in w]
     assert "OLMo-core's experiment config" in warning and "not copied" in warning
     assert verify_output(str(out))["ok"]

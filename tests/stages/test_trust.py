@@ -23,11 +23,11 @@ import pytest
 from tests.conftest import REPO, SHARED_FIXTURES
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import IntegrityError, LayoutMismatchError
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import LeaseHeldError
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
 from zerosafe_app.cli import main
 
 TAG = "global_step2"
@@ -161,7 +161,7 @@ def test_a_second_job_into_a_held_output_is_refused_whatever_its_options(
             convert_checkpoint(str(sample_ckpt), str(out), ConvertOptions(dtype="bf16"))
         assert _model_files(out) == []
     # the holder is gone (killed): its lease is stale and taken over
-    assert convert_checkpoint(str(sample_ckpt), str(out))["status"] == "converted"
+    assert convert_checkpoint(str(sample_ckpt), str(out)).status == "converted"
     assert not (out / ".zerosafe-lease.json").exists()
 
 
@@ -198,7 +198,7 @@ def test_a_failed_check_leaves_nothing_that_looks_like_output(
     _optim(sample_ckpt, 1).write_bytes(good)
     os.utime(_optim(sample_ckpt, 1), ns=(stat.st_atime_ns, stat.st_mtime_ns))
     summary = convert_checkpoint(str(sample_ckpt), str(out), ConvertOptions(direct=direct))
-    assert summary["status"] == "converted"
+    assert summary.status == "converted"
 
 
 def test_verify_calls_a_folder_with_work_files_and_no_marker_incomplete(

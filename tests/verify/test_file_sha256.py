@@ -20,7 +20,7 @@ import pytest
 from tests.conftest import SAMPLE_CKPT
 from tests.verify.test_output import fails, fix_marker, zerosafe_cli
 from zerosafe.config import ConvertOptions
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 from zerosafe.verify.output import verify_output
 
 MANIFEST = "zerosafe-manifest.json"

@@ -25,8 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import CheckpointFormatError
-from zerosafe.pipeline import convert_checkpoint
 from zerosafe.verify.output import verify_output
 
 REPO = Path(__file__).resolve().parents[2]

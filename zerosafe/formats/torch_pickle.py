@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from zerosafe.dtypes import dtype_info
+from zerosafe.dtypes import DTYPES, dtype_info
 from zerosafe.errors import CheckpointFormatError, UnsafePickleError
 
 __all__ = [
@@ -379,27 +379,9 @@ def _torch_device(*args: Any) -> str:
     return TorchDevice(":".join(str(a) for a in args))
 
 
-_STORAGE_TYPES = {
-    "DoubleStorage": "float64",
-    "FloatStorage": "float32",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128",
-    "UntypedStorage": "uint8",
+_STORAGE_TYPES = {d.storage_class: d.name for d in DTYPES.values() if d.storage_class} | {
+    "UntypedStorage": "uint8"
 }
-
-_TORCH_DTYPES = (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "uint16", "uint32", "uint64", "bool", "complex64", "complex128", "float8_e4m3fn",
-    "float8_e5m2",
-)  # fmt: skip
 
 # Bookkeeping classes: kept as inert records, never constructed for real.
 _INERT_GLOBALS = (
@@ -465,7 +447,7 @@ ALLOWED_GLOBALS: dict[str, Any] = {
     "torch.device": _torch_device,
     **{f"torch.{name}": _StorageType(dtype) for name, dtype in _STORAGE_TYPES.items()},
     "torch.storage.UntypedStorage": _StorageType("uint8"),
-    **{f"torch.{name}": _DTypeToken(name) for name in _TORCH_DTYPES},
+    **{f"torch.{name}": _DTypeToken(name) for name in DTYPES},
     **{name: _inert(name) for name in _INERT_GLOBALS},
     # DTensors: `_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, args, state)`
     "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,

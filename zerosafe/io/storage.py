@@ -555,18 +555,6 @@ class Storage:
         )
         return FileIdentity(url=url, size_bytes=int(info["size"]), version=str(version))
 
-    def modified_time(self, url: str) -> float | None:
-        """Last modification of a file, in seconds since the epoch (None if unknown)."""
-        if is_local(url):
-            return os.stat(local_path(url)).st_mtime
-        fs, path = self._fs(url)
-        with translated_errors(url, "stat"):
-            info = fs.info(path)
-        stamp = info.get("LastModified") or info.get("mtime") or info.get("last_modified")
-        if stamp is None:
-            return None
-        return float(stamp.timestamp()) if hasattr(stamp, "timestamp") else float(stamp)
-
     def exists(self, url: str) -> bool:
         if is_local(url):
             return os.path.exists(local_path(url))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from zerosafe.config import OUTPUT_DTYPES, PIPELINE_BUFFERS, TASK_OVERHEAD_BYTES, ConvertOptions
-from zerosafe.dtypes import dtype_info
+from zerosafe.config import PIPELINE_BUFFERS, TASK_OVERHEAD_BYTES, ConvertOptions
+from zerosafe.dtypes import OUTPUT_DTYPES, dtype_info
 from zerosafe.formats.base import SourceLayout
 from zerosafe.plan.model import Plan
 from zerosafe.units import format_bytes
@@ -93,7 +93,6 @@ def describe_plan(
         "mode": "direct" if options.direct else "staged",
         "mode_reason": options.mode_reason,
         "job_key": plan.job_key,
-        "plan_id": plan.job_key,  # the old name of `job_key`, kept for one release
         "notes": plan.notes,
         "warnings": plan.warnings,
     }

@@ -359,7 +359,7 @@ def load_plan(storage: Storage, folder_url: str) -> Plan:
         *(np.asarray(frag.column(c).to_numpy(), dtype=np.int64) for c in FragmentTable.COLUMNS)
     )
     return Plan(
-        job_key=head.get("job_key") or head["plan_id"],  # `plan_id` before 0.2
+        job_key=head["job_key"],
         source=head["source"],
         options=head["options"],
         aliases=head["aliases"],
@@ -369,21 +369,3 @@ def load_plan(storage: Storage, folder_url: str) -> Plan:
         fragments=fragments,
         **tables,
     )
-
-
-def plan_summary(plan: Plan) -> dict[str, Any]:
-    """A JSON-able summary for `inspect` and run reports."""
-    return {
-        "job_key": plan.job_key,
-        "source": {k: v for k, v in plan.source.items() if k != "files"},
-        "options": plan.options,
-        "num_tensors": len(plan.tensors),
-        "num_shards": len(plan.shards),
-        "num_fragments": len(plan.fragments),
-        "fp32_bytes": plan.fp32_bytes,
-        "read_bytes": plan.slot_bytes,
-        "output_bytes": plan.total_out_bytes,
-        "aliases": plan.aliases,
-        "notes": plan.notes,
-        "warnings": plan.warnings,
-    }

@@ -601,6 +601,39 @@ def _move_into_place(
     return versions
 
 
+def _refuse_failures(
+    out_url: str, verifies: Sequence[VerifyResult], lowp: dict[str, Any] | None
+) -> None:
+    """Raise `VerificationError` naming the first failures, if any check failed."""
+    failures = [f for v in verifies for f in v.failures]
+    failures += lowp["failures"] if lowp is not None else []
+    if failures:
+        lines = [f"{f['file']}: {f['tensor']}: {f['check']}: {f['detail']}" for f in failures[:20]]
+        raise VerificationError(
+            f"{out_url}: {len(failures)} check(s) failed; the output was not marked complete:\n  "
+            + "\n  ".join(lines),
+            failures,
+        )
+
+
+def _write_index(
+    plan: Plan, storage: Storage, out_url: str, by_shard: Sequence[MergeResult], total_size: int
+) -> dict[str, Any] | None:
+    """Write `model.safetensors.index.json` when there are several shards; returns its
+    manifest entry (None for one shard: no index)."""
+    if len(plan.shards) <= 1:
+        return None
+    weight_map = {name: m.file for m in by_shard for name in m.tensors}
+    index: dict[str, Any] = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    if plan.aliases:
+        index["metadata"]["aliases"] = plan.aliases
+    storage.write_bytes(
+        join_url(out_url, INDEX_NAME), (json.dumps(index, indent=2) + "\n").encode()
+    )
+    written = storage.identity(join_url(out_url, INDEX_NAME))
+    return {"file": INDEX_NAME, "size_bytes": written.size_bytes, "version": written.version}
+
+
 def publish(
     plan: Plan,
     storage: Storage,
@@ -625,38 +658,15 @@ def publish(
     Raises:
         VerificationError: If any shard failed verification; then nothing is written.
     """
-    failures = [f for v in verifies for f in v.failures]
-    failures += lowp["failures"] if lowp is not None else []
-    if failures:
-        lines = [f"{f['file']}: {f['tensor']}: {f['check']}: {f['detail']}" for f in failures[:20]]
-        raise VerificationError(
-            f"{out_url}: {len(failures)} check(s) failed; the output was not marked complete:\n  "
-            + "\n  ".join(lines),
-            failures,
-        )
+    _refuse_failures(out_url, verifies, lowp)
     by_shard = sorted(merges, key=lambda m: m.shard)
     if [m.shard for m in by_shard] != list(range(len(plan.shards))):
         raise AssertionError("publish needs one merge result per shard")
     file_sha256 = _file_sha256(verifies, by_shard, wanted=options.file_sha256)
     model_files = _stage_model_files(plan, storage, pending_url(out_url, plan.job_key), options)
     versions = _move_into_place(storage, out_url, plan.job_key, by_shard, model_files)
-    weight_map = {name: m.file for m in by_shard for name in m.tensors}
     total_size = sum(m.data_bytes for m in by_shard)
-    if len(plan.shards) > 1:
-        index: dict[str, Any] = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-        if plan.aliases:
-            index["metadata"]["aliases"] = plan.aliases
-        storage.write_bytes(
-            join_url(out_url, INDEX_NAME), (json.dumps(index, indent=2) + "\n").encode()
-        )
-        written = storage.identity(join_url(out_url, INDEX_NAME))
-        index_entry: dict[str, Any] | None = {
-            "file": INDEX_NAME,
-            "size_bytes": written.size_bytes,
-            "version": written.version,
-        }
-    else:
-        index_entry = None
+    index_entry = _write_index(plan, storage, out_url, by_shard, total_size)
     roles = {t.name: t.role for t in plan.tensors}
     manifest = {
         "manifest_format": MANIFEST_FORMAT,

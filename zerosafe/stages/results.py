@@ -352,8 +352,7 @@ class RunSummary:
     """What a run did: the same from the flow and from the sequential driver.
 
     `to_json()` is what `zerosafe convert --json` prints and the flow returns: the fields
-    below with `stats` flattened in. Reading it like a dict (`summary["files"]`) reads that
-    JSON; kept for callers of `convert_checkpoint` from before it returned a `RunSummary`.
+    below with `stats` flattened in.
     """
 
     status: Literal["converted", "already-complete"]
@@ -408,9 +407,3 @@ class RunSummary:
             seconds=data.get("seconds", 0.0),
             throughput_bytes_per_second=data.get("throughput_bytes_per_second", 0),
         )  # fmt: skip
-
-    def __getitem__(self, key: str) -> Any:
-        return self.to_json()[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.to_json().get(key, default)

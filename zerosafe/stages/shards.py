@@ -153,7 +153,7 @@ class StagedLocator:
             url = self.part_url(part)
             src = map_source(self.storage.open_source(url), self.storage.counter)
             header, metadata, data_start = read_header(src)
-            if (metadata.get("job_key") or metadata.get("plan_id")) != self.plan.job_key:
+            if metadata.get("job_key") != self.plan.job_key:
                 raise IntegrityError(
                     f"{url}: intermediate of plan '{metadata.get('job_key')}', not of this plan "
                     f"'{self.plan.job_key}'; delete the work area and run again"

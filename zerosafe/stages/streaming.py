@@ -303,6 +303,42 @@ class _Writer(threading.Thread):
                     self.pool.release(buf)
 
 
+def _plan_reads(
+    jobs: list[CopyJob], chunk_bytes: int
+) -> tuple[list[CopyJob], Prefetcher | None, _BufferPool]:
+    """The jobs as `copy_stream` reads them (from coalesced requests fetched ahead, where
+    `prefetch_limits` allows), the prefetcher if so, and the chunk buffer pool: with a
+    prefetcher, reads are views of fetched requests and the pool only holds casts."""
+    biggest = max((_chunk_need(j, chunk_bytes) for j in jobs), default=0)
+    prefetch = _prefetch_jobs(jobs, chunk_bytes)
+    prefetcher = None
+    buffers = PIPELINE_BUFFERS
+    if prefetch is not None:
+        jobs, prefetcher = prefetch
+        buffers -= PREFETCH_BUFFERS
+    return jobs, prefetcher, _BufferPool(buffers, min(chunk_bytes, biggest))
+
+
+def _in_out_dtype(
+    job: CopyJob,
+    data: memoryview,
+    buf: bytearray | None,
+    pool: _BufferPool,
+    casters: ThreadPoolExecutor,
+) -> tuple[bytearray | None, memoryview]:
+    """A chunk read as (buffer to release once written, bytes to write): `data` as read when
+    the dtypes agree, else cast into a buffer of the pool (the read's buffer goes back)."""
+    if job.src_dtype == job.out_dtype:
+        return buf, data
+    out_buf = pool.acquire()
+    view = _cast(
+        data, job.src_dtype, out_buf, job.out_dtype, casters if _CAST_THREADS > 1 else None
+    )
+    if buf is not None:
+        pool.release(buf)
+    return out_buf, view
+
+
 def copy_stream(
     jobs: Iterable[CopyJob],
     writer: SafetensorsStreamWriter,
@@ -327,15 +363,7 @@ def copy_stream(
         whole ranges (gaps read through included), as they went over the wire.
     """
     pin_mmap_threshold()
-    jobs = list(jobs)
-    biggest = max((_chunk_need(j, chunk_bytes) for j in jobs), default=0)
-    prefetch = _prefetch_jobs(jobs, chunk_bytes)
-    prefetcher = None
-    buffers = PIPELINE_BUFFERS
-    if prefetch is not None:  # reads are views of fetched requests: the pool is for casts
-        jobs, prefetcher = prefetch
-        buffers -= PREFETCH_BUFFERS
-    pool = _BufferPool(buffers, min(chunk_bytes, biggest))
+    jobs, prefetcher, pool = _plan_reads(list(jobs), chunk_bytes)
     write_thread = _Writer(writer, pool)
     write_thread.start()
     chunks = _chunks(jobs, chunk_bytes)
@@ -376,16 +404,7 @@ def copy_stream(
                     submit_next()
                     if crc is not None and ledger is not None and job.crc_key is not None:
                         ledger.add(job.crc_key, job.crc_offset + pos, n, crc)
-                    if job.src_dtype == job.out_dtype:
-                        out_buf, view = buf, data
-                    else:
-                        out_buf = pool.acquire()
-                        view = _cast(
-                            data, job.src_dtype, out_buf, job.out_dtype,
-                            casters if _CAST_THREADS > 1 else None,
-                        )  # fmt: skip
-                        if buf is not None:
-                            pool.release(buf)
+                    out_buf, view = _in_out_dtype(job, data, buf, pool, casters)
                     # A mapped chunk is unmapped once its last view goes; a prefetched
                     # request's buffer is freed, and leaves the budget, with its last view.
                     del data

@@ -1,7 +1,7 @@
 """Each finished unit of work's result, kept in the job's work area, so that a run killed at
 any point and started again redoes only what had not finished.
 
-The in-process driver (`zerosafe.pipeline.convert_checkpoint`) writes one small JSON file per
+The in-process driver (`zerosafe.driver.convert_checkpoint`) writes one small JSON file per
 unit, `WORK/units/<stage>-<index>.json`, once the unit's output is complete: written whole
 under a temporary name and renamed (`Storage.write_bytes`; a PUT on object stores). A record
 holds the unit's key and its result. The key is `unit_key`, the same blob that keys the flow's

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from zerosafe.dtypes import dtype_info
+from zerosafe.dtypes import DTYPES, dtype_info
 from zerosafe.formats.crc import crc32_combine
 from zerosafe.formats.torch_pickle import DTypeToken, InertObject, TorchDevice, TorchSize
 from zerosafe.io.storage import Sink
@@ -55,26 +55,13 @@ _DOS_DATE = 0x21  # 1980-01-01 00:00, as torch writes: archives of equal content
 _PAD_ID = 0x4246  # "FB": torch's padding extra field
 _ZIP64_ID = 0x0001
 
-_STORAGE_TYPES = {
-    "float64": "DoubleStorage",
-    "float32": "FloatStorage",
-    "float16": "HalfStorage",
-    "bfloat16": "BFloat16Storage",
-    "int64": "LongStorage",
-    "int32": "IntStorage",
-    "int16": "ShortStorage",
-    "int8": "CharStorage",
-    "uint8": "ByteStorage",
-    "bool": "BoolStorage",
-}
-
 
 def storage_type_of(dtype: str) -> str:
     """The typed-storage global torch names in the pickle for `dtype` (`FloatStorage`)."""
-    try:
-        return _STORAGE_TYPES[dtype]
-    except KeyError:
-        raise ValueError(f"no torch storage type for dtype '{dtype}'") from None
+    storage_class = DTYPES[dtype].storage_class if dtype in DTYPES else None
+    if storage_class is None:
+        raise ValueError(f"no torch storage type for dtype '{dtype}'")
+    return storage_class
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

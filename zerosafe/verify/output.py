@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -322,7 +323,7 @@ def _check_placement(
         if tensor not in weight_map
     )
     total = sum(
-        dtype_info(t["dtype"]).itemsize * _numel(t["shape"])
+        dtype_info(t["dtype"]).itemsize * math.prod(t["shape"])
         for r in reports
         for t in r.tensors.values()
     )
@@ -446,13 +447,6 @@ def _report(out_url: str, failures: list[Failure], *, complete: bool | None) -> 
 
 def _is_weights_file(name: str) -> bool:
     return name.startswith("model") and name.endswith(".safetensors")
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _check_against(
@@ -654,7 +648,7 @@ def lowp_cross_check(
             if name not in stored:
                 continue
             out_dtype = stored[name][1]["dtype"]
-            out_numel = _numel(stored[name][1]["shape"])
+            out_numel = math.prod(stored[name][1]["shape"])
             for model, m, offset in copies.get(name, ()):
                 if m.dtype not in ("bfloat16", "float16"):
                     continue

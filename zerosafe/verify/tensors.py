@@ -27,7 +27,7 @@ from typing import Any
 from zerosafe.dtypes import from_safetensors_code, torch_dtype
 from zerosafe.io.buffers import allocate_buffer, pin_mmap_threshold
 from zerosafe.io.mapped import map_source
-from zerosafe.io.storage import ByteSource, Storage, is_local, join_url, local_path
+from zerosafe.io.storage import ByteSource, Storage, is_local, local_path
 from zerosafe.verify.checksum import TENSOR_CHECKSUM, Digest, new_digest, recorded_checksum
 
 __all__ = ["Failure", "ShardReport", "parse_safetensors_header", "verify_shard"]
@@ -507,13 +507,3 @@ def _compare_expected(report: ShardReport, expected: dict[str, dict[str, Any]], 
     for tensor in report.tensors:
         if tensor not in expected:
             report.failures.append(Failure(name, tensor, "present", "not expected in this file"))
-
-
-def shard_urls(storage: Storage, out_url: str) -> tuple[list[str], dict[str, Any] | None]:
-    """The safetensors files of an HF-style output folder and its index (None if single)."""
-    index_url = join_url(out_url, "model.safetensors.index.json")
-    if storage.exists(index_url):
-        index = json.loads(storage.read_bytes(index_url))
-        files = sorted(set(index.get("weight_map", {}).values()))
-        return [join_url(out_url, f) for f in files], index
-    return [join_url(out_url, "model.safetensors")], None

@@ -14,14 +14,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from zerosafe.config import ConvertOptions, choose_mode
+from zerosafe.dtypes import short_name
 from zerosafe.errors import ConfigError
 from zerosafe.io.s3 import find_secret_options
 from zerosafe.io.storage import normalize_url
 from zerosafe.units import parse_size
 
-__all__ = ["JobConfig", "load_job_config"]
-
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+__all__ = ["JobConfig", "flow_parameters", "load_job_config"]
 
 
 class JobConfig(BaseModel):
@@ -142,7 +141,7 @@ class JobConfig(BaseModel):
         """The engine's options for this job."""
         direct, why = choose_mode(self.source, self.mode)
         return ConvertOptions(
-            dtype=_DTYPES[self.dtype],
+            dtype=self.dtype,
             max_shard_size=self.max_shard_size,
             tied=self.tied,
             exclude_frozen=self.exclude_frozen,
@@ -162,6 +161,38 @@ class JobConfig(BaseModel):
             select=tuple(self.select),
             strip_prefix=self.strip_prefix,
         )
+
+
+def flow_parameters(
+    source: str,
+    destination: str,
+    options: ConvertOptions,
+    *,
+    mode: str,
+    tag: str | None = None,
+    work_dir: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The flow `convert`'s parameters for a job whose options the command line built: the
+    Prefect edge, where the options become plain JSON (sizes as byte counts in strings, the
+    dtype as `fp32|bf16|fp16`, the mode as asked); `load_job_config(None, **params).options()`
+    gives `options` back.
+
+    Args:
+        mode: The mode as asked (`auto` included); `options.direct` is what it chose here.
+    """
+    return dict(
+        source=source, destination=destination, tag=tag, work_dir=work_dir,
+        storage_options=storage_options, mode=mode, dtype=short_name(options.dtype),
+        select=list(options.select) or None, strip_prefix=options.strip_prefix,
+        max_shard_size=str(options.max_shard_size), memory=str(options.memory),
+        max_parallel_tasks=options.max_parallel_tasks, tied=options.tied,
+        exclude_frozen=options.exclude_frozen, overwrite=options.overwrite,
+        keep_work=options.keep_work, allow_nonfinite=options.allow_nonfinite,
+        check_lowp=options.check_lowp, file_sha256=options.file_sha256,
+        extract_part_size=str(options.extract_part_size), keep_fp32=list(options.keep_fp32),
+        model_files=options.model_files, copy_model_files=options.copy_model_files,
+    )  # fmt: skip
 
 
 def _readable(e: ValidationError) -> str:

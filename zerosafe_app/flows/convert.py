@@ -4,7 +4,7 @@ Deployments reference `flows/convert.py:convert`. Its parameters are the job con
 flat (so the Prefect UI shows a form and `--param dtype=bf16` works), plus `conf`, a YAML job
 file they override. `zerosafe convert` runs this same flow, embedded.
 
-Each stage task is cached by (stage, plan id, unit, content fingerprint of its inputs) with
+Each stage task is cached by (stage, job key, unit, content fingerprint of its inputs) with
 results persisted in the work area, so a killed run started again skips every task whose
 output is complete and still present. Before submitting a task the flow checks that output
 on disk and refreshes the cache where it vanished or changed.
@@ -50,7 +50,7 @@ from zerosafe.pipeline import (
 )
 from zerosafe.stages.results import JobPlan, PublishResult, RunStats, RunSummary, VerifyResult
 from zerosafe.units import format_bytes
-from zerosafe_app.flows.config import JobConfig, load_job_config
+from zerosafe_app.flows.config import JobConfig, flow_parameters, load_job_config
 from zerosafe_app.flows.schedule import StageResults, StageScheduler
 from zerosafe_app.tasks._common import Job, read_journal, set_progress, stage_memory
 from zerosafe_app.tasks._common import progress as task_progress
@@ -62,12 +62,12 @@ from zerosafe_app.tasks.publish import finish, publish
 __all__ = ["convert", "run_convert"]
 
 
-def _task_runner(cfg: JobConfig) -> Any:
+def _task_runner(cfg: JobConfig, options: ConvertOptions) -> Any:
     if cfg.runner == "dask":
         from prefect_dask.task_runners import DaskTaskRunner
 
         return DaskTaskRunner(address=cfg.dask_address)
-    return ThreadPoolTaskRunner(max_workers=cfg.options().parallel_tasks)
+    return ThreadPoolTaskRunner(max_workers=options.parallel_tasks)
 
 
 def _short(url: str | None, tag: str | None = None) -> str:
@@ -184,7 +184,7 @@ def convert(
         _announce_failure(message, destination or "")
         return Failed(message=message, data=e)
     job_flow = run_job.with_options(
-        task_runner=_task_runner(cfg),
+        task_runner=_task_runner(cfg, cfg.options()),
         timeout_seconds=cfg.timeout_seconds,
         flow_run_name=_run_name_of(cfg.model_dump()).replace("convert ", "convert-job ", 1),
     )
@@ -323,13 +323,13 @@ def _run_job(cfg: JobConfig) -> dict[str, Any]:
 
 def _run_held(cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: float) -> RunSummary:
     """Plan, then (holding the work area) run the stages and publish; the same steps as
-    `zerosafe.pipeline.convert_checkpoint`, as tasks."""
+    `zerosafe.driver.convert_checkpoint`, as tasks."""
     options = cfg.options()
     job = JobPlan.from_json(
         inspect(
             cfg.source,
             cfg.destination,
-            options.as_dict(),
+            options,
             tag=cfg.tag,
             work_dir=cfg.work_dir,
             storage_options=cfg.storage_options,
@@ -344,7 +344,7 @@ def _run_held(cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: fl
         return RunSummary.already_complete(cfg.destination, job.job_key)
     with hold_work(storage, job) as work_lease:
         task_job = Job(
-            cfg.source, cfg.destination, job.work_url, job.job_key, options.as_dict(),
+            cfg.source, cfg.destination, job.work_url, job.job_key, options,
             cfg.storage_options, work_lease.run_id,
         ).as_dict()  # fmt: skip
         published, verifies = _run_stages(
@@ -543,7 +543,6 @@ def run_convert(
 
     bar = TerminalProgress() if show_progress else NullProgress()
     set_progress(bar)  # the flow starts it with the total once the plan is known
-    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[options.dtype]
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     try:
@@ -553,18 +552,11 @@ def run_convert(
             result = cast(
                 "dict[str, Any]",
                 convert(
-                    source=ckpt_url, destination=out_url, tag=tag, dtype=dtype,
-                    select=list(options.select) or None, strip_prefix=options.strip_prefix,
-                    max_shard_size=str(options.max_shard_size), memory=str(options.memory),
-                    max_parallel_tasks=options.max_parallel_tasks,
-                    mode=mode or ("direct" if options.direct else "staged"), tied=options.tied,
-                    exclude_frozen=options.exclude_frozen, overwrite=options.overwrite,
-                    keep_work=options.keep_work, allow_nonfinite=options.allow_nonfinite,
-                    check_lowp=options.check_lowp, file_sha256=options.file_sha256,
-                    extract_part_size=str(options.extract_part_size),
-                    keep_fp32=list(options.keep_fp32), model_files=options.model_files,
-                    copy_model_files=options.copy_model_files,
-                    work_dir=work_url, storage_options=storage_options,
+                    **flow_parameters(
+                        ckpt_url, out_url, options, tag=tag, work_dir=work_url,
+                        storage_options=storage_options,
+                        mode=mode or ("direct" if options.direct else "staged"),
+                    )
                 ),
             )  # fmt: skip
     finally:

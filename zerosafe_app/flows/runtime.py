@@ -3,7 +3,7 @@
 With no Prefect API configured (no `PREFECT_API_URL` in the environment, in the active
 Prefect profile, or in a `prefect.toml` / `pyproject.toml` of the working folder), a
 conversion runs the engine's lifecycle in the command's own process: no server to start,
-nothing left running (`zerosafe.pipeline.convert_checkpoint`). `configured_api` says which
+nothing left running (`zerosafe.driver.convert_checkpoint`). `configured_api` says which
 applies, without importing Prefect (an import alone costs about a second).
 
 Where a Prefect API is configured, the command runs the flow `convert` against that server.

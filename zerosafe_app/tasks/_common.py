@@ -16,7 +16,7 @@ from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConversionError
 from zerosafe.io.s3 import is_transient_error
 from zerosafe.io.storage import Storage, join_url
-from zerosafe.pipeline import WorkLayout, peak_rss_bytes
+from zerosafe.pipeline import WorkLayout, peak_rss_bytes, unit_key_options
 from zerosafe.plan.model import Plan, load_plan
 from zerosafe.stages.progress import NullProgress, Progress
 from zerosafe.stages.streaming import serial_torch
@@ -43,13 +43,15 @@ class WorkAreaConflictError(ConversionError):
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """The plain-data description every task gets (JSON-able, so Dask can ship it)."""
+    """What every task gets: plain data and the job's options (picklable, so Dask can ship
+    it)."""
 
     source: str
     destination: str
     work: str
     job_key: str
-    options: dict[str, Any]
+    options: ConvertOptions
+    """The options as the flow validated them once (`JobConfig.options()`), never rebuilt."""
     storage_options: dict[str, Any]
     run_id: str = ""
     """The run holding the work area (`zerosafe.pipeline.hold_work`): journal entries carry
@@ -90,7 +92,7 @@ def context(job: Job) -> tuple[Plan, Storage, ConvertOptions, WorkLayout]:
     return (
         _plan(job.work, job.job_key, key),
         storage,
-        ConvertOptions(**job.options),
+        job.options,
         WorkLayout(job.work),
     )
 
@@ -107,11 +109,9 @@ def cache_key(stage: str):  # type: ignore[no-untyped-def]
 
     def key_fn(_ctx: Any, inputs: dict[str, Any]) -> str:
         job = inputs["job"]
-        options = job["options"]
         return unit_key(
             stage, job["job_key"], inputs.get("index"), inputs.get("fingerprint"),
-            direct=options.get("direct"), allow_nonfinite=options.get("allow_nonfinite"),
-            file_sha256=bool(options.get("file_sha256")),
+            **unit_key_options(job["options"]),
         )  # fmt: skip
 
     return key_fn

@@ -24,7 +24,7 @@ from zerosafe_app.tasks.credentials import storage_for
 def inspect(
     source: str,
     destination: str,
-    options: dict[str, Any],
+    options: ConvertOptions,
     *,
     tag: str | None = None,
     work_dir: str | None = None,
@@ -36,7 +36,5 @@ def inspect(
     Never cached: it is cheap (metadata only) and decides what every other task's key is.
     """
     storage = storage_for(storage_options)
-    job = plan_job(
-        storage, source, destination, ConvertOptions(**options), tag=tag, work_url=work_dir
-    )
+    job = plan_job(storage, source, destination, options, tag=tag, work_url=work_dir)
     return job.to_json()

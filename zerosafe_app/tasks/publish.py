@@ -65,5 +65,5 @@ def finish(job: dict[str, Any]) -> None:
     j = job_of(job)
     finish_job(
         storage_for(j.storage_options), destination=j.destination, job_key=j.job_key,
-        work_url=j.work, keep_work=bool(j.options.get("keep_work")),
+        work_url=j.work, keep_work=j.options.keep_work,
     )  # fmt: skip

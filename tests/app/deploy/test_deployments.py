@@ -25,7 +25,7 @@ from tests.conftest import REPO, SAMPLE_CKPT
 from tests.helpers import load_output, same_bytes
 from tests.io.s3.support import MotoServer, assert_same_output, download_folder, upload_folder
 from zerosafe.config import ConvertOptions
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 
 pytestmark = pytest.mark.slow
 

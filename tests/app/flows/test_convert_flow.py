@@ -13,7 +13,7 @@ from tests.app.flows.conftest import convert_json, journal, run_cli, work_dir
 from tests.conftest import SAMPLE_CKPT
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 
 SHARD_ARGS = ("--max-shard-size", "20KB", "--mode", "staged")  # every stage runs
 

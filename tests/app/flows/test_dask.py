@@ -19,7 +19,7 @@ from tests.app.flows.conftest import journal
 from tests.conftest import REPO, SAMPLE_CKPT
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from tests.app.flows.conftest import convert_json, journal, results_persisted, r
 from tests.conftest import REPO
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -301,7 +301,8 @@ def test_full_disk_names_the_path_and_the_same_command_then_completes(
         "bf16",
         "--max-shard-size",
         SHARDS,
-        "--direct",
+        "--mode",
+        "direct",
         "--memory",
         "256MB",
     )

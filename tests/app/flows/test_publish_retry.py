@@ -18,8 +18,8 @@ from prefect.logging import disable_run_logger
 from tests.conftest import SAMPLE_CKPT
 from tests.helpers import load_output
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
 from zerosafe.stages.clean import find_leftovers
 from zerosafe.stages.results import JobPlan
 from zerosafe_app.tasks._common import Job
@@ -59,8 +59,8 @@ def test_publish_again_with_the_same_inputs_returns_the_same_result(
     from zerosafe_app.tasks.publish import finish, publish
 
     out = tmp_path / "out"
-    job = JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(out), STAGED.as_dict()))
-    task_job = Job(str(SAMPLE_CKPT), str(out), job.work_url, job.job_key, STAGED.as_dict(), {})
+    job = JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(out), STAGED))
+    task_job = Job(str(SAMPLE_CKPT), str(out), job.work_url, job.job_key, STAGED, {})
     j = task_job.as_dict()
     extracts = [extract.fn(j, p.index, p.rank, p.label) for p in job.parts]
     n = len(job.shards)

@@ -39,8 +39,8 @@ def _no_run_logger() -> Iterator[None]:
 
 
 def _plan(out: Path, options: ConvertOptions = STAGED) -> tuple[JobPlan, dict[str, Any]]:
-    job = JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(out), options.as_dict()))
-    task_job = Job(str(SAMPLE_CKPT), str(out), job.work_url, job.job_key, options.as_dict(), {})
+    job = JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(out), options))
+    task_job = Job(str(SAMPLE_CKPT), str(out), job.work_url, job.job_key, options, {})
     return job, task_job.as_dict()
 
 
@@ -69,17 +69,17 @@ def test_each_task_in_order(tmp_path: Path) -> None:
     assert (out / "zerosafe-complete.json").exists()
     finish.fn(task_job)
     assert not (out / ".zerosafe-work").exists()
-    assert JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(out), STAGED.as_dict())).is_done
+    assert JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(out), STAGED)).is_done
 
 
 def test_a_work_area_holding_another_jobs_plan_is_a_one_line_error(tmp_path: Path) -> None:
     """Issue 24, 12: two conversions given one `--work-dir`; the second's plan replaced the
     first's, whose tasks then met an `assert` (gone under `python -O`, naming no fix)."""
     work = str(tmp_path / "work")
-    first = STAGED.as_dict()
+    first = STAGED
     job = JobPlan.from_json(inspect.fn(str(SAMPLE_CKPT), str(tmp_path / "a"), first, work_dir=work))
     other = ConvertOptions(max_shard_size=20_000, dtype="fp32")
-    inspect.fn(str(SAMPLE_CKPT), str(tmp_path / "b"), other.as_dict(), work_dir=work)
+    inspect.fn(str(SAMPLE_CKPT), str(tmp_path / "b"), other, work_dir=work)
     task_job = Job(str(SAMPLE_CKPT), str(tmp_path / "a"), work, job.job_key, first, {})
     with pytest.raises(WorkAreaConflictError) as e:
         extract.fn(task_job.as_dict(), 0, job.parts[0].rank, job.parts[0].label)
@@ -90,14 +90,10 @@ def test_a_work_area_holding_another_jobs_plan_is_a_one_line_error(tmp_path: Pat
 
 
 def _inputs(stage: str, **changes: Any) -> dict[str, Any]:
-    job = {"job_key": "k", "options": {"direct": False, "allow_nonfinite": False, "keep_work": False,
-                                       "memory": 10**9}}  # fmt: skip
+    options = {k: v for k, v in changes.items() if k in ConvertOptions.__dataclass_fields__}
+    job = {"job_key": "k", "options": ConvertOptions(**options)}
     inputs: dict[str, Any] = {"job": job, "index": 3, "fingerprint": "abc"}
-    for key, value in changes.items():
-        if key in job["options"]:
-            job["options"] = {**job["options"], key: value}
-        else:
-            inputs[key] = value
+    inputs.update({k: v for k, v in changes.items() if k not in options})
     return inputs
 
 
@@ -122,8 +118,7 @@ def test_verify_cache_key_holds_file_sha256_only_when_on() -> None:
     other key stays as it was, so runs cached before the option existed still resume."""
 
     def inputs(**options: Any) -> dict[str, Any]:  # `_inputs` with options it lacks
-        base = _inputs("")
-        return {**base, "job": {**base["job"], "options": {**base["job"]["options"], **options}}}
+        return _inputs("", **options)
 
     for stage in ("verify", "merge"):
         key, base = cache_key(stage), cache_key(stage)(None, _inputs(""))

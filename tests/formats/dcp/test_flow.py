@@ -23,7 +23,7 @@ from tests.formats.dcp.test_convert import assert_matches, load_output, model_or
 from tests.io.s3.conftest import aws_environment, aws_home, bucket, moto  # noqa: F401 - fixtures
 from tests.io.s3.support import MotoServer, assert_same_output, upload_folder
 from zerosafe.config import ConvertOptions
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -129,7 +129,7 @@ def test_convert_from_s3(
     out = tmp_path / "out"
     storage = Storage({"endpoint_url": moto.url})
     summary = convert_checkpoint(url, str(out), ConvertOptions(dtype="bf16"), storage=storage)
-    assert summary["status"] == "converted" and summary["integrity"]["records_failed"] == []
+    assert summary.status == "converted" and summary.integrity["records_failed"] == []
     for name in ("model.safetensors",):
         assert (out / name).read_bytes() == (reference / name).read_bytes()
     manifest = json.loads((out / "zerosafe-manifest.json").read_text())
@@ -141,4 +141,4 @@ def test_convert_from_s3(
 
     layout = read_source(Storage(), str(local), tag=None, options=ConvertOptions())
     needed = sum(s.nbytes for s in layout.slots) + layout.metadata_bytes
-    assert summary["source_bytes_read"] <= 1.1 * needed
+    assert summary.stats.source_bytes_read <= 1.1 * needed

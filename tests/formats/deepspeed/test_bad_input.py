@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import (
     CheckpointFormatError,
     IntegrityError,
@@ -20,7 +21,6 @@ from zerosafe.errors import (
     UnsafePickleError,
     UnsupportedCheckpointError,
 )
-from zerosafe.pipeline import convert_checkpoint
 from zerosafe_app.cli import main
 
 TAG = "global_step2"
@@ -380,4 +380,4 @@ def test_optimizer_without_param_groups_is_not_taken_for_moe(
         sd["optimizer_state_dict"]["optimizer_state_dict"].pop("param_groups")
         torch.save(sd, _optim(sample_ckpt, rank))
     summary = convert_checkpoint(str(sample_ckpt), str(tmp_path / "out"))
-    assert summary["status"] == "converted"
+    assert summary.status == "converted"

@@ -8,9 +8,9 @@ import pytest
 
 from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.formats.deepspeed.checkpoint import build_plan, open_zero_checkpoint
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
@@ -28,7 +28,7 @@ def test_source_bytes_read_are_masters_plus_pickles(tmp_path: Path, direct: bool
     summary = convert_checkpoint(
         str(SAMPLE_CKPT), str(tmp_path / "out"), ConvertOptions(direct=direct), storage=run
     )
-    read = summary["source_bytes_read"]
+    read = summary.stats.source_bytes_read
     print(
         f"\n{'direct' if direct else 'staged'}: read {read} B of the {checkpoint_bytes} B checkpoint "
         f"({read / checkpoint_bytes:.1%}); fp32 masters {plan.fp32_bytes} B, frozen+buffers "

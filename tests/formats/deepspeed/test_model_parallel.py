@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 
 from tests.conftest import SHARED_FIXTURES
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import UnsupportedCheckpointError
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
 from zerosafe.plan.build import plan_checkpoint
 from zerosafe_app.cli import main
 
@@ -40,13 +40,13 @@ def _same_output(ckpt: Path, reference: Path, tmp_path: Path) -> list[str]:
     """Convert `ckpt` and `reference`; assert equal outputs; return `ckpt`'s plan notes."""
     ours = convert_checkpoint(str(ckpt), str(tmp_path / "ours"))
     want = convert_checkpoint(str(reference), str(tmp_path / "want"))
-    assert ours["status"] == want["status"] == "converted"
+    assert ours.status == want.status == "converted"
     got, expected = _tensors(tmp_path / "ours"), _tensors(tmp_path / "want")
     assert set(got) == set(expected)
     for key, t in expected.items():
         assert torch.equal(got[key].view(torch.uint8), t.view(torch.uint8)), key
     again = convert_checkpoint(str(ckpt), str(tmp_path / "ours"))
-    assert again["status"] == "already-complete"  # quick_identities lists the files it read
+    assert again.status == "already-complete"  # quick_identities lists the files it read
     _, plan = plan_checkpoint(Storage(), str(ckpt), tag=None, options=ConvertOptions())
     return plan.notes
 

@@ -28,8 +28,9 @@ from safetensors.torch import load_file
 
 from tests.helpers import load_output, same_bytes
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError, UnsupportedCheckpointError
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.stages.results import RunSummary
 from zerosafe.verify.output import verify_output
 
 try:
@@ -118,7 +119,7 @@ def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
 @dataclass
 class Output:
     dir: Path
-    summary: dict[str, Any]
+    summary: RunSummary
     tensors: dict[str, torch.Tensor]
     manifest: dict[str, Any]
 
@@ -137,7 +138,7 @@ def moe_convert(
             summary = convert_checkpoint(
                 str(moe_checkpoints(name).ckpt), str(out), ConvertOptions(**options)
             )
-            assert summary["status"] == "converted", summary
+            assert summary.status == "converted", summary
             tensors, manifest = load_output(out)
             done[key] = Output(out, summary, tensors, manifest)
         return done[key]
@@ -345,7 +346,7 @@ def test_expert_group_order_may_differ_between_ranks(
 
     _rewrite(optim, swap_expert_groups)
     summary = convert_checkpoint(str(ckpt), str(tmp_path / "out"), ConvertOptions())
-    assert summary["status"] == "converted"
+    assert summary.status == "converted"
     got, _ = load_output(tmp_path / "out")
     want = moe_convert(name, dtype="float32").tensors
     assert set(got) == set(want) and all(same_bytes(got[k], want[k]) for k in want)

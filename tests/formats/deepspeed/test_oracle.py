@@ -27,7 +27,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from zerosafe.config import ConvertOptions
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
+from zerosafe.stages.results import RunSummary
 from zerosafe.verify.output import verify_output
 
 try:
@@ -148,7 +149,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Gen
 @dataclass
 class Output:
     dir: Path
-    summary: dict[str, Any]
+    summary: RunSummary
     manifest: dict[str, Any]
     tensors: dict[str, torch.Tensor]
 
@@ -157,13 +158,13 @@ class Output:
         return dict(self.manifest.get("aliases") or {})
 
 
-def _read_output(out: Path, summary: dict[str, Any]) -> dict[str, torch.Tensor]:
-    files = summary["files"]
+def _read_output(out: Path, summary: RunSummary) -> dict[str, torch.Tensor]:
+    files = summary.files
     if (out / "model.safetensors.index.json").is_file():
         index = json.loads((out / "model.safetensors.index.json").read_text())
         assert sorted(set(index["weight_map"].values())) == sorted(files)
     else:
-        assert files == ["model.safetensors"]
+        assert files == ("model.safetensors",)
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(out / f), "pt") as handle:
@@ -188,7 +189,7 @@ def convert(
             out = tmp_path_factory.mktemp(f"out-{name}-{tag}")
             out.rmdir()
             summary = convert_checkpoint(str(gen.ckpt), str(out), ConvertOptions(**options))
-            assert summary["status"] == "converted", summary
+            assert summary.status == "converted", summary
             manifest = json.loads((out / MANIFEST).read_text())
             done[key] = Output(out, summary, manifest, _read_output(out, summary))
         return done[key]
@@ -320,7 +321,7 @@ def test_fp32_matches_live_weights(name: str, checkpoints, convert) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_direct_equals_staged(name: str, convert) -> None:
     staged, direct = convert(name, **FP32_MODES["staged"]), convert(name, **FP32_MODES["direct"])
-    assert len(direct.summary["files"]) > 1, (
+    assert len(direct.summary.files) > 1, (
         f"expected several shards with max_shard_size={SMALL_SHARDS}"
     )
     assert set(direct.tensors) == set(staged.tensors)
@@ -420,7 +421,7 @@ def test_low_precision_masters(name: str, checkpoints, convert) -> None:
     masters = saved_master_bytes(gen.ckpt)  # the real dtype's bytes, padding included
     assert masters < report["params"]["trained_elements"] * 4
     assert report["reads"]["fp32_master_bytes"] == masters
-    assert ours.summary["fp32_bytes"] == masters
+    assert ours.summary.stats.fp32_bytes == masters
     low = convert(name, dtype=master_name)  # the masters' own dtype: their bytes, unchanged
     for key, want in ours.tensors.items():
         if want.is_floating_point() and key in ds and ds[key].dtype == master:
@@ -449,7 +450,7 @@ def test_muon_reads_only_masters(name: str, checkpoints, convert) -> None:
     assert "momentum_buffer" in ours.manifest["source"]["optimizer_name"]
     report = _inspect(gen)
     assert "optimizer Muon" in report["text"] and "momentum_buffer" in report["text"]
-    assert ours.summary["fp32_bytes"] == saved_master_bytes(gen.ckpt)
+    assert ours.summary.stats.fp32_bytes == saved_master_bytes(gen.ckpt)
 
 
 @pytest.mark.parametrize("name", FROZEN)
@@ -535,7 +536,7 @@ def make_nvme_checkpoint(
 
 def _convert_dir(ckpt: Path, out: Path, **options: Any) -> dict[str, torch.Tensor]:
     summary = convert_checkpoint(str(ckpt), str(out), ConvertOptions(**options))
-    assert summary["status"] == "converted", summary
+    assert summary.status == "converted", summary
     return _read_output(out, summary)
 
 

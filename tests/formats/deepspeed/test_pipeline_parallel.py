@@ -26,8 +26,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.stages.results import RunSummary
 from zerosafe.verify.output import verify_output
 
 try:
@@ -87,9 +88,9 @@ def pipe_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
     return get
 
 
-def _read(out: Path, summary: dict[str, Any]) -> dict[str, torch.Tensor]:
+def _read(out: Path, summary: RunSummary) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
-    for f in summary["files"]:
+    for f in summary.files:
         with safe_open(str(out / f), "pt") as handle:
             for key in handle.keys():
                 assert key not in tensors
@@ -110,7 +111,7 @@ def converted(
             summary = convert_checkpoint(
                 str(pipe_ckpt(name) / "ckpt"), str(out), ConvertOptions(**options)
             )
-            assert summary["status"] == "converted", summary
+            assert summary.status == "converted", summary
             done[key] = (out, summary, _read(out, summary))
         return done[key]
 
@@ -220,7 +221,7 @@ def test_direct_bf16_and_rerun(name: str, pipe_ckpt, converted, tmp_path) -> Non
     out, summary, direct = converted(
         name, dtype="bfloat16", direct=True, max_shard_size=SMALL_SHARDS, check_lowp=True
     )
-    assert len(summary["files"]) > 1
+    assert len(summary.files) > 1
     assert set(direct) == set(staged)
     for key, want in staged.items():
         _same_bytes(key, direct[key], want.to(torch.bfloat16) if want.is_floating_point() else want)
@@ -228,7 +229,7 @@ def test_direct_bf16_and_rerun(name: str, pipe_ckpt, converted, tmp_path) -> Non
         str(pipe_ckpt(name) / "ckpt"), str(out),
         ConvertOptions(dtype="bfloat16", direct=True, max_shard_size=SMALL_SHARDS, check_lowp=True),
     )  # fmt: skip
-    assert again["status"] == "already-complete"  # quick_identities == the layout's files
+    assert again.status == "already-complete"  # quick_identities == the layout's files
 
 
 def test_exclude_frozen(converted) -> None:

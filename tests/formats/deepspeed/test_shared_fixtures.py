@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tests.conftest import SHARED_FIXTURES, shared_fixture_names
 from tests.helpers import load_output, same_bytes, upcast
 from zerosafe.config import ConvertOptions
-from zerosafe.pipeline import convert_checkpoint
+from zerosafe.driver import convert_checkpoint
 
 NAMES = shared_fixture_names()
 pytestmark = pytest.mark.skipif(not NAMES, reason=f"{SHARED_FIXTURES} not present")
@@ -71,8 +71,8 @@ def test_fp32_output_is_bit_exact_with_deepspeed(name: str, direct: bool, tmp_pa
         assert same_bytes(ours[key].to(want.dtype), want), key
     expected = set(live) - set(manifest["aliases"])
     assert set(ours) == expected, set(ours) ^ expected
-    assert summary["integrity"]["records_failed"] == []
-    assert summary["integrity"]["records_skipped"] == []
+    assert summary.integrity["records_failed"] == []
+    assert summary.integrity["records_skipped"] == []
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if "2tags" in n])

@@ -24,12 +24,12 @@ from safetensors.torch import load_file
 
 from tests.io.s3.support import run_zerosafe
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import (
     CheckpointFormatError,
     LayoutMismatchError,
     UnsupportedCheckpointError,
 )
-from zerosafe.pipeline import convert_checkpoint
 from zerosafe.verify.output import verify_output
 from zerosafe_app.cli import main
 
@@ -134,7 +134,7 @@ def convert(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Output]:
         if key not in done:
             out = tmp_path_factory.mktemp("out") / "o"
             summary = convert_checkpoint(str(source), str(out), ConvertOptions(**options), tag=tag)
-            assert summary["status"] == "converted", summary
+            assert summary.status == "converted", summary
             done[key] = _read(out)
         return done[key]
 

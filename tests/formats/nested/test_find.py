@@ -13,10 +13,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import CheckpointFormatError
 from zerosafe.formats.registry import find_save, quick_identities, read_source
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -119,7 +119,7 @@ def proxy(moto: MotoServer) -> Iterator[FaultProxy]:
 def local_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The sample converted locally (engine, default options): what every S3 run must equal."""
     from zerosafe.config import ConvertOptions
-    from zerosafe.pipeline import convert_checkpoint
+    from zerosafe.driver import convert_checkpoint
 
     out = tmp_path_factory.mktemp("reference") / "out"
     convert_checkpoint(str(SAMPLE_CKPT), str(out), ConvertOptions())

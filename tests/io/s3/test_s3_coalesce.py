@@ -13,8 +13,8 @@ from tests.io.s3.faultproxy import FaultProxy
 from tests.io.s3.support import MotoServer, download_folder, upload_folder
 from tests.io.test_coalesce import MergeTrace, merge_request_bound
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
 
 
 def test_merge_requests_follow_bytes_not_fragments(
@@ -48,7 +48,7 @@ def test_merge_requests_follow_bytes_not_fragments(
     summary = convert_checkpoint(
         src, f"s3://{bucket}/out", options, storage=Storage({"endpoint_url": proxy.url})
     )
-    assert summary["status"] == "converted"
+    assert summary.status == "converted"
     got = download_folder(moto.url, f"s3://{bucket}/out", tmp_path / "got")
     weights = sorted(p.name for p in local.glob("model*.safetensors"))
     assert weights and sorted(p.name for p in got.glob("model*.safetensors")) == weights

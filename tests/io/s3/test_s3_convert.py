@@ -22,9 +22,9 @@ from tests.io.s3.support import (
     upload_folder,
 )
 from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
 from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
 from zerosafe.io.storage import Storage
-from zerosafe.pipeline import convert_checkpoint
 
 
 @pytest.mark.parametrize("route", ["s3-s3", "s3-local", "local-s3"])
@@ -46,7 +46,7 @@ def test_conversion_is_bit_exact(
     # 8 KiB parts: the intermediates and the output go up as real multipart uploads.
     storage = Storage({"endpoint_url": proxy.url, "part_size": 8192})
     summary = convert_checkpoint(src, out, ConvertOptions(), storage=storage)
-    assert summary["status"] == "converted"
+    assert summary.status == "converted"
     local = download_folder(moto.url, out, tmp_path / "got") if out_kind == "s3" else Path(out)
     assert_same_output(local, local_reference)
     if out_kind == "s3":
@@ -57,7 +57,7 @@ def test_conversion_is_bit_exact(
     again = convert_checkpoint(
         src, out, ConvertOptions(), storage=Storage({"endpoint_url": moto.url})
     )
-    assert again["status"] == "already-complete"
+    assert again.status == "already-complete"
 
 
 def _needed_bytes(ckpt_url: str, storage: Storage) -> tuple[int, int, int]:
@@ -102,7 +102,7 @@ def test_bytes_read_from_s3_are_masters_pickles_and_directories(
     assert on_wire < 0.5 * checkpoint_bytes  # the Adam moments stay in the bucket
     # The engine's own count is what went over the wire (no retries happened here), but for
     # the `latest` file, which is not part of the tag.
-    assert on_wire == summary["source_bytes_read"] + (folder / "latest").stat().st_size
+    assert on_wire == summary.stats.source_bytes_read + (folder / "latest").stat().st_size
     gets = proxy.requests("GET", f"/{bucket}/ckpt/")
     assert all(g.range is not None for g in gets if not g.path.endswith("/latest"))
 
@@ -156,7 +156,7 @@ def test_model_files_on_s3(
     src = upload_folder(moto.url, sample_ckpt, bucket, "run/ckpt")
     out = f"s3://{bucket}/hf"
     storage = Storage({"endpoint_url": moto.url})
-    assert convert_checkpoint(src, out, ConvertOptions(), storage=storage)["status"] == "converted"
+    assert convert_checkpoint(src, out, ConvertOptions(), storage=storage).status == "converted"
     got = download_folder(moto.url, out, tmp_path / "got")
     for name in ("config.json", "tokenizer.json", "additional_chat_templates/tool.jinja"):
         assert (got / name).read_bytes() == (sample_ckpt / name).read_bytes(), name
@@ -165,5 +165,5 @@ def test_model_files_on_s3(
     failures = verify_output(out, storage=storage)["failures"]
     assert [(f["file"], f["check"]) for f in failures] == [("tokenizer.json", "model file")]
     again = convert_checkpoint(src, out, ConvertOptions(), storage=storage)
-    assert again["status"] == "converted" and verify_output(out, storage=storage)["ok"]
-    assert convert_checkpoint(src, out, storage=storage)["status"] == "already-complete"
+    assert again.status == "converted" and verify_output(out, storage=storage)["ok"]
+    assert convert_checkpoint(src, out, storage=storage).status == "already-complete"

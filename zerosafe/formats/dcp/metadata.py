@@ -56,6 +56,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from zerosafe.dtypes import DTYPES
 from zerosafe.errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError
 from zerosafe.formats.torch_zip import DTypeToken, InertObject, TorchSize
 
@@ -98,12 +99,6 @@ def _windows_path(*parts: Any) -> str:
     return ntpath.join(*(str(p) for p in parts)) if parts else ""
 
 
-_DTYPES = (
-    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "uint16", "uint32", "uint64", "bool", "complex64", "complex128", "float8_e4m3fn",
-    "float8_e5m2",
-)  # fmt: skip
-
 STORAGE_INFO_CLASSES: dict[str, tuple[str, frozenset[str]]] = {
     "torch.distributed.checkpoint.filesystem._StorageInfo": (
         "torch's FileSystemWriter",
@@ -144,7 +139,7 @@ ALLOWED_GLOBALS: dict[str, Any] = {
     "pathlib._local.WindowsPath": _windows_path,
     "pathlib._local.PureWindowsPath": _windows_path,
     "collections.OrderedDict": dict,
-    **{f"torch.{name}": DTypeToken(name) for name in _DTYPES},
+    **{f"torch.{name}": DTypeToken(name) for name in DTYPES},
 }
 """Every global a DCP `.metadata` pickle may name, and what it becomes. Anything else is
 refused. Seen in torch 2.13's and OLMo-core 3.0.0's files: the DCP classes, `torch.Size`,

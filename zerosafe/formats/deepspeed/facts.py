@@ -7,6 +7,7 @@ import hashlib
 import math
 from typing import Any
 
+from zerosafe.dtypes import short_name
 from zerosafe.formats.deepspeed.moe import describe_moe
 from zerosafe.formats.deepspeed.slots import swap_files
 from zerosafe.formats.deepspeed.types import ZeroCheckpoint
@@ -77,7 +78,7 @@ def zero_facts(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         },
         "about": about,
         "read_labels": {
-            "main": f"{_short(ckpt.master_dtype)} masters",
+            "main": f"{short_name(ckpt.master_dtype)} masters",
             "other": "frozen params and buffers",
             "metadata": "pickles and zip directories",
             "never": _never_read(ckpt.optimizer_name),
@@ -88,10 +89,6 @@ def zero_facts(ckpt: ZeroCheckpoint) -> dict[str, Any]:
 def _identities(ckpt: ZeroCheckpoint) -> list[FileIdentity]:
     """Every file a conversion reads: optimizer and model states, then NVMe swap files."""
     return [f.identity for f in ckpt.files] + [w.identity for w in swap_files(ckpt)]
-
-
-def _short(dtype: str) -> str:
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
 
 
 def _never_read(optimizer_name: str) -> str:

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from zerosafe.config import ConvertOptions
+from zerosafe.dtypes import ALIASES, OUTPUT_DTYPES, dtype_info
 from zerosafe.errors import ConfigError
 from zerosafe.formats.deepspeed.checkpoint import build_plan
 from zerosafe.formats.deepspeed.layout import zero3_partition_numel
@@ -77,11 +78,6 @@ one merge task of bench/run.py's 7B run (direct, engine driver, bf16) moved 1.3 
 bf16 written, read back to verify) on the 2-core benchmark machine, which others were using
 too; rounded down. Each such task keeps about 1.3 cores busy."""
 
-_TRAIN_DTYPES = {
-    "bf16": ("bfloat16", 2, "bf16_"),
-    "fp16": ("float16", 2, ""),
-    "fp32": ("float32", 4, ""),
-}
 _RECORD_ALIGN = 64  # torch.save aligns record data to 64 bytes
 _LOCAL_HEADER_BYTES = 30  # APPNOTE 4.3.7, before the name and extra field
 
@@ -164,7 +160,7 @@ def load_spec(path: str, *, world_size: int | None = None) -> SimulatedSpec:
             "(the layout large runs use) is laid out here"
         )
     train_dtype = str(ckpt.get("train_dtype", "bf16"))
-    if train_dtype not in _TRAIN_DTYPES:
+    if train_dtype not in ALIASES or ALIASES[train_dtype] not in OUTPUT_DTYPES:
         raise ConfigError(f"{path}: `checkpoint.train_dtype` must be bf16, fp16 or fp32")
     tied: dict[str, str] = {}
     if "params" in raw:
@@ -241,7 +237,8 @@ def simulated_checkpoint(spec: SimulatedSpec) -> ZeroCheckpoint:
     group is cut into flat sub-groups of at least `sub_group_numel` elements per rank.
     """
     ws = spec.world_size
-    _, lowp_size, prefix = _TRAIN_DTYPES[spec.train_dtype]
+    lowp_size = dtype_info(spec.train_dtype).itemsize
+    prefix = "bf16_" if dtype_info(spec.train_dtype).name == "bfloat16" else ""  # bf16_zero_pp_*
     groups = [[s for s in spec.shapes if len(s[1]) >= 2], [s for s in spec.shapes if len(s[1]) < 2]]
     sub_groups: list[list[tuple[str, tuple[int, ...]]]] = []
     for group in groups:
@@ -291,7 +288,7 @@ def simulated_checkpoint(spec: SimulatedSpec) -> ZeroCheckpoint:
         stage=3,
         optimizer_kind="zero",
         world_size=ws,
-        train_dtype=_TRAIN_DTYPES[spec.train_dtype][0],
+        train_dtype=dtype_info(spec.train_dtype).name,
         ds_version="0.19.8 (simulated)",
         optim_files=optim_files,
         model_files=model_files,
@@ -493,7 +490,6 @@ def simulation_report(
         "request_latency_s": request_latency,
         "predictions": predictions,
         "job_key": plan.job_key,
-        "plan_id": plan.job_key,  # the old name of `job_key`, kept for one release
     }
 
 
