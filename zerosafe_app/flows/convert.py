@@ -37,6 +37,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConversionError, VerificationError
+from zerosafe.formats.base import SourceDescription
 from zerosafe.io.lease import Lease
 from zerosafe.io.storage import Storage, is_local, join_url
 from zerosafe.pipeline import (
@@ -452,18 +453,9 @@ def _stats(
     )  # fmt: skip
 
 
-def _source_text(cfg: JobConfig, source: dict[str, Any]) -> str:
-    """The summary's `source` row: what the format's manifest block says about it."""
-    if source.get("format") == "dcp":
-        return (
-            f"`{cfg.source}` (PyTorch DCP, {source.get('num_tensors_selected')} of "
-            f"{source.get('num_tensors_in_checkpoint')} tensors selected, "
-            f"{source.get('num_distcp_files')} .distcp files)"
-        )
-    return (
-        f"`{cfg.source}` (tag {source.get('tag')}, ZeRO-{source.get('stage')}, "
-        f"world size {source.get('world_size')})"
-    )
+def _source_text(cfg: JobConfig, source: SourceDescription | None) -> str:
+    """The summary's `source` row: the URL and what the format says about it."""
+    return f"`{cfg.source}` {source.headline}" if source is not None else f"`{cfg.source}`"
 
 
 def _summary_artifact(cfg: JobConfig, job: JobPlan, r: RunSummary) -> None:

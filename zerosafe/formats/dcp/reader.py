@@ -351,7 +351,6 @@ def read_dcp_layout(
         facts=dcp_facts(url, meta, selected, files, slots, located),
         metadata_bytes=storage.counter.bytes_read - read_before,
         notes=dcp_notes(meta, selected, located), main_slot_kind="chunk",
-        native=meta,
     )  # fmt: skip
 
 
