@@ -352,7 +352,8 @@ def _run_held(cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: fl
             cfg, options, job, task_job, storage, started=started,
             leases=(out_lease, work_lease),
         )  # fmt: skip
-        cleanup = finish(task_job, return_state=True)
+        # `stage_task` types a task's result as its JSON; with `return_state` it is its state
+        cleanup = cast("State[None]", finish(task_job, return_state=True))
     summary = summarize(job, published, verifies, seconds=time.monotonic() - started)
     if cleanup.is_failed():  # the output is complete: say what is left, do not fail the run
         warning = cleanup_warning(
