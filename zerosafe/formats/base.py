@@ -254,8 +254,11 @@ class LowpWitness:
 
 @runtime_checkable
 class ReadsLowpCopies(Protocol):
-    """A reader whose checkpoints can keep a 16-bit copy of the trained weights (an optional
-    capability: verify and the publish step ask `isinstance(reader, ReadsLowpCopies)`)."""
+    """A reader whose checkpoints can keep a 16-bit copy of the trained weights beside the
+    masters (DeepSpeed ZeRO-1/2), the witness `check_lowp` and `verify --against` compare
+    with: an optional capability, asked as `isinstance(reader, ReadsLowpCopies)`. A format
+    without it refuses `check_lowp` before anything is read; whether one checkpoint keeps a
+    copy is `SourceLayout.lowp_missing`."""
 
     def lowp_witness(
         self, storage: Storage, source: SourceDescription, *, layout: SourceLayout | None = None
@@ -328,12 +331,6 @@ class FormatReader(Protocol):
     selects: bool
     """Whether the format takes `ConvertOptions.select` and `strip_prefix` (DCP: a
     checkpoint holds more than one state dict); other readers refuse them."""
-
-    lowp_copy: bool
-    """Whether checkpoints of this format can keep a 16-bit copy of the trained weights beside
-    the masters (DeepSpeed ZeRO-1/2), the witness `check_lowp` compares with; a format that
-    never does refuses the option before anything is read. Whether one checkpoint does is
-    `SourceLayout.lowp_missing`."""
 
     def detect(self, storage: Storage, url: str) -> bool:
         """Whether `url` holds this format, from a listing (no file is opened)."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, ConfigError
-from zerosafe.formats.base import FormatReader, SourceLayout
+from zerosafe.formats.base import FormatReader, ReadsLowpCopies, SourceLayout
 from zerosafe.formats.dcp.reader import DcpReader
 from zerosafe.formats.deepspeed.reader import DeepSpeedReader
 from zerosafe.formats.deepspeed.universal import UniversalReader
@@ -94,9 +94,9 @@ def check_options(reader: FormatReader, url: str, options: ConvertOptions) -> No
 
     Raises:
         ConfigError: For `select`/`strip_prefix` on a format that holds one state dict, or
-            `check_lowp` on a format that keeps no 16-bit copy (`FormatReader.lowp_copy`).
+            `check_lowp` on a format that keeps no 16-bit copy (no `ReadsLowpCopies`).
     """
-    if options.check_lowp and not reader.lowp_copy:
+    if options.check_lowp and not isinstance(reader, ReadsLowpCopies):
         raise _no_lowp_copy(url, f"a {reader.title} checkpoint keeps no 16-bit copy")
     if reader.selects:
         return

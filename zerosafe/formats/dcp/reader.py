@@ -57,7 +57,6 @@ class DcpReader:
     title = FORMAT_NAME
     looks_like = "a folder holding `.metadata` and `__R_S.distcp` files"
     selects = True
-    lowp_copy = False
 
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)

@@ -57,7 +57,6 @@ class DeepSpeedReader:
     title = "DeepSpeed ZeRO"
     looks_like = "a folder holding `latest`, or a tag folder holding `*_model_states.pt`"
     selects = False
-    lowp_copy = True
 
     def __init__(
         self, errors: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext

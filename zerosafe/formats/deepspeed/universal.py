@@ -120,7 +120,6 @@ class UniversalReader:
         "holding `zero/<param>/fp32.pt` and `*_model_states.pt` (ds_to_universal.py's output)"
     )
     selects = False
-    lowp_copy = True
 
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)
