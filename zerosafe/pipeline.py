@@ -274,7 +274,7 @@ def plan_job_and_load(
         save_plan(plan, storage, work.plan)
     job = JobPlan(
         state=state.kind, job_key=plan.job_key, destination=destination, work_url=work.root,
-        source={k: v for k, v in plan.source.items() if k != "files"},
+        source=plan.source,
         parts=tuple(
             PartWork(
                 index=p.index, rank=p.rank, label=str(p.number),

@@ -6,7 +6,7 @@ import pytest
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
-from zerosafe.formats.base import SourceLayout, SourceTensor
+from zerosafe.formats.base import SourceDescription, SourceLayout, SourceTensor, StoredDetails
 from zerosafe.plan.build import assign_shards, plan_layout, plan_parts
 from zerosafe.plan.model import Slot, SourceFile
 
@@ -54,7 +54,12 @@ def _layout(tensors: dict[str, SourceTensor], slots: list[Slot], **kw: object) -
     return SourceLayout(
         format="test", where="mem://ckpt", tag="t",
         files=[SourceFile(index=0, url="mem://ckpt/f", role="x", rank=0, size_bytes=1, version="1")],
-        slots=slots, tensors=tensors, order=list(kw.pop("order", tensors)), **kw,  # type: ignore[arg-type]
+        slots=slots, tensors=tensors, order=list(kw.pop("order", tensors)),
+        source=SourceDescription(
+            format="test", checkpoint="mem://ckpt", tag="t", num_params=0, checkpoint_bytes=1,
+            files=(), content_sha256="", details=StoredDetails((), ("checkpoint", "tag")),
+        ),
+        **kw,  # type: ignore[arg-type]
     )  # fmt: skip
 
 

@@ -11,17 +11,31 @@ The formats themselves are described in docs/formats.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from zerosafe.config import ConvertOptions
+from zerosafe.io.storage import FileIdentity
 
 if TYPE_CHECKING:
-    from zerosafe.io.storage import Storage
+    from zerosafe.io.storage import ByteSource, Storage
     from zerosafe.plan.model import Plan, Slot, SourceFile
 
-__all__ = ["FormatReader", "Fragment", "SourceLayout", "SourceTensor"]
+__all__ = [
+    "FormatReader",
+    "Fragment",
+    "InspectFacts",
+    "LowpCopy",
+    "LowpWitness",
+    "ReadLabels",
+    "ReadsLowpCopies",
+    "SourceDescription",
+    "SourceDetails",
+    "SourceLayout",
+    "SourceTensor",
+    "StoredDetails",
+]
 
 Fragment = tuple[int, int, int, int]
 """`(slot, src_offset, numel, dst_offset)`: copy `numel` elements from element `src_offset` of
@@ -44,6 +58,232 @@ class SourceTensor:
     fragments: tuple[Fragment, ...]
 
 
+class SourceDetails(Protocol):
+    """A format's own fields of the manifest's `source` block (DeepSpeed: stage, world size,
+    dtypes; DCP: what was selected), typed by the reader that makes them. Only the reader
+    reads them; everyone else writes them out (`SourceDescription.to_json`)."""
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """Every key of the block, common ones included, in the order the manifest writes
+        them (kept as each format has always written them: the manifest's bytes)."""
+        ...
+
+    def fields(self) -> dict[str, object]:
+        """The format's own keys and their JSON values; a key whose value is absent (None
+        where the format omits it) is left out."""
+        ...
+
+    def headline(self, common: SourceDescription) -> str:
+        """What the flow's run summary says about the checkpoint, after its URL: `(tag
+        global_step4, ZeRO-3, world size 2)`."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StoredDetails:
+    """`SourceDetails` as read back from a plan or a job plan (JSON): the format's own
+    fields as they were written, and the headline the reader made."""
+
+    items: tuple[tuple[str, object], ...]
+    keys: tuple[str, ...]
+    said: str = ""
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return self.keys
+
+    def fields(self) -> dict[str, object]:
+        return dict(self.items)
+
+    def headline(self, common: SourceDescription) -> str:
+        return self.said
+
+
+_COMMON = (
+    "format", "checkpoint", "tag", "tag_url", "num_params", "checkpoint_bytes", "files",
+    "content_sha256", "model_files", "found_in",
+)  # fmt: skip
+"""The block's keys `SourceDescription` types itself; the rest are the format's own."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SourceDescription:
+    """What the manifest's `source` block says about the checkpoint: the fields every format
+    has, typed (the rest of zerosafe reads these), and the format's own (`details`)."""
+
+    format: str
+    """The reader's name (`SourceLayout.format`); written into the block only where the
+    format's `details.order` lists `format`."""
+    checkpoint: str
+    """The checkpoint URL as given."""
+    tag: str
+    tag_url: str | None = None
+    """The folder the save is in, where it differs from `checkpoint` (DeepSpeed's tag
+    folder); model files are looked up in the folder above it."""
+    num_params: int
+    checkpoint_bytes: int
+    """The bytes of every file a conversion reads (`files`)."""
+    files: tuple[FileIdentity, ...]
+    content_sha256: str
+    """A fingerprint of the stored tensors from metadata alone (`verify --against` compares
+    it with the checkpoint's)."""
+    details: SourceDetails
+    model_files: str | None = None
+    """The folder the format keeps the model files in (verl: `actor/huggingface/`), where it is
+    not the folder above `model_files_url`; written at the block's end where set."""
+    found_in: str | None = None
+    """The folder the user gave, where the save was found one level down in it
+    (`zerosafe.formats.nested`); written at the block's end where set."""
+
+    @property
+    def model_files_url(self) -> str:
+        """The folder whose parent holds the model files (`tag_url`, else `checkpoint`)."""
+        return self.tag_url or self.checkpoint
+
+    @property
+    def headline(self) -> str:
+        """The flow summary's words about the checkpoint (`SourceDetails.headline`)."""
+        return self.details.headline(self)
+
+    def to_json(self, *, with_files: bool = True) -> dict[str, object]:
+        """The manifest's `source` block, in the format's key order."""
+        values: dict[str, object] = {
+            "format": self.format,
+            "checkpoint": self.checkpoint,
+            "tag": self.tag,
+            "tag_url": self.tag_url,
+            "num_params": self.num_params,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "files": [f.as_dict() for f in self.files] if with_files else None,
+            "content_sha256": self.content_sha256,
+            **self.details.fields(),
+        }
+        skip = () if with_files else ("files",)
+        block = {k: values[k] for k in self.details.order if k in values and k not in skip}
+        for key, value in (("model_files", self.model_files), ("found_in", self.found_in)):
+            if value is not None:
+                block[key] = value
+        return block
+
+    def reader_json(self) -> dict[str, str]:
+        """What a plan keeps beside the block to read it back (`from_json`)."""
+        return {"format": self.format, "headline": self.headline}
+
+    @classmethod
+    def from_json(
+        cls, block: Mapping[str, Any], reader: Mapping[str, str] | None = None
+    ) -> SourceDescription:
+        """A description read back from `to_json()` (and `reader_json()`, where kept)."""
+        reader = reader or {}
+        files = tuple(
+            FileIdentity(url=f["url"], size_bytes=f["size_bytes"], version=f["version"])
+            for f in block.get("files") or ()
+        )
+        own = tuple((k, v) for k, v in block.items() if k not in _COMMON)
+        return cls(
+            format=str(reader.get("format") or block.get("format") or ""),
+            checkpoint=str(block.get("checkpoint") or ""),
+            tag=str(block.get("tag") or ""),
+            tag_url=block.get("tag_url"),
+            num_params=block.get("num_params", 0),
+            checkpoint_bytes=block.get("checkpoint_bytes", 0),
+            files=files,
+            content_sha256=block.get("content_sha256", ""),
+            details=StoredDetails(own, tuple(block), reader.get("headline", "")),
+            model_files=block.get("model_files"),
+            found_in=block.get("found_in"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReadLabels:
+    """What `inspect` calls each kind of read (`SourceLayout.main_slot_kind` is `main`)."""
+
+    main: str
+    other: str
+    metadata: str
+    never: str
+    """What is never read, as a sentence (`Adam moments are never read`)."""
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "main": self.main,
+            "other": self.other,
+            "metadata": self.metadata,
+            "never": self.never,
+        }
+
+
+@dataclass(kw_only=True, slots=True)
+class InspectFacts:
+    """What `inspect` reports about the checkpoint itself, before its generic sections."""
+
+    fields: dict[str, object]
+    """The format's own report (JSON values, in report order); nothing reads it by key."""
+    about: list[str]
+    """The report's opening lines for people (`Checkpoint  URL  (DeepSpeed ZeRO, tag ...)`)."""
+    read_labels: ReadLabels
+    appendix: dict[str, object] = field(default_factory=dict)
+    """Report sections after `read_labels` (DeepSpeed pipeline parallel: `pipeline`)."""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            **self.fields,
+            "about": list(self.about),
+            "read_labels": self.read_labels.to_json(),
+            **self.appendix,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LowpCopy:
+    """A 16-bit copy of (part of) one output tensor that the checkpoint keeps beside its
+    trained weights (DeepSpeed ZeRO-1/2's module states): the witness `check_lowp` and
+    `verify --against` compare the output with, cast to `dtype`."""
+
+    name: str
+    """The output tensor it copies."""
+    file_url: str
+    source: ByteSource
+    """The open file holding it."""
+    byte_offset: int
+    numel: int
+    dtype: str
+    element_offset: int = 0
+    """Where in the output tensor it starts."""
+    partial: bool = False
+    """Whether it covers a part of the tensor only (one expert's rows of a fused weight)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LowpWitness:
+    """The 16-bit copies a checkpoint keeps (in checking order), or why it keeps none."""
+
+    copies: tuple[LowpCopy, ...] = ()
+    missing: str | None = None
+
+
+@runtime_checkable
+class ReadsLowpCopies(Protocol):
+    """A reader whose checkpoints can keep a 16-bit copy of the trained weights beside the
+    masters (DeepSpeed ZeRO-1/2), the witness `check_lowp` and `verify --against` compare
+    with: an optional capability, asked as `isinstance(reader, ReadsLowpCopies)`. A format
+    without it refuses `check_lowp` before anything is read; whether one checkpoint keeps a
+    copy is `SourceLayout.lowp_missing`."""
+
+    def lowp_witness(
+        self, storage: Storage, source: SourceDescription, *, layout: SourceLayout | None = None
+    ) -> LowpWitness:
+        """The checkpoint's 16-bit copies: from `layout` where given (read by this reader),
+        else read again from `source` (a plan's description).
+
+        Raises:
+            CheckpointFormatError: If the checkpoint cannot be read again.
+        """
+        ...
+
+
 @dataclass(kw_only=True)
 class SourceLayout:
     """Everything the planner needs from one checkpoint (see the module docstring)."""
@@ -61,9 +301,9 @@ class SourceLayout:
     """Output order: tensor names and alias names (the model's `state_dict()` order)."""
     aliases: dict[str, str] = field(default_factory=dict)
     """Tied names: alias -> the tensor it shares memory with (a key of `tensors`)."""
-    source: dict[str, Any] = field(default_factory=dict)
+    source: SourceDescription
     """The manifest's `source` block: where from, and format facts (stage, world size...)."""
-    facts: dict[str, Any] = field(default_factory=dict)
+    facts: InspectFacts | None = None
     """What `inspect` reports about the checkpoint itself, before its generic sections."""
     metadata_bytes: int = 0
     """What any conversion reads besides the slots: pickles, zip directories, metadata
@@ -79,10 +319,9 @@ class SourceLayout:
     option is refused at plan time where it is set (`zerosafe.formats.registry.read_source`)."""
     checks: tuple[Callable[[Plan], None], ...] = ()
     """Format checks that need the finished plan (run by `plan_layout`, before it returns)."""
-    native: Any = None
-    """The reader's own description (DeepSpeed: the `ZeroCheckpoint`; DCP: its parsed
-    metadata), for the checks only that format has (`verify --against`'s 16-bit
-    cross-check)."""
+    native: object = None
+    """The reader's own description (DeepSpeed: the `ZeroCheckpoint`), opaque: only the
+    reader that made it reads it (in its optional capabilities, `ReadsLowpCopies`)."""
 
     @property
     def identities(self) -> list[dict[str, Any]]:
@@ -104,12 +343,6 @@ class FormatReader(Protocol):
     selects: bool
     """Whether the format takes `ConvertOptions.select` and `strip_prefix` (DCP: a
     checkpoint holds more than one state dict); other readers refuse them."""
-
-    lowp_copy: bool
-    """Whether checkpoints of this format can keep a 16-bit copy of the trained weights beside
-    the masters (DeepSpeed ZeRO-1/2), the witness `check_lowp` compares with; a format that
-    never does refuses the option before anything is read. Whether one checkpoint does is
-    `SourceLayout.lowp_missing`."""
 
     def detect(self, storage: Storage, url: str) -> bool:
         """Whether `url` holds this format, from a listing (no file is opened)."""

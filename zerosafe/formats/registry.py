@@ -7,12 +7,13 @@ the reader (planning, stages, verify, publish, the flow) changes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, ConfigError
-from zerosafe.formats.base import FormatReader, SourceLayout
+from zerosafe.formats.base import FormatReader, ReadsLowpCopies, SourceLayout
 from zerosafe.formats.dcp.reader import DcpReader
 from zerosafe.formats.deepspeed.reader import DeepSpeedReader
 from zerosafe.formats.deepspeed.universal import UniversalReader
@@ -114,9 +115,9 @@ def check_options(reader: FormatReader, url: str, options: ConvertOptions) -> No
 
     Raises:
         ConfigError: For `select`/`strip_prefix` on a format that holds one state dict, or
-            `check_lowp` on a format that keeps no 16-bit copy (`FormatReader.lowp_copy`).
+            `check_lowp` on a format that keeps no 16-bit copy (no `ReadsLowpCopies`).
     """
-    if options.check_lowp and not reader.lowp_copy:
+    if options.check_lowp and not isinstance(reader, ReadsLowpCopies):
         raise _no_lowp_copy(url, f"a {reader.title} checkpoint keeps no 16-bit copy")
     if reader.selects:
         return
@@ -149,7 +150,7 @@ def read_source(
     refuse_optimizer_only(layout, options)
     if found.nested:  # say which folder was converted, and keep the one given
         layout.notes.insert(0, found.note)
-        layout.source["found_in"] = found.given
+        layout.source = dataclasses.replace(layout.source, found_in=found.given)
     if options.check_lowp and layout.lowp_missing is not None:
         raise _no_lowp_copy(layout.where, layout.lowp_missing)
     return layout

@@ -38,13 +38,13 @@ def describe_plan(
     # fp32 masters, DCP's chunks (`SourceLayout.main_slot_kind`).
     fp32_bytes = sum(s.nbytes for s in plan.slots if s.kind == layout.main_slot_kind)
     other_bytes = plan.slot_bytes - fp32_bytes
-    checkpoint_bytes = plan.source.get("checkpoint_bytes") or sum(f.size_bytes for f in plan.files)
+    checkpoint_bytes = plan.source.checkpoint_bytes or sum(f.size_bytes for f in plan.files)
     read_bytes = plan.slot_bytes + metadata_bytes_read
     parallel = options.parallel_tasks
     memory = _memory_estimate(plan, options)
     return {
         "format": layout.format,
-        **layout.facts,
+        **(layout.facts.to_json() if layout.facts is not None else {}),
         "params": {
             "trained": len(named("param")),
             "trained_elements": sum(

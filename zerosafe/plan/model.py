@@ -28,6 +28,7 @@ from zerosafe._version import __version__
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError
+from zerosafe.formats.base import SourceDescription
 from zerosafe.io.storage import Storage, join_url
 
 __all__ = [
@@ -183,7 +184,7 @@ class Plan:
 
     job_key: str
     """Hash of the source identity, the byte-affecting options and zerosafe's plan format."""
-    source: dict[str, Any]
+    source: SourceDescription
     options: dict[str, Any]
     files: list[SourceFile]
     slots: list[Slot]
@@ -331,7 +332,8 @@ def save_plan(plan: Plan, storage: Storage, folder_url: str) -> None:
         "plan_format": PLAN_FORMAT,
         "job_key": plan.job_key,
         "created_by": plan.created_by,
-        "source": plan.source,
+        "source": plan.source.to_json(),
+        "reader": plan.source.reader_json(),
         "options": plan.options,
         "aliases": plan.aliases,
         "notes": plan.notes,
@@ -360,7 +362,7 @@ def load_plan(storage: Storage, folder_url: str) -> Plan:
     )
     return Plan(
         job_key=head["job_key"],
-        source=head["source"],
+        source=SourceDescription.from_json(head["source"], head.get("reader")),
         options=head["options"],
         aliases=head["aliases"],
         notes=head["notes"],

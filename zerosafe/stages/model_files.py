@@ -33,12 +33,15 @@ import logging
 import os
 import posixpath
 import stat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import ALIASES
 from zerosafe.errors import CheckpointFormatError, ConfigError
 from zerosafe.io.storage import Storage, is_local, join_url, local_path, normalize_url
+
+if TYPE_CHECKING:
+    from zerosafe.formats.base import SourceDescription
 
 __all__ = [
     "CHAT_TEMPLATES_DIR",
@@ -93,26 +96,27 @@ COPY_CHUNK_BYTES = 8 * 2**20
 """Bytes per read when copying or hashing a model file, unless the job's budget gives less."""
 
 
-def model_files_folder(source: dict[str, Any], options: ConvertOptions) -> str | None:
+def model_files_folder(source: SourceDescription | None, options: ConvertOptions) -> str | None:
     """Where a job copies model files from: the folder `options.model_files` names, else the
-    folder the reader names (`source["model_files"]`: verl's `huggingface/`), else the folder
+    folder the reader names (`source.model_files`: verl's `huggingface/`), else the folder
     above the converted tag (the checkpoint folder holding `latest`); None when
     `copy_model_files` is off.
 
     Args:
-        source: The plan's `source` block (`tag_url`, else `checkpoint`).
+        source: The plan's source description (`model_files_url`: its `tag_url`, else
+            `checkpoint`).
         options: The job's options.
     """
     if not options.copy_model_files:
         return None
     if options.model_files is not None:
         return options.model_files
-    if source.get("model_files"):  # where the format keeps them (verl: `huggingface/`)
-        return str(source["model_files"])
-    tag_url = source.get("tag_url") or source.get("checkpoint")
+    if source is not None and source.model_files:  # where the format keeps them (verl)
+        return source.model_files
+    tag_url = source.model_files_url if source is not None else None
     if not tag_url:
         return None
-    return posixpath.dirname(str(tag_url).rstrip("/")) or None
+    return posixpath.dirname(tag_url.rstrip("/")) or None
 
 
 def find_model_files(storage: Storage, folder: str) -> list[str]:
@@ -394,7 +398,7 @@ def check_model_config(
 
 
 def model_files_report(
-    storage: Storage, source: dict[str, Any], options: ConvertOptions, *, aliases: dict[str, str]
+    storage: Storage, source: SourceDescription, options: ConvertOptions, *, aliases: dict[str, str]
 ) -> tuple[list[str], list[str]]:
     """Plan-time notes and warnings about the model files a job copies.
 

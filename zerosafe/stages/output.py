@@ -21,6 +21,7 @@ from typing import Any
 from zerosafe._version import __version__
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import OutputExistsError, VerificationError
+from zerosafe.formats.base import SourceDescription
 from zerosafe.io.storage import FileIdentity, Storage, is_local, join_url
 from zerosafe.plan.model import Plan
 from zerosafe.stages.model_files import (
@@ -333,7 +334,10 @@ def quick_done(
     key = job_key_of(resolved_tag, identities, options)
     if manifest is None or manifest.get("job_key") != key:
         return None
-    wanted = model_files_folder(manifest.get("source") or {}, options)
+    recorded = manifest.get("source")
+    wanted = model_files_folder(
+        SourceDescription.from_json(recorded) if recorded else None, options
+    )
     changed = changed_files(storage, out_url, manifest, model_files_from=wanted)
     if changed:  # not a no-op: the full path repairs these shards
         log.warning("%s: published files changed: %s", out_url, changed)
@@ -673,7 +677,7 @@ def publish(
         "zerosafe_version": __version__,
         "job_key": plan.job_key,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": plan.source,
+        "source": plan.source.to_json(),
         "options": {**options.identity(), "direct": options.direct},
         "keep_work": options.keep_work,
         "files": [

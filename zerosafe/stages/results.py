@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from zerosafe.formats.base import SourceDescription
+
 __all__ = [
     "ExtractResult",
     "JobPlan",
@@ -73,8 +75,9 @@ class JobPlan:
     destination: str
     work_url: str = ""
     """The job's work area (plan, intermediates, results, journal); empty when `done`."""
-    source: dict[str, Any] = field(default_factory=dict)
-    """The plan's source description (checkpoint, tag, format details), without file lists."""
+    source: SourceDescription | None = None
+    """The plan's source description (checkpoint, tag, format details); None when `done`.
+    Its JSON leaves out the file list."""
     parts: tuple[PartWork, ...] = ()
     shards: tuple[ShardWork, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict)
@@ -100,7 +103,8 @@ class JobPlan:
             "job_key": self.job_key,
             "destination": self.destination,
             "work": self.work_url,
-            "source": self.source,
+            "source": self.source.to_json(with_files=False) if self.source else {},
+            "reader": self.source.reader_json() if self.source else {},
             "parts": [
                 {"index": p.index, "rank": p.rank, "label": p.label, "bytes": p.size_bytes}
                 for p in self.parts
@@ -132,7 +136,9 @@ class JobPlan:
             job_key=data["job_key"],
             destination=data.get("destination", ""),
             work_url=data.get("work", ""),
-            source=dict(data.get("source", {})),
+            source=SourceDescription.from_json(data["source"], data.get("reader"))
+            if data.get("source")
+            else None,
             parts=tuple(
                 PartWork(index=p["index"], rank=p["rank"], label=p["label"], size_bytes=p["bytes"])
                 for p in data.get("parts", [])

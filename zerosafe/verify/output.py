@@ -37,7 +37,7 @@ from zerosafe.verify.source import sample_values
 from zerosafe.verify.tensors import Failure, parse_safetensors_header, verify_shard
 
 if TYPE_CHECKING:
-    from zerosafe.formats.base import SourceLayout
+    from zerosafe.formats.base import LowpCopy, LowpWitness, SourceDescription, SourceLayout
     from zerosafe.stages.results import MergeResult
 
 __all__ = ["render_verify", "verify_output"]
@@ -481,7 +481,7 @@ def _check_against(
     layout = read_source(storage, ckpt_url, tag=tag, options=options)
     stored = {t: (r.file, info) for r in reports for t, info in r.tensors.items()}
     expected = _check_coverage(layout, stored, aliases, failures, exclude_frozen=exclude_frozen)
-    content = layout.source.get("content_sha256")
+    content = layout.source.content_sha256
     recorded = (source or {}).get("content_sha256")
     if recorded is not None and recorded != content:
         failures.append(
@@ -490,19 +490,20 @@ def _check_against(
                 "*",
                 "source",
                 f"converted from {(source or {}).get('checkpoint')} (tag {(source or {}).get('tag')}) "
-                f"whose contents differ from {layout.source.get('checkpoint')} (tag {layout.tag}): "
+                f"whose contents differ from {layout.source.checkpoint} (tag {layout.tag}): "
                 "another checkpoint, another step, or files changed since",
             )  # fmt: skip
         )
     sampled = sample_values(storage, out_url, layout, stored, failures)
-    if layout.format in ("deepspeed", "deepspeed-universal"):  # native: a ZeroCheckpoint
+    witness = lowp_witness(storage, layout.source, layout=layout)
+    if witness is not None:
         checked, mismatched, skipped_why = lowp_cross_check(
-            storage, out_url, layout.native, stored, failures, chunk_bytes
+            out_url, witness, stored, failures, chunk_bytes, storage=storage
         )
     else:
         checked, mismatched, skipped_why = 0, 0, f"{layout.format} keeps no 16-bit copy"
     return {
-        "checkpoint": layout.source.get("checkpoint"),
+        "checkpoint": layout.source.checkpoint,
         "tag": layout.tag,
         "source_identity": _identity_word(recorded, content or ""),
         "values_sampled": sampled,
@@ -568,9 +569,28 @@ def _identity_word(recorded: str | None, content: str) -> str:
     return "same contents" if recorded == content else "different"
 
 
+def lowp_witness(
+    storage: Storage, source: SourceDescription, *, layout: SourceLayout | None = None
+) -> LowpWitness | None:
+    """The checkpoint's 16-bit copies, from its reader's optional `ReadsLowpCopies`
+    capability (from `layout` where given, else read again); None for a format that keeps
+    none."""
+    from zerosafe.formats.base import ReadsLowpCopies
+    from zerosafe.formats.registry import detect_format, reader_named
+
+    reader = (
+        reader_named(source.format)
+        if source.format
+        else detect_format(storage, source.checkpoint, source.tag)
+    )
+    if not isinstance(reader, ReadsLowpCopies):
+        return None
+    return reader.lowp_witness(storage, source, layout=layout)
+
+
 def lowp_report(
     storage: Storage,
-    source: dict[str, Any],
+    source: SourceDescription,
     out_url: str,
     merges: Sequence[MergeResult],
     *,
@@ -579,28 +599,21 @@ def lowp_report(
     """The 16-bit cross-check of a conversion's output, as a verify-shaped report.
 
     Args:
-        source: The plan's `source` (checkpoint URL and tag).
+        source: The plan's source description (its reader reads the 16-bit copies again).
         merges: The merge summaries (which file holds which tensor, its dtype and shape).
         job_key: The job whose shards are still pending publish (read them there).
     """
-    from zerosafe.formats.deepspeed.checkpoint import open_zero_checkpoint
-    from zerosafe.formats.deepspeed.universal import FORMAT_NAME, open_universal_checkpoint
-
-    # The tag folder itself: `checkpoint` is that folder already when it was given directly,
-    # where `checkpoint/tag` does not exist.
-    tag_url, tag = source.get("tag_url"), None
-    if not tag_url:
-        tag_url, tag = source["checkpoint"], source["tag"]
-    if source.get("format") == FORMAT_NAME:
-        ckpt = open_universal_checkpoint(storage, tag_url, tag=tag).zero
-    else:
-        ckpt = open_zero_checkpoint(storage, tag_url, tag=tag)
     stored = {name: (m.file, info) for m in merges for name, info in m.tensors.items()}
     failures: list[Failure] = []
-    checked, mismatched, why = lowp_cross_check(
-        storage, out_url, ckpt, stored, failures,
-        locate=(lambda f: shard_location(storage, out_url, job_key, f)) if job_key else None,
-    )  # fmt: skip
+    witness = lowp_witness(storage, source)
+    why: str | None
+    if witness is None:
+        checked, mismatched, why = 0, 0, f"{source.format} keeps no 16-bit copy"
+    else:
+        checked, mismatched, why = lowp_cross_check(
+            out_url, witness, stored, failures, storage=storage,
+            locate=(lambda f: shard_location(storage, out_url, job_key, f)) if job_key else None,
+        )  # fmt: skip
     return {
         "file": "*",
         "check": "lowp",
@@ -612,105 +625,84 @@ def lowp_report(
 
 
 def lowp_cross_check(
-    storage: Storage,
     out_url: str,
-    ckpt: Any,
+    witness: LowpWitness,
     stored: dict[str, tuple[str, dict[str, Any]]],
     failures: list[Failure],
     chunk_bytes: int = 16 * 2**20,
     *,
+    storage: Storage,
     locate: Callable[[str], str] | None = None,
 ) -> tuple[int, int, str | None]:
-    """ZeRO-1/2: each output tensor cast to the training dtype must equal the 16-bit weight
-    DeepSpeed saved in the model states (pipeline parallel: in the layer files; MoE experts: in
-    the expert files), a witness independent of the fp32 partitions.
+    """Each output tensor cast to a 16-bit copy's dtype must equal that copy (ZeRO-1/2: the
+    weights DeepSpeed saved in the model states), a witness independent of the masters.
 
     Args:
-        ckpt: The source `ZeroCheckpoint` (or `PipelineCheckpoint`).
+        witness: The checkpoint's 16-bit copies (`lowp_witness`).
         stored: tensor name -> (file, {"dtype", "shape"}) of the output.
         failures: Receives one `lowp` failure per tensor that differs.
 
     Returns:
-        `(checked, mismatched, why_skipped)`; reads the 16-bit weights and the output tensors.
+        `(checked, mismatched, why_skipped)`; reads the 16-bit copies and the output tensors.
     """
-    from zerosafe.formats.deepspeed.save_identity import lowp_copy_missing, module_copies
-
+    if witness.missing is not None:
+        return 0, 0, witness.missing
     checked = mismatched = 0
     skipped_why = None
-    copies = module_copies(ckpt)
-    missing = lowp_copy_missing(ckpt)
-    if missing is not None:
-        return 0, 0, missing
     sources: dict[str, Any] = {}
     try:
-        lowp_names = ckpt.param_names + [fp.name for fp in ckpt.frozen]
-        for name in lowp_names:
-            if name not in stored:
+        for copy in witness.copies:
+            if copy.name not in stored:
                 continue
-            out_dtype = stored[name][1]["dtype"]
-            out_numel = math.prod(stored[name][1]["shape"])
-            for model, m, offset in copies.get(name, ()):
-                if m.dtype not in ("bfloat16", "float16"):
-                    continue
-                if m.numel == 0 or offset + m.numel > out_numel:
-                    continue
-                if m.numel != out_numel and model.role != "expert":
-                    continue
-                if out_dtype not in ("float32", m.dtype):
-                    skipped_why = (
-                        f"output dtype {out_dtype} cannot be compared with {m.dtype} weights"
+            out_dtype = stored[copy.name][1]["dtype"]
+            out_numel = math.prod(stored[copy.name][1]["shape"])
+            if copy.element_offset + copy.numel > out_numel:
+                continue
+            if copy.numel != out_numel and not copy.partial:
+                continue
+            if out_dtype not in ("float32", copy.dtype):
+                skipped_why = (
+                    f"output dtype {out_dtype} cannot be compared with {copy.dtype} weights"
+                )
+                continue
+            file = stored[copy.name][0]
+            if file not in sources:
+                src = storage.open_source(locate(file) if locate else join_url(out_url, file))
+                sources[file] = (src, *parse_safetensors_header(src))
+            checked += 1
+            if not _compare_lowp(sources[file], out_dtype, copy, chunk_bytes):
+                mismatched += 1
+                failures.append(
+                    Failure(
+                        file, copy.name, "lowp",
+                        f"cast to {copy.dtype} differs from the {copy.dtype} weight in "
+                        f"{copy.file_url.rsplit('/', 1)[-1]}",
                     )
-                    continue
-                file = stored[name][0]
-                if file not in sources:
-                    src = storage.open_source(locate(file) if locate else join_url(out_url, file))
-                    sources[file] = (src, *parse_safetensors_header(src))
-                checked += 1
-                if not _compare_lowp(sources[file], name, out_dtype, model, m, offset, chunk_bytes):
-                    mismatched += 1
-                    failures.append(
-                        Failure(
-                            file,
-                            name,
-                            "lowp",
-                            f"cast to {m.dtype} differs from the {m.dtype} weight in "
-                            f"{model.url.rsplit('/', 1)[-1]}",
-                        )
-                    )
+                )  # fmt: skip
     finally:
         for src, *_ in sources.values():
             src.close()
     return checked, mismatched, skipped_why
 
 
-def _compare_lowp(
-    src_info: Any,
-    name: str,
-    out_dtype: str,
-    model: Any,
-    module_tensor: Any,
-    offset: int,
-    chunk_bytes: int,
-) -> bool:
-    """Output elements `[offset, offset + numel)` of `name`, cast, against a 16-bit copy."""
+def _compare_lowp(src_info: Any, out_dtype: str, copy: LowpCopy, chunk_bytes: int) -> bool:
+    """Output elements `[offset, offset + numel)` of `copy.name`, cast, against the copy."""
     import torch
 
     src, header, _, data_start = src_info
-    begin = header[name]["data_offsets"][0] + offset * dtype_info(out_dtype).itemsize
-    lowp = module_tensor.dtype
     out_size = dtype_info(out_dtype).itemsize
+    begin = header[copy.name]["data_offsets"][0] + copy.element_offset * out_size
+    lowp = copy.dtype
     low_size = dtype_info(lowp).itemsize
-    numel = module_tensor.numel
     step = max(1, chunk_bytes // out_size)
-    module_base = model.zip.tensor_offset(module_tensor)
-    for start in range(0, numel, step):
-        count = min(step, numel - start)
+    for start in range(0, copy.numel, step):
+        count = min(step, copy.numel - start)
         raw = src.read_range(
             data_start + begin + start * out_size, data_start + begin + (start + count) * out_size
         )
         out = torch.frombuffer(bytearray(raw), dtype=torch_dtype(out_dtype)).to(torch_dtype(lowp))
-        ref_raw = model.zip.source.read_range(
-            module_base + start * low_size, module_base + (start + count) * low_size
+        ref_raw = copy.source.read_range(
+            copy.byte_offset + start * low_size, copy.byte_offset + (start + count) * low_size
         )
         ref = torch.frombuffer(bytearray(ref_raw), dtype=torch_dtype(lowp))
         if not torch.equal(out.view(torch.int16), ref.view(torch.int16)):

@@ -3,7 +3,7 @@
 Shapes alone cannot tell: the same model trained twice has the same names and shapes. Two
 independent witnesses can:
 
-- the source's content fingerprint (`SourceLayout.source["content_sha256"]`, DeepSpeed:
+- the source's content fingerprint (`SourceLayout.source.content_sha256`, DeepSpeed:
   `zerosafe.formats.deepspeed.facts.content_fingerprint`), recorded in the manifest at
   conversion time: a SHA-256 over every zip record's name, size and CRC-32 of every file the
   conversion read. It comes from the zip directories alone (no tensor byte is read), does

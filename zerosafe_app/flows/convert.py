@@ -37,6 +37,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConversionError, VerificationError
+from zerosafe.formats.base import SourceDescription
 from zerosafe.io.lease import Lease
 from zerosafe.io.storage import Storage, is_local, join_url
 from zerosafe.pipeline import (
@@ -351,7 +352,8 @@ def _run_held(cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: fl
             cfg, options, job, task_job, storage, started=started,
             leases=(out_lease, work_lease),
         )  # fmt: skip
-        cleanup = finish(task_job, return_state=True)
+        # `stage_task` types a task's result as its JSON; with `return_state` it is its state
+        cleanup = cast("State[None]", finish(task_job, return_state=True))
     summary = summarize(job, published, verifies, seconds=time.monotonic() - started)
     if cleanup.is_failed():  # the output is complete: say what is left, do not fail the run
         warning = cleanup_warning(
@@ -452,23 +454,9 @@ def _stats(
     )  # fmt: skip
 
 
-def _source_text(cfg: JobConfig, source: dict[str, Any]) -> str:
-    """The summary's `source` row: what the format's manifest block says about it."""
-    if source.get("format") == "dcp":
-        return (
-            f"`{cfg.source}` (PyTorch DCP, {source.get('num_tensors_selected')} of "
-            f"{source.get('num_tensors_in_checkpoint')} tensors selected, "
-            f"{source.get('num_distcp_files')} .distcp files)"
-        )
-    if source.get("format") == "verl":
-        return (
-            f"`{cfg.source}` (verl, FSDP{source.get('fsdp_version')}, "
-            f"{source.get('num_tensors')} tensors, world size {source.get('world_size')})"
-        )
-    return (
-        f"`{cfg.source}` (tag {source.get('tag')}, ZeRO-{source.get('stage')}, "
-        f"world size {source.get('world_size')})"
-    )
+def _source_text(cfg: JobConfig, source: SourceDescription | None) -> str:
+    """The summary's `source` row: the URL and what the format says about it."""
+    return f"`{cfg.source}` {source.headline}" if source is not None else f"`{cfg.source}`"
 
 
 def _summary_artifact(cfg: JobConfig, job: JobPlan, r: RunSummary) -> None:

@@ -1,4 +1,5 @@
-"""What every stage task shares: the job context, cache keys, retries, the run journal."""
+"""What every stage task shares: the job context, cache keys, the run journal (the task
+decorator and its retry policy are `zerosafe_app.tasks.edge`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConversionError
-from zerosafe.io.s3 import is_transient_error
 from zerosafe.io.storage import Storage, join_url
 from zerosafe.pipeline import WorkLayout, peak_rss_bytes, unit_key_options
 from zerosafe.plan.model import Plan, load_plan
@@ -60,9 +61,16 @@ class Job:
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
 
+    def to_json(self) -> dict[str, Any]:
+        return self.as_dict()
 
-def job_of(data: dict[str, Any]) -> Job:
-    return Job(**data)
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Job:
+        return cls(**data)
+
+
+class _Summary(Protocol):
+    def to_json(self) -> dict[str, Any]: ...
 
 
 @functools.lru_cache(maxsize=8)
@@ -109,24 +117,13 @@ def cache_key(stage: str):  # type: ignore[no-untyped-def]
 
     def key_fn(_ctx: Any, inputs: dict[str, Any]) -> str:
         job = inputs["job"]
+        job = job.as_dict() if isinstance(job, Job) else job
         return unit_key(
             stage, job["job_key"], inputs.get("index"), inputs.get("fingerprint"),
             **unit_key_options(job["options"]),
         )  # fmt: skip
 
     return key_fn
-
-
-def is_transient(_task: Any, _run: Any, state: Any) -> bool:
-    """Retry storage hiccups (S3 throttling and 5xx, timeouts, resets mid-body), never bad
-    input, permissions, missing buckets or keys, or full disks (`zerosafe.io.s3`)."""
-    try:
-        state.result()
-    except ConversionError:
-        return False
-    except Exception as e:
-        return is_transient_error(e)
-    return False
 
 
 def current_rss_bytes() -> int:
@@ -194,7 +191,11 @@ def _task_label(stage: str, index: int) -> str:
 
 
 def record_run(
-    job: Job, stage: str, index: int, summary: dict[str, Any], meter: TaskMeter | None = None
+    job: Job,
+    stage: str,
+    index: int,
+    result: _Summary | None = None,
+    meter: TaskMeter | None = None,
 ) -> None:
     """Write a journal entry (`work/journal/`): which task really executed, where, how long,
     and its memory; and log one line saying what it did (bytes, seconds, throughput), which
@@ -202,6 +203,7 @@ def record_run(
 
     One small file per execution, so processes on many machines never contend for a file.
     """
+    summary = result.to_json() if result is not None else {}
     seconds = meter.stop() if meter is not None else summary.get("seconds")
     entry = {
         "stage": stage,

@@ -4,23 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from zerosafe.config import ConvertOptions
 from zerosafe.pipeline import plan_job
-from zerosafe_app.tasks._common import is_transient
+from zerosafe.stages.results import JobPlan
 from zerosafe_app.tasks.credentials import storage_for
+from zerosafe_app.tasks.edge import stage_task
 
 
-@task(
-    name="inspect",
-    task_run_name="inspect",
-    cache_policy=NO_CACHE,
-    retries=2,
-    retry_delay_seconds=5,
-    retry_condition_fn=is_transient,
-)
+@stage_task("inspect", run_name="inspect")
 def inspect(
     source: str,
     destination: str,
@@ -29,12 +20,11 @@ def inspect(
     tag: str | None = None,
     work_dir: str | None = None,
     storage_options: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Plan the job (`zerosafe.pipeline.plan_job`); returns the `JobPlan` as JSON, whose
-    `state` is `done` when the destination already holds this very conversion.
+) -> JobPlan:
+    """Plan the job (`zerosafe.pipeline.plan_job`); its `state` is `done` when the
+    destination already holds this very conversion.
 
     Never cached: it is cheap (metadata only) and decides what every other task's key is.
     """
     storage = storage_for(storage_options)
-    job = plan_job(storage, source, destination, options, tag=tag, work_url=work_dir)
-    return job.to_json()
+    return plan_job(storage, source, destination, options, tag=tag, work_url=work_dir)

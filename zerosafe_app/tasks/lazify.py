@@ -4,22 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from zerosafe.formats.deepspeed.checkpoint import find_tag_dir
 from zerosafe.lazy import lazify_file, list_pt_files
-from zerosafe_app.tasks._common import is_transient
 from zerosafe_app.tasks.credentials import storage_for
-
-_RETRIES: dict[str, Any] = {
-    "retries": 3,
-    "retry_delay_seconds": [2, 10, 30],
-    "retry_condition_fn": is_transient,
-}
+from zerosafe_app.tasks.edge import stage_task
 
 
-@task(name="list", task_run_name="list", cache_policy=NO_CACHE, **_RETRIES)
+@stage_task("list", run_name="list")
 def list_files(
     checkpoint: str, tag: str | None = None, storage_options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -29,12 +20,8 @@ def list_files(
     return {"tag": tag, "tag_url": tag_url, "files": list_pt_files(storage, tag_url)}
 
 
-@task(
-    name="lazify",
-    task_run_name="lazify {pt_url}",
-    cache_policy=NO_CACHE,  # the sibling's recorded identity is the cache: see lazify_file
-    **_RETRIES,
-)
+# Not cached by Prefect: the sibling's recorded identity is the cache (see lazify_file).
+@stage_task("lazify", run_name="lazify {pt_url}")
 def lazify_one(
     pt_url: str,
     *,

@@ -4,27 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from zerosafe.pt2st import convert_pt, inspect_pt, verify_pt
-from zerosafe_app.tasks._common import is_transient
 from zerosafe_app.tasks.credentials import storage_for
-
-_RETRIES: dict[str, Any] = {
-    "retries": 3,
-    "retry_delay_seconds": [2, 10, 30],
-    "retry_condition_fn": is_transient,
-}
+from zerosafe_app.tasks.edge import stage_task
 
 
-@task(name="inspect", task_run_name="inspect", cache_policy=NO_CACHE, **_RETRIES)
+@stage_task("inspect", run_name="inspect")
 def inspect(source: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Read the pickle only; refuse what cannot be converted before anything is written."""
     return inspect_pt(source, storage=storage_for(storage_options))
 
 
-@task(name="convert", task_run_name="convert", cache_policy=NO_CACHE, **_RETRIES)
+@stage_task("convert", run_name="convert")
 def convert(
     source: str,
     destination: str,
@@ -47,7 +38,7 @@ def convert(
     )
 
 
-@task(name="verify", task_run_name="verify", cache_policy=NO_CACHE, **_RETRIES)
+@stage_task("verify", run_name="verify")
 def verify(
     destination: str,
     expected_sha256: dict[str, str] | None = None,

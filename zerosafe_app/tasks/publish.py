@@ -9,61 +9,43 @@ the removal, never the publish (which would then find its intermediates gone).
 
 from __future__ import annotations
 
-from typing import Any
-
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from zerosafe.pipeline import finish_job, publish_job
-from zerosafe.stages.results import ExtractResult, MergeResult, RunStats, VerifyResult
-from zerosafe_app.tasks._common import context, is_transient, job_of, record_run
+from zerosafe.stages.results import (
+    ExtractResult,
+    MergeResult,
+    PublishResult,
+    RunStats,
+    VerifyResult,
+)
+from zerosafe_app.tasks._common import Job, context, record_run
 from zerosafe_app.tasks.credentials import storage_for
+from zerosafe_app.tasks.edge import stage_task
 
 
-@task(
-    name="publish",
-    task_run_name="publish",
-    cache_policy=NO_CACHE,
-    retries=2,
-    retry_delay_seconds=5,
-    retry_condition_fn=is_transient,
-)
+@stage_task("publish", run_name="publish")
 def publish(
-    job: dict[str, Any],
-    extracts: list[dict[str, Any]],
-    merges: list[dict[str, Any]],
-    verifies: list[dict[str, Any]],
-    stats: dict[str, Any],
-) -> dict[str, Any]:
-    """Publish a verified output (`zerosafe.pipeline.publish_job`); returns the
-    `PublishResult` as JSON. Raises (and writes no marker, and discards the run's work) if
-    any check failed."""
-    j = job_of(job)
-    plan, storage, options, work = context(j)
+    job: Job,
+    extracts: list[ExtractResult],
+    merges: list[MergeResult],
+    verifies: list[VerifyResult],
+    stats: RunStats,
+) -> PublishResult:
+    """Publish a verified output (`zerosafe.pipeline.publish_job`). Raises (and writes no
+    marker, and discards the run's work) if any check failed."""
+    plan, storage, options, work = context(job)
     published = publish_job(
-        plan, storage, j.destination, work, options,
-        extracts=[ExtractResult.from_json(e) for e in extracts],
-        merges=[MergeResult.from_json(m) for m in merges],
-        verifies=[VerifyResult.from_json(v) for v in verifies],
-        stats=RunStats.from_json(stats),
+        plan, storage, job.destination, work, options,
+        extracts=extracts, merges=merges, verifies=verifies, stats=stats,
     )  # fmt: skip
-    record_run(j, "publish", 0, {})
-    return published.to_json()
+    record_run(job, "publish", 0)
+    return published
 
 
-@task(
-    name="finish",
-    task_run_name="finish",
-    cache_policy=NO_CACHE,
-    retries=2,
-    retry_delay_seconds=5,
-    retry_condition_fn=is_transient,
-)
-def finish(job: dict[str, Any]) -> None:
+@stage_task("finish", run_name="finish")
+def finish(job: Job) -> None:
     """After a publish: remove the pending folder and the work area, unless `keep_work`
     (`zerosafe.pipeline.finish_job`)."""
-    j = job_of(job)
     finish_job(
-        storage_for(j.storage_options), destination=j.destination, job_key=j.job_key,
-        work_url=j.work, keep_work=j.options.keep_work,
+        storage_for(job.storage_options), destination=job.destination, job_key=job.job_key,
+        work_url=job.work, keep_work=job.options.keep_work,
     )  # fmt: skip

@@ -4,49 +4,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
-
 from zerosafe.pipeline import verify_unit
-from zerosafe_app.tasks._common import (
-    TaskMeter,
-    cache_key,
-    context,
-    is_transient,
-    job_of,
-    progress,
-    record_run,
-)
+from zerosafe.stages.results import VerifyResult
+from zerosafe_app.tasks._common import Job, TaskMeter, cache_key, context, progress, record_run
+from zerosafe_app.tasks.edge import stage_task
 
 
-@task(
-    name="verify",
-    task_run_name="verify shard {number}/{count}",
-    cache_key_fn=cache_key("verify"),
-    persist_result=True,
-    retries=2,
-    retry_delay_seconds=[2, 10],
-    retry_condition_fn=is_transient,
-)
+@stage_task("verify", run_name="verify shard {number}/{count}", cache_key_fn=cache_key("verify"))
 def verify(
-    job: dict[str, Any],
+    job: Job,
     index: int,
     number: int,
     count: int,
     expected: dict[str, Any],
     fingerprint: str = "",
-) -> dict[str, Any]:
-    """Verify shard `index` against the checksums its merge recorded (`expected`); returns
-    its `VerifyResult` as JSON.
+) -> VerifyResult:
+    """Verify shard `index` against the checksums its merge recorded (`expected`).
 
     `fingerprint` holds the file's size and version, so a file changed after a cached
     verification is verified again.
     """
     meter = TaskMeter()
-    j = job_of(job)
-    plan, storage, options, _ = context(j)
+    plan, storage, options, _ = context(job)
     result = verify_unit(
-        plan, index, storage, j.destination, options, expected=expected,
+        plan, index, storage, job.destination, options, expected=expected,
         on_bytes=lambda n: progress().advance(n, "verify"),
-    ).to_json()  # fmt: skip
-    record_run(j, "verify", index, result, meter)
+    )  # fmt: skip
+    record_run(job, "verify", index, result, meter)
     return result

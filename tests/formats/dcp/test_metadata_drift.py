@@ -173,7 +173,7 @@ def test_olmo_core_storage_info(tmp_path: Path) -> None:
     parsed = parse_metadata((path / ".metadata").read_bytes(), "m")
     assert parsed.writers == ("OLMo-core's RemoteFileSystemWriter",)
     layout = _assert_converts(path, state)
-    assert layout.facts["writers"] == ["OLMo-core's RemoteFileSystemWriter"]
+    assert layout.facts.fields["writers"] == ["OLMo-core's RemoteFileSystemWriter"]
 
 
 def _refused(path: Path, edit: Callable[[Metadata], None], match: str) -> None:

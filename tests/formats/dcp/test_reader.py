@@ -43,14 +43,17 @@ def test_dtensor_layouts_and_entries(dcp_checkpoint: Checkpoint) -> None:
     assert by_name["proj.weight"].dtype == "bfloat16"
     assert len(by_name["grid.weight"].fragments) == 4 + 4 + 3 + 3  # 2x2 mesh: rows per block
     assert by_name["scale"].shape == () and by_name["empty"].shape == (0, 4)
-    assert layout.source["non_tensor_entries"] == [
+    block = layout.source.to_json()  # the manifest's `source` block
+    assert block["non_tensor_entries"] == [
         "optim.param_groups.0.lr", "optim.param_groups.0.params", "step", "extra.note",
     ]  # fmt: skip
     assert any("non-tensor" in n and "step" in n for n in layout.notes)
-    assert layout.source["format"] == "dcp" and layout.source["num_distcp_files"] == 4
+    assert block["format"] == "dcp" and block["num_distcp_files"] == 4
+    assert "4 .distcp files" in layout.source.headline
     assert layout.format == "dcp" and layout.tag == "dtensor"
     assert [f.role for f in layout.files] == ["metadata"] + ["distcp"] * 4
-    facts = layout.facts
+    assert layout.facts is not None
+    facts = layout.facts.to_json()
     assert facts["sharding"]["4 chunks on dim 0"] >= 1 and facts["sharding"]["4 chunks on dim 1"]
     assert [2, 2] in facts["meshes"] and [4] in facts["meshes"]
     assert facts["about"][0].endswith(

@@ -31,7 +31,7 @@ def test_layout_over_s3_equals_local(
     ]
     for a, b in zip(remote.tensors.values(), here.tensors.values(), strict=True):
         assert (a.name, a.shape, a.dtype, a.fragments) == (b.name, b.shape, b.dtype, b.fragments)
-    assert remote.source["content_sha256"] == here.source["content_sha256"]
+    assert remote.source.content_sha256 == here.source.content_sha256
     # Headers only: a few small ranged reads per chunk, never the data of optimizer chunks.
     read = storage.counter.bytes_read
     assert read < sum(s.nbytes for s in here.slots) + 40_000

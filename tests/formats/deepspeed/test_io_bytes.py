@@ -22,7 +22,7 @@ def test_source_bytes_read_are_masters_plus_pickles(tmp_path: Path, direct: bool
         {f.url for f in plan.files}
     )  # pickles, directories
     needed = plan.slot_bytes + metadata_bytes
-    checkpoint_bytes = plan.source["checkpoint_bytes"]
+    checkpoint_bytes = plan.source.checkpoint_bytes
 
     run = Storage()
     summary = convert_checkpoint(

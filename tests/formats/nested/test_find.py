@@ -55,7 +55,7 @@ def test_a_deepspeed_save_one_level_down_converts(sample_ckpt: Path, tmp_path: P
     layout = read_source(Storage(), str(run), tag=None, options=ConvertOptions())
     assert layout.format == "deepspeed" and layout.where == f"{run}/ckpt/global_step2"
     assert layout.notes[0] == f"converting {run}/ckpt (the only save in {run}: DeepSpeed ZeRO)"
-    assert layout.source["found_in"] == str(run)
+    assert layout.source.found_in == str(run)
 
 
 def test_saves_of_two_formats_are_listed(sample_ckpt: Path, tmp_path: Path) -> None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
+from zerosafe.formats.base import InspectFacts, ReadLabels, SourceDescription
+from zerosafe.io.storage import FileIdentity
 from zerosafe.units import format_bytes
 
 if TYPE_CHECKING:
@@ -15,7 +18,14 @@ if TYPE_CHECKING:
     from zerosafe.formats.dcp.stored import StoredChunk
     from zerosafe.plan.model import Slot, SourceFile
 
-__all__ = ["chunk_grid", "dcp_facts", "dcp_notes", "dcp_source_block", "sharding_text"]
+__all__ = [
+    "DcpSource",
+    "chunk_grid",
+    "dcp_facts",
+    "dcp_notes",
+    "dcp_source_block",
+    "sharding_text",
+]
 
 _Located = Sequence[Sequence["StoredChunk | None"]]
 
@@ -54,7 +64,7 @@ def dcp_facts(
     files: Sequence[SourceFile],
     slots: Sequence[Slot],
     located: _Located,
-) -> dict[str, Any]:
+) -> InspectFacts:
     """`inspect`'s DCP section: what the checkpoint holds and what was selected."""
     chosen = [meta.tensors[fqn] for fqn, _ in selected.pairs]
     left = _not_selected(meta, selected)
@@ -92,7 +102,7 @@ def dcp_facts(
         about.append(f"  non-tensor entries (listed in the manifest, not converted): {shown}")
     if meta.writers:
         about.append(f"  written by: {', '.join(meta.writers)}")
-    return {
+    fields: dict[str, object] = {
         "checkpoint": url,
         "dcp_version": meta.version,
         "writers": list(meta.writers),
@@ -108,14 +118,14 @@ def dcp_facts(
         "dtypes": dict(dtypes),
         "sharding": dict(sharding),
         "meshes": [list(m) for m in meshes],
-        "about": about,
-        "read_labels": {
-            "main": "chunks of the selected tensors",
-            "other": "other",
-            "metadata": ".metadata and chunk headers",
-            "never": "tensors not selected (optimizer state) are never read",
-        },
     }
+    labels = ReadLabels(
+        main="chunks of the selected tensors",
+        other="other",
+        metadata=".metadata and chunk headers",
+        never="tensors not selected (optimizer state) are never read",
+    )
+    return InspectFacts(fields=fields, about=about, read_labels=labels)
 
 
 def dcp_notes(meta: DcpMetadata, selected: Selected, located: _Located) -> list[str]:
@@ -144,29 +154,78 @@ def dcp_notes(meta: DcpMetadata, selected: Selected, located: _Located) -> list[
     return notes
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DcpSource:
+    """A DCP checkpoint's own fields of the manifest's `source` block (`SourceDetails`)."""
+
+    ORDER: ClassVar[tuple[str, ...]] = (
+        "format", "format_name", "checkpoint", "tag", "dcp_version", "writers",
+        "num_tensors_in_checkpoint", "num_tensors_selected", "num_params", "select",
+        "strip_prefix", "non_tensor_entries", "num_distcp_files", "checkpoint_bytes", "files",
+        "content_sha256",
+    )  # fmt: skip
+    TITLE: ClassVar[str] = "PyTorch DCP"
+
+    dcp_version: str | None
+    writers: tuple[str, ...]
+    """Who wrote the checkpoint's chunks (torch's writer, OLMo-core's)."""
+    num_tensors_in_checkpoint: int
+    num_tensors_selected: int
+    select: tuple[str, ...]
+    strip_prefix: str | None
+    non_tensor_entries: tuple[str, ...]
+    num_distcp_files: int
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return self.ORDER
+
+    def fields(self) -> dict[str, object]:
+        return {
+            "format_name": self.TITLE,
+            "dcp_version": self.dcp_version,
+            "writers": list(self.writers),
+            "num_tensors_in_checkpoint": self.num_tensors_in_checkpoint,
+            "num_tensors_selected": self.num_tensors_selected,
+            "select": list(self.select),
+            "strip_prefix": self.strip_prefix,
+            "non_tensor_entries": list(self.non_tensor_entries),
+            "num_distcp_files": self.num_distcp_files,
+        }
+
+    def headline(self, common: SourceDescription) -> str:
+        return (
+            f"({self.TITLE}, {self.num_tensors_selected} of {self.num_tensors_in_checkpoint} "
+            f"tensors selected, {self.num_distcp_files} .distcp files)"
+        )
+
+
 def dcp_source_block(
     url: str,
     meta: DcpMetadata,
     selected: Selected,
     files: Sequence[SourceFile],
     fingerprint: str,
-) -> dict[str, Any]:
+) -> SourceDescription:
     """The manifest's `source` block."""
-    return {
-        "format": "dcp",
-        "format_name": "PyTorch DCP",
-        "checkpoint": url,
-        "tag": url.rstrip("/").rsplit("/", 1)[-1],
-        "dcp_version": meta.version,
-        "writers": list(meta.writers),
-        "num_tensors_in_checkpoint": len(meta.tensors),
-        "num_tensors_selected": len(selected.pairs),
-        "num_params": sum(math.prod(meta.tensors[fqn].size) for fqn, _ in selected.pairs),
-        "select": list(selected.select),
-        "strip_prefix": selected.strip_prefix,
-        "non_tensor_entries": list(meta.byte_entries),
-        "num_distcp_files": sum(f.role == "distcp" for f in files),
-        "checkpoint_bytes": sum(f.size_bytes for f in files),
-        "files": [{"url": f.url, "size_bytes": f.size_bytes, "version": f.version} for f in files],
-        "content_sha256": fingerprint,
-    }
+    return SourceDescription(
+        format="dcp",
+        checkpoint=url,
+        tag=url.rstrip("/").rsplit("/", 1)[-1],
+        num_params=sum(math.prod(meta.tensors[fqn].size) for fqn, _ in selected.pairs),
+        checkpoint_bytes=sum(f.size_bytes for f in files),
+        files=tuple(
+            FileIdentity(url=f.url, size_bytes=f.size_bytes, version=f.version) for f in files
+        ),
+        content_sha256=fingerprint,
+        details=DcpSource(
+            dcp_version=meta.version,
+            writers=tuple(meta.writers),
+            num_tensors_in_checkpoint=len(meta.tensors),
+            num_tensors_selected=len(selected.pairs),
+            select=tuple(selected.select),
+            strip_prefix=selected.strip_prefix,
+            non_tensor_entries=tuple(meta.byte_entries),
+            num_distcp_files=sum(f.role == "distcp" for f in files),
+        ),
+    )

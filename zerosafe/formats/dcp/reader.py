@@ -57,7 +57,6 @@ class DcpReader:
     title = FORMAT_NAME
     looks_like = "a folder holding `.metadata` and `__R_S.distcp` files"
     selects = True
-    lowp_copy = False
 
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)
@@ -351,7 +350,6 @@ def read_dcp_layout(
         facts=dcp_facts(url, meta, selected, files, slots, located),
         metadata_bytes=storage.counter.bytes_read - read_before,
         notes=dcp_notes(meta, selected, located), main_slot_kind="chunk",
-        native=meta,
     )  # fmt: skip
 
 

@@ -5,39 +5,95 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from zerosafe.dtypes import short_name
+from zerosafe.formats.base import InspectFacts, ReadLabels, SourceDescription
 from zerosafe.formats.deepspeed.moe import describe_moe
 from zerosafe.formats.deepspeed.slots import swap_files
 from zerosafe.formats.deepspeed.types import ZeroCheckpoint
 from zerosafe.io.storage import FileIdentity
 from zerosafe.units import format_bytes
 
-__all__ = ["content_fingerprint", "source_block", "zero_facts"]
+__all__ = ["ZeroSource", "content_fingerprint", "source_block", "zero_facts"]
 
 
-def source_block(ckpt: ZeroCheckpoint) -> dict[str, Any]:
-    return {
-        "checkpoint": ckpt.ckpt_url,
-        "tag": ckpt.tag,
-        "tag_url": ckpt.tag_url,
-        "stage": ckpt.stage,
-        "optimizer": ckpt.optimizer_kind,
-        "world_size": ckpt.world_size,
-        "train_dtype": ckpt.train_dtype,
-        "master_dtype": ckpt.master_dtype,
-        "optimizer_name": ckpt.optimizer_name,
-        "ds_version": ckpt.ds_version,
-        "num_params": sum(math.prod(s) for _, s in ckpt.trained_params),
-        "checkpoint_bytes": sum(i.size_bytes for i in _identities(ckpt)),
-        "files": [i.as_dict() for i in _identities(ckpt)],
-        "content_sha256": content_fingerprint(ckpt),
-        **({"moe": describe_moe(ckpt.moe)[1]} if ckpt.moe is not None else {}),
-    }
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroSource:
+    """A ZeRO checkpoint's own fields of the manifest's `source` block (`SourceDetails`)."""
+
+    ORDER: ClassVar[tuple[str, ...]] = (
+        "checkpoint", "tag", "tag_url", "stage", "optimizer", "world_size", "train_dtype",
+        "master_dtype", "optimizer_name", "ds_version", "num_params", "checkpoint_bytes",
+        "files", "content_sha256", "moe", "pipeline_stages",
+    )  # fmt: skip
+
+    stage: int
+    optimizer: str
+    """`zero` or `bf16_optimizer` (DeepSpeed's BF16_Optimizer)."""
+    world_size: int
+    train_dtype: str
+    master_dtype: str
+    optimizer_name: str
+    ds_version: str | None
+    moe: dict[str, Any] | None = None
+    """The MoE layers (`describe_moe`), where the model has any."""
+    pipeline_stages: int | None = None
+    """Pipeline parallel: the number of stages."""
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return self.ORDER
+
+    def fields(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "stage": self.stage,
+            "optimizer": self.optimizer,
+            "world_size": self.world_size,
+            "train_dtype": self.train_dtype,
+            "master_dtype": self.master_dtype,
+            "optimizer_name": self.optimizer_name,
+            "ds_version": self.ds_version,
+        }
+        if self.moe is not None:
+            out["moe"] = self.moe
+        if self.pipeline_stages is not None:
+            out["pipeline_stages"] = self.pipeline_stages
+        return out
+
+    def headline(self, common: SourceDescription) -> str:
+        return f"(tag {common.tag}, ZeRO-{self.stage}, world size {self.world_size})"
 
 
-def zero_facts(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+def source_block(ckpt: ZeroCheckpoint, *, pipeline_stages: int | None = None) -> SourceDescription:
+    """The manifest's `source` block of a ZeRO checkpoint (pipeline parallel: with its
+    number of stages)."""
+    identities = _identities(ckpt)
+    return SourceDescription(
+        format="deepspeed",
+        checkpoint=ckpt.ckpt_url,
+        tag=ckpt.tag,
+        tag_url=ckpt.tag_url,
+        num_params=sum(math.prod(s) for _, s in ckpt.trained_params),
+        checkpoint_bytes=sum(i.size_bytes for i in identities),
+        files=tuple(identities),
+        content_sha256=content_fingerprint(ckpt),
+        details=ZeroSource(
+            stage=ckpt.stage,
+            optimizer=ckpt.optimizer_kind,
+            world_size=ckpt.world_size,
+            train_dtype=ckpt.train_dtype,
+            master_dtype=ckpt.master_dtype,
+            optimizer_name=ckpt.optimizer_name,
+            ds_version=ckpt.ds_version,
+            moe=describe_moe(ckpt.moe)[1] if ckpt.moe is not None else None,
+            pipeline_stages=pipeline_stages,
+        ),
+    )
+
+
+def zero_facts(ckpt: ZeroCheckpoint) -> InspectFacts:
     """`inspect`'s DeepSpeed section (its keys predate the format readers: kept as they are)."""
     total = sum(i.size_bytes for i in _identities(ckpt))
     about = [
@@ -57,7 +113,7 @@ def zero_facts(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     moe = describe_moe(ckpt.moe) if ckpt.moe is not None else None
     if moe is not None:
         about.append(moe[0])
-    return {
+    fields: dict[str, object] = {
         "checkpoint": ckpt.ckpt_url,
         "tag": ckpt.tag,
         "zero_stage": ckpt.stage,
@@ -76,14 +132,14 @@ def zero_facts(ckpt: ZeroCheckpoint) -> dict[str, Any]:
             "experts": len(ckpt.expert_files),
             "total_bytes": total,
         },
-        "about": about,
-        "read_labels": {
-            "main": f"{short_name(ckpt.master_dtype)} masters",
-            "other": "frozen params and buffers",
-            "metadata": "pickles and zip directories",
-            "never": _never_read(ckpt.optimizer_name),
-        },
     }
+    labels = ReadLabels(
+        main=f"{short_name(ckpt.master_dtype)} masters",
+        other="frozen params and buffers",
+        metadata="pickles and zip directories",
+        never=_never_read(ckpt.optimizer_name),
+    )
+    return InspectFacts(fields=fields, about=about, read_labels=labels)
 
 
 def _identities(ckpt: ZeroCheckpoint) -> list[FileIdentity]:

@@ -25,7 +25,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError, UnsupportedCheckpointError
-from zerosafe.formats.base import SourceLayout, SourceTensor
+from zerosafe.formats.base import InspectFacts, SourceLayout, SourceTensor
 from zerosafe.formats.deepspeed.facts import source_block, zero_facts
 from zerosafe.formats.deepspeed.files import load_all
 from zerosafe.formats.deepspeed.model_parallel import parallel_dims, tensor_parallel_refusal
@@ -418,8 +418,7 @@ def pipeline_layout(ckpt: PipelineCheckpoint, options: ConvertOptions) -> Source
             name=lt.name, shape=tuple(t.shape), dtype=t.dtype, role=role, fragments=frags
         )
     files, slots = _global_ranks(ckpt, builder.files, builder.resolve())
-    source = source_block(ckpt)  # type: ignore[arg-type]
-    source["pipeline_stages"] = ckpt.num_stages
+    source = source_block(ckpt, pipeline_stages=ckpt.num_stages)  # type: ignore[arg-type]
     facts = zero_facts(ckpt)  # type: ignore[arg-type]
     _pipeline_facts(ckpt, facts)
     layout = SourceLayout(
@@ -469,10 +468,10 @@ def _global_ranks(
     return files, slots
 
 
-def _pipeline_facts(ckpt: PipelineCheckpoint, facts: dict[str, Any]) -> None:
+def _pipeline_facts(ckpt: PipelineCheckpoint, facts: InspectFacts) -> None:
     stages = stage_summary(ckpt)
     tied = {n: h for n, h in ckpt.held_by.items() if len(h) > 1}
-    facts["pipeline"] = {
+    facts.appendix["pipeline"] = {
         "stages": ckpt.num_stages,
         "layer_files": len(ckpt.layer_files),
         "params_by_stage": [s["params"] for s in stages],
@@ -492,13 +491,15 @@ def _pipeline_facts(ckpt: PipelineCheckpoint, facts: dict[str, Any]) -> None:
             f"    tied across stages: {name} on stages {', '.join(map(str, held))} "
             f"(converted from stage {held[0]})"
         )
-    about = facts["about"]
+    about = facts.about
     about[2:2] = lines
     files_line = next(i for i, line in enumerate(about) if line.startswith("  files: "))
     about[files_line] = about[files_line].replace(
         " model states", f" model states + {len(ckpt.layer_files)} layer files", 1
     )
-    facts["files"]["layer_files"] = len(ckpt.layer_files)
+    files = facts.fields["files"]
+    assert isinstance(files, dict)
+    files["layer_files"] = len(ckpt.layer_files)
 
 
 def _check_tied_copies(

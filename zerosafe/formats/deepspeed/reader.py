@@ -20,10 +20,17 @@ from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import LayoutMismatchError
-from zerosafe.formats.base import Fragment, SourceLayout, SourceTensor
+from zerosafe.formats.base import (
+    Fragment,
+    LowpWitness,
+    SourceDescription,
+    SourceLayout,
+    SourceTensor,
+)
 from zerosafe.formats.deepspeed.facts import content_fingerprint, source_block, zero_facts
 from zerosafe.formats.deepspeed.files import find_tag_dir, load_plain_files, scan_files
 from zerosafe.formats.deepspeed.layout import split_by_segments, zero3_pieces
+from zerosafe.formats.deepspeed.lowp import zero_lowp_witness
 from zerosafe.formats.deepspeed.masters import SWAP_FOLDER, is_master_swap, swap_folder_url
 from zerosafe.formats.deepspeed.model_parallel import model_parallel_urls, open_model_parallel
 from zerosafe.formats.deepspeed.pipeline import open_pipeline, pipeline_layout
@@ -50,7 +57,6 @@ class DeepSpeedReader:
     title = "DeepSpeed ZeRO"
     looks_like = "a folder holding `latest`, or a tag folder holding `*_model_states.pt`"
     selects = False
-    lowp_copy = True
 
     def __init__(
         self, errors: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
@@ -84,6 +90,20 @@ class DeepSpeedReader:
     ) -> SourceLayout:
         with self.errors():
             return zero_layout(open_tag(storage, url, tag=tag), options)
+
+    def lowp_witness(
+        self, storage: Storage, source: SourceDescription, *, layout: SourceLayout | None = None
+    ) -> LowpWitness:
+        """ZeRO-1/2's 16-bit module copies (`ReadsLowpCopies`)."""
+        ckpt = layout.native if layout is not None else None
+        if not isinstance(ckpt, ZeroCheckpoint | PipelineCheckpoint):
+            with self.errors():  # the tag folder itself, else the checkpoint folder and tag
+                ckpt = (
+                    open_tag(storage, source.tag_url)
+                    if source.tag_url
+                    else open_tag(storage, source.checkpoint, tag=source.tag)
+                )
+        return zero_lowp_witness(ckpt)
 
 
 def zero_layout(ckpt: ZeroCheckpoint | PipelineCheckpoint, options: ConvertOptions) -> SourceLayout:

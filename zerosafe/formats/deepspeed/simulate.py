@@ -462,7 +462,7 @@ def simulation_report(
         "dtype": options.dtype,
         "max_shard_size": options.max_shard_size,
         "files": len(plan.files),
-        "checkpoint_bytes": plan.source["checkpoint_bytes"],
+        "checkpoint_bytes": plan.source.checkpoint_bytes,
         "fp32_bytes": plan.fp32_bytes,
         "output_bytes": plan.total_out_bytes,
         "num_tensors": len(plan.tensors),

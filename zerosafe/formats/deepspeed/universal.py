@@ -32,17 +32,25 @@ import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError, UnsupportedCheckpointError
-from zerosafe.formats.base import SourceLayout, SourceTensor
+from zerosafe.formats.base import (
+    InspectFacts,
+    LowpWitness,
+    ReadLabels,
+    SourceDescription,
+    SourceLayout,
+    SourceTensor,
+)
 from zerosafe.formats.deepspeed.files import (
     check_ranks,
     check_tag_name,
     checkpoint_folder_names,
     load_file,
 )
+from zerosafe.formats.deepspeed.lowp import zero_lowp_witness
 from zerosafe.formats.deepspeed.masters import MASTER_DTYPES
 from zerosafe.formats.deepspeed.module_side import read_module_side
 from zerosafe.formats.deepspeed.rank_files import (
@@ -112,7 +120,6 @@ class UniversalReader:
         "holding `zero/<param>/fp32.pt` and `*_model_states.pt` (ds_to_universal.py's output)"
     )
     selects = False
-    lowp_copy = True
 
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)
@@ -136,6 +143,19 @@ class UniversalReader:
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
     ) -> SourceLayout:
         return universal_layout(open_universal_checkpoint(storage, url, tag=tag), options)
+
+    def lowp_witness(
+        self, storage: Storage, source: SourceDescription, *, layout: SourceLayout | None = None
+    ) -> LowpWitness:
+        """The 16-bit module copies of the ZeRO-1/2 save it was made from (`ReadsLowpCopies`)."""
+        ckpt = layout.native if layout is not None else None
+        if not isinstance(ckpt, ZeroCheckpoint):
+            ckpt = (
+                open_universal_checkpoint(storage, source.tag_url)
+                if source.tag_url
+                else open_universal_checkpoint(storage, source.checkpoint, tag=source.tag)
+            ).zero
+        return zero_lowp_witness(ckpt)
 
 
 # -- finding the folder -------------------------------------------------------------------------
@@ -579,27 +599,64 @@ class _FolderSlots(SlotBuilder):
             )  # fmt: skip
 
 
-def _source_block(uckpt: UniversalCheckpoint) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UniversalSource:
+    """A universal folder's own fields of the manifest's `source` block (`SourceDetails`)."""
+
+    ORDER: ClassVar[tuple[str, ...]] = (
+        "format", "checkpoint", "tag", "tag_url", "stage", "world_size", "train_dtype",
+        "master_dtype", "optimizer_name", "ds_version", "num_params", "checkpoint_bytes",
+        "files", "content_sha256",
+    )  # fmt: skip
+
+    stage: int
+    world_size: int
+    train_dtype: str
+    master_dtype: str
+    optimizer_name: str
+    ds_version: str | None
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return self.ORDER
+
+    def fields(self) -> dict[str, object]:
+        return {
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "train_dtype": self.train_dtype,
+            "master_dtype": self.master_dtype,
+            "optimizer_name": self.optimizer_name,
+            "ds_version": self.ds_version,
+        }
+
+    def headline(self, common: SourceDescription) -> str:
+        return f"(tag {common.tag}, ZeRO-{self.stage}, world size {self.world_size})"
+
+
+def _source_block(uckpt: UniversalCheckpoint) -> SourceDescription:
     ckpt = uckpt.zero
-    return {
-        "format": FORMAT_NAME,
-        "checkpoint": ckpt.ckpt_url,
-        "tag": ckpt.tag,
-        "tag_url": ckpt.tag_url,
-        "stage": ckpt.stage,
-        "world_size": ckpt.world_size,
-        "train_dtype": ckpt.train_dtype,
-        "master_dtype": ckpt.master_dtype,
-        "optimizer_name": ckpt.optimizer_name,
-        "ds_version": ckpt.ds_version,
-        "num_params": sum(math.prod(s) for g in ckpt.param_groups for _, s in g),
-        "checkpoint_bytes": sum(i.size_bytes for i in uckpt.identities),
-        "files": [i.as_dict() for i in uckpt.identities],
-        "content_sha256": content_fingerprint(uckpt),
-    }
+    return SourceDescription(
+        format=FORMAT_NAME,
+        checkpoint=ckpt.ckpt_url,
+        tag=ckpt.tag,
+        tag_url=ckpt.tag_url,
+        num_params=sum(math.prod(s) for g in ckpt.param_groups for _, s in g),
+        checkpoint_bytes=sum(i.size_bytes for i in uckpt.identities),
+        files=tuple(uckpt.identities),
+        content_sha256=content_fingerprint(uckpt),
+        details=UniversalSource(
+            stage=ckpt.stage,
+            world_size=ckpt.world_size,
+            train_dtype=ckpt.train_dtype,
+            master_dtype=ckpt.master_dtype,
+            optimizer_name=ckpt.optimizer_name,
+            ds_version=ckpt.ds_version,
+        ),
+    )
 
 
-def _facts(uckpt: UniversalCheckpoint) -> dict[str, Any]:
+def _facts(uckpt: UniversalCheckpoint) -> InspectFacts:
     """`inspect`'s section (keys shared with the ZeRO reader's where they mean the same)."""
     ckpt = uckpt.zero
     total = sum(i.size_bytes for i in uckpt.identities)
@@ -614,7 +671,7 @@ def _facts(uckpt: UniversalCheckpoint) -> dict[str, Any]:
         + (f" ({len(uckpt.unread_masters)} other fp32.pt not read)" if uckpt.unread_masters else "")
         + f", {format_bytes(total)} in all",
     ]
-    return {
+    fields: dict[str, object] = {
         "checkpoint": ckpt.ckpt_url,
         "tag": ckpt.tag,
         "zero_stage": ckpt.stage,
@@ -631,16 +688,16 @@ def _facts(uckpt: UniversalCheckpoint) -> dict[str, Any]:
             "model_states": len(ckpt.model_files),
             "total_bytes": total,
         },
-        "about": about,
-        "read_labels": {
-            "main": "fp32.pt masters"
-            if ckpt.master_dtype == "float32"
-            else f"fp32.pt masters ({ckpt.master_dtype})",
-            "other": "frozen params and buffers",
-            "metadata": "pickles and zip directories",
-            "never": "the moments (exp_avg.pt, exp_avg_sq.pt) and optimizer_state.pt are never read",
-        },
     }
+    labels = ReadLabels(
+        main="fp32.pt masters"
+        if ckpt.master_dtype == "float32"
+        else f"fp32.pt masters ({ckpt.master_dtype})",
+        other="frozen params and buffers",
+        metadata="pickles and zip directories",
+        never="the moments (exp_avg.pt, exp_avg_sq.pt) and optimizer_state.pt are never read",
+    )
+    return InspectFacts(fields=fields, about=about, read_labels=labels)
 
 
 def content_fingerprint(uckpt: UniversalCheckpoint) -> str:

@@ -8,9 +8,11 @@ import hashlib
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from zerosafe.formats.base import SourceLayout
+from zerosafe.formats.base import InspectFacts, ReadLabels, SourceDescription, SourceLayout
+from zerosafe.io.storage import FileIdentity
 from zerosafe.units import format_bytes
 
 if TYPE_CHECKING:
@@ -21,6 +23,41 @@ __all__ = ["describe"]
 
 _FORMAT = "verl"
 _FORMAT_NAME = "verl FSDP"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VerlSource:
+    """A verl checkpoint's own fields of the manifest's `source` block (`SourceDetails`)."""
+
+    ORDER: ClassVar[tuple[str, ...]] = (
+        "format", "format_name", "checkpoint", "tag", "world_size", "fsdp_version",
+        "num_tensors", "num_params", "non_tensor_entries", "checkpoint_bytes", "files",
+        "content_sha256",
+    )  # fmt: skip
+
+    world_size: int
+    fsdp_version: Any
+    num_tensors: int
+    non_tensor_entries: tuple[str, ...]
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return self.ORDER
+
+    def fields(self) -> dict[str, object]:
+        return {
+            "format_name": _FORMAT_NAME,
+            "world_size": self.world_size,
+            "fsdp_version": self.fsdp_version,
+            "num_tensors": self.num_tensors,
+            "non_tensor_entries": list(self.non_tensor_entries),
+        }
+
+    def headline(self, common: SourceDescription) -> str:
+        return (
+            f"({_FORMAT_NAME}, {_wrapping(self.fsdp_version)}, world size {self.world_size}, "
+            f"{self.num_tensors} tensors)"
+        )
 
 
 def describe(
@@ -38,21 +75,24 @@ def describe(
     fsdp_version = config.get("FSDP_version") if config else None
     params = sum(math.prod(t.shape) for t in built.tensors.values())
     total = sum(f.size_bytes for f in files)
-    source = {
-        "format": _FORMAT,
-        "format_name": _FORMAT_NAME,
-        "checkpoint": url,
-        "tag": tag,
-        "world_size": len(models),
-        "fsdp_version": fsdp_version,
-        "num_tensors": len(built.tensors),
-        "num_params": params,
-        "non_tensor_entries": list(built.non_tensor),
-        "checkpoint_bytes": total,
-        "files": [{"url": f.url, "size_bytes": f.size_bytes, "version": f.version} for f in files],
-        "model_files": model_files,
-        "content_sha256": _fingerprint(files, built.slots),
-    }
+    source = SourceDescription(
+        format=_FORMAT,
+        checkpoint=url,
+        tag=tag,
+        num_params=params,
+        checkpoint_bytes=total,
+        files=tuple(
+            FileIdentity(url=f.url, size_bytes=f.size_bytes, version=f.version) for f in files
+        ),
+        content_sha256=_fingerprint(files, built.slots),
+        details=VerlSource(
+            world_size=len(models),
+            fsdp_version=fsdp_version,
+            num_tensors=len(built.tensors),
+            non_tensor_entries=tuple(built.non_tensor),
+        ),
+        model_files=model_files,
+    )
     dtypes = Counter(t.dtype for t in built.tensors.values())
     about = [
         f"Checkpoint  {url}  (verl, {_wrapping(fsdp_version)}, world size {len(models)})",
@@ -69,32 +109,34 @@ def describe(
         about.append(
             "  tied: " + ", ".join(f"{a} -> {t}" for a, t in sorted(built.aliases.items()))
         )
-    facts = {
-        "checkpoint": url,
-        "world_size": len(models),
-        "fsdp_version": fsdp_version,
-        "tensors": len(built.tensors),
-        "placements": dict(built.placements),
-        "uneven": built.uneven,
-        "dtypes": dict(dtypes),
-        "aliases": dict(built.aliases),
-        "copies": dict(built.copies),
-        "non_tensor_entries": list(built.non_tensor),
-        "model_files": model_files,
-        "files": {"model": len(models), "total_bytes": total},
-        "about": about,
-        "read_labels": {
-            "main": "local shards of the model rank files",
-            "other": "other",
-            "metadata": "pickles, zip directories and fsdp_config.json",
-            "never": "optimizer and extra-state files are never read",
+    facts = InspectFacts(
+        fields={
+            "checkpoint": url,
+            "world_size": len(models),
+            "fsdp_version": fsdp_version,
+            "tensors": len(built.tensors),
+            "placements": dict(built.placements),
+            "uneven": built.uneven,
+            "dtypes": dict(dtypes),
+            "aliases": dict(built.aliases),
+            "copies": dict(built.copies),
+            "non_tensor_entries": list(built.non_tensor),
+            "model_files": model_files,
+            "files": {"model": len(models), "total_bytes": total},
         },
-    }
+        about=about,
+        read_labels=ReadLabels(
+            main="local shards of the model rank files",
+            other="other",
+            metadata="pickles, zip directories and fsdp_config.json",
+            never="optimizer and extra-state files are never read",
+        ),
+    )
     return SourceLayout(
         format=_FORMAT, where=url, tag=tag, files=files, slots=built.slots,
         tensors=built.tensors, order=built.order, aliases=built.aliases, source=source,
         facts=facts, metadata_bytes=metadata_bytes, main_slot_kind="shard",
-        notes=_notes(built, config), warnings=_warnings(built), native=config,
+        notes=_notes(built, config), warnings=_warnings(built),
         lowp_missing="verl saves only the sharded model weights, no second copy",
     )  # fmt: skip
 

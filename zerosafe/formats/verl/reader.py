@@ -60,7 +60,6 @@ class VerlReader:
         "`fsdp_config.json` and `huggingface/`"
     )
     selects = False
-    lowp_copy = False
 
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)
