@@ -28,6 +28,7 @@ from zerosafe.dtypes import from_safetensors_code, torch_dtype
 from zerosafe.io.buffers import allocate_buffer, pin_mmap_threshold
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, Storage, is_local, join_url, local_path
+from zerosafe.plan.adapter import ADAPTER_WEIGHTS_NAME
 from zerosafe.verify.checksum import TENSOR_CHECKSUM, Digest, new_digest, recorded_checksum
 
 __all__ = ["Failure", "ShardReport", "parse_safetensors_header", "verify_shard"]
@@ -516,4 +517,7 @@ def shard_urls(storage: Storage, out_url: str) -> tuple[list[str], dict[str, Any
         index = json.loads(storage.read_bytes(index_url))
         files = sorted(set(index.get("weight_map", {}).values()))
         return [join_url(out_url, f) for f in files], index
+    adapter = join_url(out_url, ADAPTER_WEIGHTS_NAME)  # a PEFT adapter (`convert --adapter`)
+    if not storage.exists(join_url(out_url, "model.safetensors")) and storage.exists(adapter):
+        return [adapter], None
     return [join_url(out_url, "model.safetensors")], None

@@ -143,6 +143,7 @@ def convert(
     keep_fp32: list[str] | None = None,
     model_files: str | None = None,
     copy_model_files: bool | None = None,
+    adapter: bool | None = None,
     extract_part_size: str | None = None,
     work_dir: str | None = None,
     runner: str | None = None,
@@ -172,7 +173,7 @@ def convert(
         exclude_frozen=exclude_frozen, overwrite=overwrite, keep_work=keep_work,
         allow_nonfinite=allow_nonfinite, check_lowp=check_lowp, file_sha256=file_sha256,
         keep_fp32=keep_fp32, model_files=model_files, copy_model_files=copy_model_files,
-        extract_part_size=extract_part_size, work_dir=work_dir, runner=runner,
+        adapter=adapter, extract_part_size=extract_part_size, work_dir=work_dir, runner=runner,
         dask_address=dask_address, storage_options=storage_options,
         timeout_seconds=timeout_seconds,
     )  # fmt: skip
@@ -558,7 +559,7 @@ def run_convert(
                     check_lowp=options.check_lowp, file_sha256=options.file_sha256,
                     extract_part_size=str(options.extract_part_size),
                     keep_fp32=list(options.keep_fp32), model_files=options.model_files,
-                    copy_model_files=options.copy_model_files,
+                    copy_model_files=options.copy_model_files, adapter=options.adapter,
                     work_dir=work_url, storage_options=storage_options,
                 ),
             )  # fmt: skip
