@@ -274,6 +274,13 @@ def adapter_layout(
             )
         else:
             left_out += 1
+    twice = [t.name for t in adapter if t.kind == "modules_to_save" and t.name.endswith(".bias")]
+    if bias == "all" and twice:
+        raise CheckpointFormatError(
+            f"{layout.where}: `bias` 'all' with `modules_to_save` in {config_url}: PEFT saves "
+            f"the trained bias '{twice[0]}' twice (as '<module>.bias' and "
+            "'<module>.modules_to_save.bias'); not supported yet: convert without `--adapter`"
+        )
     names = {t.adapter for t in adapter if t.adapter is not None}
     if len(names) != 1:
         raise CheckpointFormatError(
