@@ -133,6 +133,10 @@ class ConvertOptions:
     (`zerosafe.stages.model_files`); None: the checkpoint folder above the tag."""
     copy_model_files: bool = True
     """Copy those files next to the weights, so `from_pretrained(OUT)` needs no extra step."""
+    adapter: bool = False
+    """Write the PEFT adapter the checkpoint holds (`zerosafe.plan.adapter`):
+    `adapter_model.safetensors` with PEFT's names, one file, no base-model tensor, and
+    `adapter_config.json` copied from the model-files folder."""
 
     select: tuple[str, ...] = ()
     """PyTorch DCP: key prefixes to convert (`model`, `optim.state`); a prefix matches whole
@@ -233,6 +237,8 @@ class ConvertOptions:
             ident["select"] = list(self.select)
         if self.strip_prefix is not None:
             ident["strip_prefix"] = self.strip_prefix
+        if self.adapter:
+            ident["adapter"] = True
         # Not the model files: which are copied is checked apart, file by file, so changing
         # them (or `--model-files`) only copies again instead of converting again.
         return ident

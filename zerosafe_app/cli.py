@@ -106,6 +106,7 @@ _FLAG_OF_FIELD = {
     "`keep_fp32`": "`--keep-fp32`",
     "`model_files`": "`--model-files`",
     "`copy_model_files`": "`--no-model-files`",
+    "`adapter`": "`--adapter`",
     "`check_lowp`": "`--check-lowp`",
     "`select`": "`--select`",
     "`strip_prefix`": "`--strip-prefix`",
@@ -208,6 +209,12 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         dest="copy_model_files",
         action="store_false",
         help="do not copy config and tokenizer files next to the weights",
+    )
+    p.add_argument(
+        "--adapter",
+        action="store_true",
+        help="write the PEFT adapter the checkpoint holds: adapter_model.safetensors with "
+        "PEFT's names and adapter_config.json, for PeftModel.from_pretrained(base, OUT)",
     )
     _add_storage_option(p)
 
@@ -419,6 +426,7 @@ def _options(args: argparse.Namespace) -> ConvertOptions:
             keep_fp32=tuple(args.keep_fp32),
             model_files=args.model_files,
             copy_model_files=args.copy_model_files,
+            adapter=getattr(args, "adapter", False),
             max_parallel_tasks=getattr(args, "parallel", 2),
             select=tuple(getattr(args, "select", None) or ()),
             strip_prefix=getattr(args, "strip_prefix", None),

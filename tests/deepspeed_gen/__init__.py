@@ -350,7 +350,9 @@ def train_checkpoint(
                 ).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
-        if rc == 0 and live.is_file() and (ckpt / "latest").is_file():
+        # The HF Trainer (`lora` specs of HF_SCRIPT) saves into ckpt/checkpoint-STEPS/.
+        saved = (ckpt / "latest").is_file() or any(ckpt.glob("checkpoint-*/latest"))
+        if rc == 0 and live.is_file() and saved:
             return ckpt
         failures.append(f"attempt {attempt}: exit {rc}")
         shutil.copyfile(log, dest / f"train.attempt{attempt}.log")

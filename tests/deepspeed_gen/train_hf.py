@@ -7,6 +7,15 @@ Run by `tests/deepspeed_gen/__init__.py` (`train_checkpoint(spec, dest, script=H
 SPEC keys: arch (llama|gpt2), stage, precision (bf16|fp32), steps, world_size.
 LIVE gets the live weights at save time (gathered) and LIVE's sibling `live-logits.safetensors`
 the logits the live engine computes, in eval mode, on `input_ids` (saved beside them).
+
+With `lora` in SPEC (a `peft.LoraConfig`'s keyword arguments), the model is wrapped by
+`peft.get_peft_model` and trained by the real `transformers.Trainer` with DeepSpeed
+(`TrainingArguments(deepspeed=...)`), which saves `CKPT_DIR/checkpoint-STEPS/` itself
+(`global_stepN/`, `latest`, `adapter_config.json`, its own `adapter_model.safetensors`,
+tokenizer, trainer state). LIVE then holds `peft.get_peft_model_state_dict` of the live model
+(its parameters gathered): the adapter PEFT itself saves, with PEFT's names; LIVE's sibling
+`base/` holds the base model as it was before training (`save_pretrained`), for
+`PeftModel.from_pretrained(base, OUT)`.
 """
 
 import contextlib
@@ -61,6 +70,8 @@ def build_tokenizer():
 def main():
     spec = json.load(open(sys.argv[1]))
     ckpt_dir, live_file = sys.argv[2], sys.argv[3]
+    if "lora" in spec:
+        return main_peft_trainer(spec, ckpt_dir, live_file)
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ.get("RANK", 0))
     torch.manual_seed(spec.get("seed", 11))
@@ -124,6 +135,78 @@ def main():
         engine.module.config.save_pretrained(ckpt_dir)
         engine.module.generation_config.save_pretrained(ckpt_dir)
         build_tokenizer().save_pretrained(ckpt_dir)
+    torch.distributed.barrier()
+
+
+def _input_ids():
+    return torch.arange(4, 4 + 2 * 11).reshape(2, 11) % VOCAB
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """Fixed random token rows (the same on every rank; the sampler splits them)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        tokens = torch.randint(4, VOCAB, (8,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": tokens, "labels": tokens}
+
+
+def main_peft_trainer(spec, ckpt_dir, live_file):
+    """A PEFT LoRA model trained and saved by the HF Trainer itself under DeepSpeed ZeRO."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(spec.get("seed", 11))
+    model = build_model(spec["arch"])
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 0:  # the base model the user fine-tunes, as it was before training
+        model.save_pretrained(str(Path(live_file).with_name("base")))
+    peft_model = get_peft_model(model, LoraConfig(**spec["lora"]))
+    zero = {"stage": spec["stage"]}
+    if spec["stage"] == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    ds_config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+    }
+    steps = spec.get("steps", 4)
+    args = TrainingArguments(
+        output_dir=ckpt_dir, per_device_train_batch_size=2, max_steps=steps, save_steps=steps,
+        save_strategy="steps", learning_rate=2e-2, deepspeed=ds_config, report_to=[],
+        logging_steps=10**6, disable_tqdm=True, seed=spec.get("seed", 11),
+    )  # fmt: skip
+    trainer = Trainer(
+        model=peft_model, args=args, train_dataset=_Tokens(), processing_class=build_tokenizer()
+    )
+    trainer.train()
+
+    engine = trainer.model_wrapped  # the DeepSpeed engine around the PeftModel
+    engine.eval()
+    input_ids = _input_ids()
+    with torch.no_grad():
+        logits = engine(input_ids=input_ids).logits.detach().clone()
+    params = list(peft_model.parameters())
+    gather = (
+        deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        if spec["stage"] == 3
+        else contextlib.nullcontext()
+    )
+    with gather:
+        state = {k: v.detach().clone().contiguous() for k, v in peft_model.state_dict().items()}
+        adapter = get_peft_model_state_dict(peft_model, state_dict=state)
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in adapter.items()}, live_file)
+        save_file(
+            {"logits": logits.contiguous(), "input_ids": input_ids.contiguous()},
+            str(Path(live_file).with_name("live-logits.safetensors")),
+        )
     torch.distributed.barrier()
 
 

@@ -14,9 +14,15 @@ from collections.abc import Iterable, Sequence
 
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import dtype_info
-from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
+from zerosafe.errors import CheckpointFormatError, ConfigError, LayoutMismatchError
 from zerosafe.formats.base import SourceLayout, SourceTensor
 from zerosafe.io.storage import Storage
+from zerosafe.plan.adapter import (
+    ADAPTER_WEIGHTS_NAME,
+    adapter_layout,
+    looks_like_adapter,
+    read_adapter_config,
+)
 from zerosafe.plan.model import (
     ExtractPart,
     FragmentTable,
@@ -41,11 +47,42 @@ def plan_checkpoint(
     from zerosafe.stages.model_files import model_files_report
 
     layout = read_source(storage, url, tag=tag, options=options)
+    layout, adapter_warnings = _maybe_adapter(storage, layout, options)
     plan = plan_layout(layout, options)
+    plan.warnings += adapter_warnings
     notes, warnings = model_files_report(storage, plan.source, options, aliases=layout.aliases)
     plan.notes += notes
     plan.warnings += warnings
     return layout, plan
+
+
+def _maybe_adapter(
+    storage: Storage, layout: SourceLayout, options: ConvertOptions
+) -> tuple[SourceLayout, list[str]]:
+    """With `options.adapter`, the layout of the PEFT adapter the checkpoint holds
+    (`zerosafe.plan.adapter`); without, a warning where the checkpoint looks like one."""
+    from zerosafe.stages.model_files import model_files_folder
+
+    folder = model_files_folder(layout.source, options)
+    if options.adapter:
+        if folder is None:
+            raise ConfigError(
+                "`--adapter` copies adapter_config.json with the adapter, but "
+                "`--no-model-files` copies no file; drop `--no-model-files`, or pass "
+                "`--model-files DIR` for the folder holding adapter_config.json"
+            )
+        config = read_adapter_config(storage, folder)
+        return adapter_layout(layout, config, config_url=folder), []
+    if folder is not None and storage.isdir(folder):
+        if looks_like_adapter(layout, storage.listdir(folder)):
+            return layout, [
+                f"{layout.where}: holds a PEFT LoRA adapter (adapter_config.json in {folder}, "
+                "every trained tensor a LoRA tensor); this output keeps the PeftModel's own "
+                "names (with the adapter name, e.g. '.default'), which "
+                "PeftModel.from_pretrained cannot load: convert with `--adapter` for "
+                "adapter_model.safetensors"
+            ]
+    return layout, []
 
 
 def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
@@ -64,7 +101,8 @@ def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
         math.prod(layout.tensors[o].shape) * dtype_info(d).itemsize
         for o, d in zip(owners, dtypes, strict=True)
     ]
-    shard_of = assign_shards(sizes, options.max_shard_size)
+    # PEFT loads an adapter from one file: never sharded
+    shard_of = [0] * len(sizes) if options.adapter else assign_shards(sizes, options.max_shard_size)
     specs = [
         TensorSpec(
             index=i, name=name, shape=layout.tensors[owner].shape,
@@ -83,7 +121,7 @@ def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
         files=layout.files,
         slots=layout.slots,
         tensors=specs,
-        shards=_shard_specs(specs),
+        shards=_shard_specs(specs, adapter=options.adapter),
         parts=plan_parts(layout.slots, used_slots, options.extract_part_size),
         fragments=fragments,
         aliases=aliases,
@@ -240,14 +278,15 @@ def _keep_fp32_warnings(layout: SourceLayout, options: ConvertOptions) -> list[s
     ]
 
 
-def _shard_specs(specs: list[TensorSpec]) -> list[ShardSpec]:
+def _shard_specs(specs: list[TensorSpec], *, adapter: bool = False) -> list[ShardSpec]:
     count = specs[-1].shard + 1 if specs else 0
     shards = []
     for index in range(count):
         members = [s for s in specs if s.shard == index]
         shards.append(
             ShardSpec(
-                index=index, file_name=shard_file_name(index, count),
+                index=index,
+                file_name=ADAPTER_WEIGHTS_NAME if adapter else shard_file_name(index, count),
                 first_tensor=members[0].index, num_tensors=len(members),
                 data_bytes=sum(s.out_nbytes for s in members),
             )

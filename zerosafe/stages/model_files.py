@@ -39,6 +39,7 @@ from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import ALIASES
 from zerosafe.errors import CheckpointFormatError, ConfigError
 from zerosafe.io.storage import Storage, is_local, join_url, local_path, normalize_url
+from zerosafe.plan.adapter import ADAPTER_CONFIG_NAME
 
 if TYPE_CHECKING:
     from zerosafe.formats.base import SourceDescription
@@ -119,16 +120,20 @@ def model_files_folder(source: SourceDescription | None, options: ConvertOptions
     return posixpath.dirname(tag_url.rstrip("/")) or None
 
 
-def find_model_files(storage: Storage, folder: str) -> list[str]:
+def find_model_files(storage: Storage, folder: str, *, adapter: bool = False) -> list[str]:
     """The model files in `folder` that are copied, as names relative to it (in copy order):
     regular files only, see `list_model_files`."""
-    return list_model_files(storage, folder)[0]
+    return list_model_files(storage, folder, adapter=adapter)[0]
 
 
-def list_model_files(storage: Storage, folder: str) -> tuple[list[str], list[str]]:
+def list_model_files(
+    storage: Storage, folder: str, *, adapter: bool = False
+) -> tuple[list[str], list[str]]:
     """The model files in `folder` to copy, and a warning for each one skipped.
 
-    Only names in `MODEL_FILE_NAMES` (and `additional_chat_templates/*.jinja`) count. On a
+    Only names in `MODEL_FILE_NAMES` (and `additional_chat_templates/*.jinja`) count, and,
+    for a PEFT adapter output (`adapter`), `adapter_config.json` (never beside a whole model:
+    transformers would read the folder as an adapter). On a
     local filesystem each must be a regular file, or a symbolic link to one inside `folder`:
     a FIFO, device or socket, and a link leaving `folder`, are skipped (see the module
     docstring). Object stores hold only plain objects.
@@ -137,7 +142,8 @@ def list_model_files(storage: Storage, folder: str) -> tuple[list[str], list[str
         `(names, warnings)`: names relative to `folder`, in copy order.
     """
     names = set(storage.listdir(folder))
-    found = [n for n in MODEL_FILE_NAMES if n in names]
+    wanted = (ADAPTER_CONFIG_NAME, *MODEL_FILE_NAMES) if adapter else MODEL_FILE_NAMES
+    found = [n for n in wanted if n in names]
     if CHAT_TEMPLATES_DIR in names and storage.isdir(join_url(folder, CHAT_TEMPLATES_DIR)):
         found += [
             f"{CHAT_TEMPLATES_DIR}/{n}"
@@ -409,7 +415,7 @@ def model_files_report(
     folder = model_files_folder(source, options)
     if folder is None:
         return [], []
-    names, skipped = list_model_files(storage, folder)
+    names, skipped = list_model_files(storage, folder, adapter=options.adapter)
     if options.model_files is not None and not names:
         what = "is not a folder" if not storage.isdir(folder) else "holds none of them"
         raise ConfigError(
@@ -424,7 +430,8 @@ def model_files_report(
         ], skipped
     notes = [f"copies {len(names)} model file(s) from {folder}: {', '.join(names)}"]
     if "config.json" not in names:
-        notes.append(f"no config.json in {folder}; from_pretrained needs one")
+        if not options.adapter:  # an adapter loads onto the base model, with its config
+            notes.append(f"no config.json in {folder}; from_pretrained needs one")
         return notes, skipped
     where = join_url(folder, "config.json")
     size_bytes = storage.identity(where).size_bytes

@@ -23,6 +23,7 @@ from zerosafe.config import ConvertOptions
 from zerosafe.errors import OutputExistsError, VerificationError
 from zerosafe.formats.base import SourceDescription
 from zerosafe.io.storage import FileIdentity, Storage, is_local, join_url
+from zerosafe.plan.adapter import ADAPTER_WEIGHTS_NAME
 from zerosafe.plan.model import Plan
 from zerosafe.stages.model_files import (
     check_model_files_outside,
@@ -142,7 +143,8 @@ def _changed_model_files(
     recorded = manifest.get("model_files_from")
     folder = recorded if isinstance(wanted, _Recorded) else wanted
     entries = [e for e in manifest.get("model_files") or [] if isinstance(e, dict)]
-    new = find_model_files(storage, folder) if folder is not None else []
+    adapter = bool((manifest.get("options") or {}).get("adapter"))
+    new = find_model_files(storage, folder, adapter=adapter) if folder is not None else []
     if folder != recorded:
         stale = {str(e.get("file")): f"copied from {recorded}; not wanted now" for e in entries}
         return {**stale, **{n: f"to copy from {folder}" for n in new}}
@@ -258,7 +260,9 @@ def finish_work(storage: Storage, out_url: str, job_key: str, work_url: str, *, 
 
 
 def _is_model_file(name: str) -> bool:
-    return name == INDEX_NAME or (name.startswith("model") and name.endswith(".safetensors"))
+    return name in (INDEX_NAME, ADAPTER_WEIGHTS_NAME) or (
+        name.startswith("model") and name.endswith(".safetensors")
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -547,7 +551,11 @@ def _stage_model_files(
     if folder is None:
         return []
     return copy_model_files(
-        storage, folder, find_model_files(storage, folder), pending, chunk_bytes=options.chunk_bytes
+        storage,
+        folder,
+        find_model_files(storage, folder, adapter=options.adapter),
+        pending,
+        chunk_bytes=options.chunk_bytes,
     )
 
 

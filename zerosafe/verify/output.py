@@ -24,6 +24,7 @@ from zerosafe.dtypes import dtype_info, torch_dtype
 from zerosafe.errors import CheckpointFormatError, ConversionError
 from zerosafe.io.lease import DESTINATION_LEASE_NAME
 from zerosafe.io.storage import Storage, join_url, normalize_url
+from zerosafe.plan.adapter import ADAPTER_WEIGHTS_NAME, adapter_layout, read_adapter_config
 from zerosafe.stages.model_files import sha256_of
 from zerosafe.stages.output import (
     INDEX_NAME,
@@ -88,7 +89,7 @@ def verify_output(
                 "completion marker; run the same `zerosafe convert` again to finish it",
             )  # fmt: skip
         )
-        if INDEX_NAME not in names and "model.safetensors" not in names:
+        if not {INDEX_NAME, "model.safetensors", ADAPTER_WEIGHTS_NAME} & set(names):
             return _report(out_url, failures, complete=False)
     files, index = _weight_files(storage, out_url, names, failures)
     weight_map = index.get("weight_map") if index is not None else None
@@ -145,9 +146,12 @@ def _weight_files(
     """The weight files to check (those present), and the index if there is one; files the
     index names but lacks, and weight files it does not list, are failures."""
     if INDEX_NAME not in names:
+        if "model.safetensors" not in names and ADAPTER_WEIGHTS_NAME in names:
+            return [ADAPTER_WEIGHTS_NAME], None  # a PEFT adapter (`convert --adapter`)
         if "model.safetensors" not in names:
             raise CheckpointFormatError(
-                f"{out_url}: no {INDEX_NAME} and no model.safetensors; nothing to verify"
+                f"{out_url}: no {INDEX_NAME}, no model.safetensors and no "
+                f"{ADAPTER_WEIGHTS_NAME}; nothing to verify"
             )
         failures.extend(
             Failure(f, "*", "indexed", f"shard file beside model.safetensors but no {INDEX_NAME}")
@@ -467,7 +471,8 @@ def _check_against(
 
     The output's manifest says how it was converted (`recorded_options`, the job key's
     options): with `exclude_frozen`, frozen params must be absent instead of present; a DCP
-    output is checked against the tensors its `select` and `strip_prefix` chose.
+    output is checked against the tensors its `select` and `strip_prefix` chose; a PEFT
+    adapter (`adapter`) against the checkpoint's adapter tensors under PEFT's names.
     """
     from zerosafe.config import ConvertOptions
     from zerosafe.formats.registry import read_source
@@ -479,6 +484,9 @@ def _check_against(
         strip_prefix=recorded_options.get("strip_prefix"),
     )
     layout = read_source(storage, ckpt_url, tag=tag, options=options)
+    if recorded_options.get("adapter"):  # a PEFT adapter: as its own copied config maps it
+        config = read_adapter_config(storage, out_url)
+        layout = adapter_layout(layout, config, config_url=out_url)
     stored = {t: (r.file, info) for r in reports for t, info in r.tensors.items()}
     expected = _check_coverage(layout, stored, aliases, failures, exclude_frozen=exclude_frozen)
     content = layout.source.content_sha256

@@ -80,6 +80,9 @@ class JobConfig(BaseModel):
     null: the checkpoint folder above the tag (where the HF Trainer saves them)."""
     copy_model_files: bool = True
     """Copy those files next to the weights, so `from_pretrained(destination)` works as is."""
+    adapter: bool = False
+    """Write the PEFT adapter the checkpoint holds: `adapter_model.safetensors` with PEFT's
+    names and `adapter_config.json`, for `PeftModel.from_pretrained(base, destination)`."""
     extract_part_size: int = Field(default=2 * 10**9, gt=0)
     """Staged mode: a rank's fp32 bytes are extracted in parts of at most this size."""
     runner: Literal["threads", "dask"] = "threads"
@@ -158,6 +161,7 @@ class JobConfig(BaseModel):
             keep_fp32=tuple(self.keep_fp32),
             model_files=self.model_files,
             copy_model_files=self.copy_model_files,
+            adapter=self.adapter,
             select=tuple(self.select),
             strip_prefix=self.strip_prefix,
         )
@@ -192,6 +196,7 @@ def flow_parameters(
         check_lowp=options.check_lowp, file_sha256=options.file_sha256,
         extract_part_size=str(options.extract_part_size), keep_fp32=list(options.keep_fp32),
         model_files=options.model_files, copy_model_files=options.copy_model_files,
+        adapter=options.adapter,
     )  # fmt: skip
 
 

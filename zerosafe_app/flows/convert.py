@@ -144,6 +144,7 @@ def convert(
     keep_fp32: list[str] | None = None,
     model_files: str | None = None,
     copy_model_files: bool | None = None,
+    adapter: bool | None = None,
     extract_part_size: str | None = None,
     work_dir: str | None = None,
     runner: str | None = None,
@@ -173,7 +174,7 @@ def convert(
         exclude_frozen=exclude_frozen, overwrite=overwrite, keep_work=keep_work,
         allow_nonfinite=allow_nonfinite, check_lowp=check_lowp, file_sha256=file_sha256,
         keep_fp32=keep_fp32, model_files=model_files, copy_model_files=copy_model_files,
-        extract_part_size=extract_part_size, work_dir=work_dir, runner=runner,
+        adapter=adapter, extract_part_size=extract_part_size, work_dir=work_dir, runner=runner,
         dask_address=dask_address, storage_options=storage_options,
         timeout_seconds=timeout_seconds,
     )  # fmt: skip

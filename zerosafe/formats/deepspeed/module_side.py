@@ -89,7 +89,10 @@ def read_module_side(ckpt: ZeroCheckpoint) -> None:
             f"{model0.url.rsplit('/', 1)[-1]} ({why}; DeepSpeed's converter drops them): "
             + ", ".join(recovered)
         )
-    if ckpt.stage >= 2 and "frozen_param_shapes" in obj and frozen_shapes is None and not recovered:
+    excluded = (
+        ckpt.stage >= 2 and "frozen_param_shapes" in obj and frozen_shapes is None and not recovered
+    )
+    if excluded:
         # DeepSpeed writes None here only when saving with `exclude_frozen_parameters=True`
         # (engine.py: save_frozen_param = partition_gradients and not exclude_frozen_parameters).
         ckpt.notes.append(
@@ -98,8 +101,16 @@ def read_module_side(ckpt: ZeroCheckpoint) -> None:
         )
     owners = set(ckpt.param_names) | {fp.name for fp in ckpt.frozen}
     owners |= {n for n, _, _ in ckpt.empty_params}
-    for alias, target in ckpt.shared.items():
-        if target not in owners:
+    for alias, target in list(ckpt.shared.items()):
+        if target not in owners and excluded:
+            # A tie between frozen params (the HF Trainer saves a PEFT model's frozen, tied
+            # embedding this way): neither is in the checkpoint, so neither is in the output.
+            del ckpt.shared[alias]
+            ckpt.notes.append(
+                f"tied param '{alias}' (sharing '{target}') left out with its target: a frozen "
+                "param `exclude_frozen_parameters` did not save"
+            )
+        elif target not in owners:
             raise LayoutMismatchError(
                 f"{model0.url}: tied param '{alias}' shares memory with '{target}', which is "
                 "neither a trained nor a frozen param of this checkpoint"
