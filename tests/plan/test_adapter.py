@@ -11,7 +11,7 @@ import pytest
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
-from zerosafe.formats.base import SourceLayout, SourceTensor
+from zerosafe.formats.base import SourceDescription, SourceLayout, SourceTensor, StoredDetails
 from zerosafe.plan.adapter import (
     ADAPTER_WEIGHTS_NAME,
     adapter_layout,
@@ -167,6 +167,10 @@ def _layout(roles: dict[str, tuple[tuple[int, ...], str]]) -> SourceLayout:
     return SourceLayout(
         format="test", where="ckpt", tag="t", files=[], slots=slots, tensors=tensors,
         order=list(tensors),
+        source=SourceDescription(
+            format="test", checkpoint="ckpt", tag="t", num_params=0, checkpoint_bytes=0,
+            files=(), content_sha256="", details=StoredDetails((), ("checkpoint", "tag")),
+        ),
     )  # fmt: skip
 
 
