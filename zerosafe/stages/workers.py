@@ -55,11 +55,11 @@ __all__ = [
 ]
 
 PROCESS_MIN_BYTES = 2 * 10**9
-"""Bytes to merge below which a job keeps threads: two worker starts cost about 0.5 s on a
-fresh forkserver (an interpreter and torch imported once), a second of one task's work."""
+"""Bytes to merge below which a job keeps threads: on 2 cores a whole 0.3B command (1.2 GB)
+took 0.2-1.1 s longer with workers than with threads (a forkserver imports torch once)."""
 WORKER_OVERHEAD_BYTES = 160 * 2**20
-"""What a worker process holds besides its task's buffers (interpreter, engine, the private
-pages of torch), measured at 120-150 MiB resident on x86-64 with torch 2.x."""
+"""What a worker process holds besides its task's buffers (interpreter, engine, torch's private
+pages): an estimate, not yet measured on its own (the device check should measure it)."""
 _PROGRESS_BATCH = 16 * 2**20
 """Bytes a worker accumulates before it reports them."""
 MODES = ("auto", "processes", "threads")
