@@ -37,7 +37,9 @@ from bench._iolimit import fp32_ranges, measure_limit, warm_cache  # noqa: E402
 from bench.run import _files, forge  # noqa: E402
 
 
-def run_once(ckpt: str, out: str, tasks: int, shard_bytes: int, dtype: str) -> dict[str, Any]:
+def run_once(
+    ckpt: str, out: str, tasks: int, shard_bytes: int, dtype: str, workers: str = "threads"
+) -> dict[str, Any]:
     """Plan, then merge + verify every shard with `tasks` workers, then publish."""
     from zerosafe.config import ConvertOptions
     from zerosafe.io.storage import Storage
@@ -67,19 +69,36 @@ def run_once(ckpt: str, out: str, tasks: int, shard_bytes: int, dtype: str) -> d
     job, plan = plan_job_and_load(storage, ckpt, out, options)
     assert plan is not None
     work = WorkLayout(job.work_url)
+    pool = None
+    if workers == "processes":  # the in-process command's worker processes, started first
+        from zerosafe.stages.workers import Shared, UnitPool
+
+        pool = UnitPool(tasks, shared={"plan": plan})
+        for _ in range(tasks):
+            pool.run(abs, 1)
     cpu0, t0 = sum(os.times()[:2]), time.perf_counter()
     with hold_work(storage, job):
 
         def unit(shard: int) -> tuple[Any, Any]:
+            if pool is not None:
+                merged = pool.run(
+                    merge_unit, Shared("plan"), shard, storage, job.destination, work, options
+                )
+                return merged, pool.run(
+                    verify_unit, Shared("plan"), shard, storage, job.destination, options,
+                    expected=merged.tensors,
+                )  # fmt: skip
             merged = merge_unit(plan, shard, storage, job.destination, work, options)
             verified = verify_unit(
                 plan, shard, storage, job.destination, options, expected=merged.tensors
             )
             return merged, verified
 
-        with ThreadPoolExecutor(max_workers=tasks) as pool:
-            results = list(pool.map(unit, range(len(plan.shards))))
+        with ThreadPoolExecutor(max_workers=tasks) as runners:
+            results = list(runners.map(unit, range(len(plan.shards))))
         units_s = time.perf_counter() - t0
+        if pool is not None:
+            pool.close()
         merges = [m for m, _ in results]
         verifies = [v for _, v in results]
         stats = run_stats(
@@ -96,6 +115,7 @@ def run_once(ckpt: str, out: str, tasks: int, shard_bytes: int, dtype: str) -> d
         )  # fmt: skip
     return {
         "tasks": tasks,
+        "workers": workers,
         "shards": len(plan.shards),
         "units_s": units_s,
         "wall_s": time.perf_counter() - t0,
@@ -114,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--src", help="a checkout whose engine to measure (default: this one)")
     ap.add_argument("--out-dir", help="where outputs go (default: in --work-dir)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument(
+        "--workers", default="threads", choices=("threads", "processes"),
+        help="units as threads of this process, or in worker processes (zerosafe.stages.workers)",
+    )  # fmt: skip
     cfg = ap.parse_args(argv)
     counts = [int(x) for x in cfg.tasks.split(",")]
     ckpt = os.path.join(cfg.work_dir, f"ckpt-{cfg.params}-z3-ws8")
@@ -132,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in counts:
         best: dict[str, Any] | None = None
         for _ in range(cfg.repeat):
-            row = run_once(ckpt, out, n, shard_bytes, cfg.dtype)
+            row = run_once(ckpt, out, n, shard_bytes, cfg.dtype, cfg.workers)
             if best is None or row["units_s"] < best["units_s"]:
                 best = row
         assert best is not None

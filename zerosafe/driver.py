@@ -9,10 +9,12 @@ area (`zerosafe.stages.unit_records`), so a killed run started again resumes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from typing import Any, TypeVar
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import StorageError
@@ -55,6 +57,7 @@ from zerosafe.stages.results import (
 )
 from zerosafe.stages.shards import DirectLocator, StagedLocator
 from zerosafe.stages.unit_records import UnitRecords, unit_key
+from zerosafe.stages.workers import Shared, UnitPool, process_options
 
 __all__ = ["convert_checkpoint"]
 
@@ -128,7 +131,7 @@ def _run_held(
     stats = run_stats(
         job, options, extracts=extracts, merges=merges, verifies=verifies,
         seconds=time.monotonic() - started, tasks_executed=units.executed,
-        peak_rss_bytes=peak_rss_bytes(),
+        peak_rss_bytes=peak_rss_bytes() + units.worker_rss_bytes,
     )  # fmt: skip
     for lease in leases:  # another run took over: it owns the output now
         lease.check()
@@ -151,6 +154,9 @@ def _run_held(
     return summary
 
 
+_T = TypeVar("_T")
+
+
 class _UnitRunner:
     """Every unit of work of one run, in an order the flow could take: a shard is merged as
     soon as its parts are extracted, and verified as soon as it is merged.
@@ -162,6 +168,11 @@ class _UnitRunner:
     parallel tasks would (when the memory budget holds two tasks, `parallel_tasks`): it
     re-reads what the merge just wrote, mostly from the page cache and on the other core,
     while the next merge waits on the disk. At most one verify runs beside that unit.
+
+    A job big enough to pay for it (`zerosafe.stages.workers.process_options`) runs its units
+    in `parallel_tasks` worker processes instead, each shard merged then verified by one of
+    `parallel_tasks` threads here that wait on them: N tasks on N cores, none queued on this
+    interpreter, with the budget divided among the workers.
     """
 
     def __init__(
@@ -183,6 +194,41 @@ class _UnitRunner:
         self.merges: dict[int, MergeResult] = {}
         self.verifies: dict[int, VerifyResult] = {}
         self.reused: set[int] = set()
+        self.pool: UnitPool | None = None
+        self.unit_options = options
+        """The options units run with (in workers: the budget less the workers' overhead)."""
+        self.worker_rss_bytes = 0
+        self._lock = threading.Lock()  # units finish in several threads with a pool
+
+    def _count(self, counts: dict[str, int], stage: str) -> None:
+        with self._lock:
+            counts[stage] += 1
+
+    def _call(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """`fn(plan, *args, **kwargs)` here, or in a worker process when there is a pool."""
+        if self.pool is None:
+            return fn(self.plan, *args, **kwargs)
+        kwargs.pop("locator", None)  # a worker opens its own
+        result: _T = self.pool.run(fn, Shared("plan"), *args, **kwargs)
+        return result
+
+    def _start_pool(self, parts: Sequence[PartWork]) -> UnitPool | None:
+        todo = [s for s in self.job.shards if s.index not in self.reused]
+        options = None
+        if not self.job.serial_merges and type(self.storage) is Storage:
+            options = process_options(
+                self.options, units=len(todo) + len(parts),
+                nbytes=sum(s.source_bytes for s in todo) + sum(p.size_bytes for p in parts),
+            )  # fmt: skip
+        if options is None:
+            return None
+        self.unit_options = options
+        self.pool = UnitPool(options.parallel_tasks, shared={"plan": self.plan})
+        return self.pool
+
+    def _merge_then_verify(self, shard: int) -> VerifyResult:
+        self.merges[shard] = self._merge(shard, None)
+        return self._verify(shard)
 
     @property
     def resumed(self) -> str:
@@ -203,8 +249,9 @@ class _UnitRunner:
         stages = stage_bytes(job, parts, direct=options.direct)
         self.progress.start("convert", sum(stages.values()), stages=stages)
         locator = open_locator(self.plan, self.storage, self.work, options)
+        pool = self._start_pool(parts)
         beside = (
-            ThreadPoolExecutor(1, thread_name_prefix="zerosafe-verify")
+            ThreadPoolExecutor(pool.workers if pool else 1, thread_name_prefix="zerosafe-unit")
             if options.parallel_tasks > 1
             else None
         )
@@ -217,6 +264,9 @@ class _UnitRunner:
 
         def merge_and_verify(shards: list[int]) -> None:
             for shard in shards:
+                if pool is not None and beside is not None:  # N at once, in the workers
+                    running.append((shard, beside.submit(self._merge_then_verify, shard)))
+                    continue
                 self.merges[shard] = self._merge(shard, locator)
                 collect()
                 if beside is None:
@@ -234,6 +284,9 @@ class _UnitRunner:
             locator.close()
             if beside is not None:
                 beside.shutdown(wait=True, cancel_futures=True)
+            if pool is not None:
+                self.worker_rss_bytes = pool.peak_rss_bytes
+                pool.close()
         self.progress.finish()
         assert not readiness.waiting, f"shards never became ready: {readiness.waiting}"
         return (
@@ -253,18 +306,18 @@ class _UnitRunner:
             if intermediate_is_present(
                 self.plan, self.storage, self.work, part.index, kept.content_sha256
             ):
-                self.kept["extract"] += 1
+                self._count(self.kept, "extract")
                 self.progress.advance(part.size_bytes, "extract")
                 return kept
-        result = extract_unit(
-            self.plan, part.index, self.storage, self.work, self.options,
+        result = self._call(
+            extract_unit, part.index, self.storage, self.work, self.unit_options,
             on_bytes=lambda n: self.progress.advance(n, "extract"),
         )  # fmt: skip
-        self.executed["extract"] += 1
+        self._count(self.executed, "extract")
         self.records.save("extract", part.index, key, result.to_json())
         return result
 
-    def _merge(self, shard: int, locator: DirectLocator | StagedLocator) -> MergeResult:
+    def _merge(self, shard: int, locator: DirectLocator | StagedLocator | None) -> MergeResult:
         work = self.job.shards[shard]
         content = merge_fingerprint(
             work, direct=self.options.direct, reused=self.reused,
@@ -273,16 +326,16 @@ class _UnitRunner:
         key = self._key("merge", shard, content)
         record = self.records.load("merge", shard, key)
         if record is not None and record.get("identity") == list(self._identity(shard) or ()):
-            self.kept["merge"] += 1
+            self._count(self.kept, "merge")
             self.progress.advance(work.source_bytes, "merge")
             return MergeResult.from_json(record["result"])
-        result = merge_unit(
-            self.plan, shard, self.storage, self.job.destination, self.work, self.options,
+        result = self._call(
+            merge_unit, shard, self.storage, self.job.destination, self.work, self.unit_options,
             locator=locator, on_bytes=lambda n: self.progress.advance(n, "merge"),
         )  # fmt: skip
         if result.reused:
             return result
-        self.executed["merge"] += 1
+        self._count(self.executed, "merge")
         self.records.save(
             "merge", shard, key, result.to_json(), identity=list(self._identity(shard) or ())
         )
@@ -293,14 +346,14 @@ class _UnitRunner:
         key = self._key("verify", shard, verify_fingerprint(self._identity(shard), merged.tensors))
         record = self.records.load("verify", shard, key)
         if record is not None:
-            self.kept["verify"] += 1
+            self._count(self.kept, "verify")
             self.progress.advance(self.job.shards[shard].data_bytes, "verify")
             return VerifyResult.from_json(record["result"])
-        result = verify_unit(
-            self.plan, shard, self.storage, self.job.destination, self.options,
+        result = self._call(
+            verify_unit, shard, self.storage, self.job.destination, self.unit_options,
             expected=merged.tensors, on_bytes=lambda n: self.progress.advance(n, "verify"),
         )  # fmt: skip
-        self.executed["verify"] += 1
+        self._count(self.executed, "verify")
         self.records.save("verify", shard, key, result.to_json())
         return result
 

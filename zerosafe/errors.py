@@ -67,3 +67,6 @@ class VerificationError(ConversionError):
     def __init__(self, message: str, failures: list[dict[str, str]] | None = None) -> None:
         super().__init__(message)
         self.failures = failures or []
+
+    def __reduce__(self) -> tuple[object, ...]:  # raised in a worker process, re-raised here
+        return (type(self), (str(self), self.failures))

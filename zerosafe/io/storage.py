@@ -477,6 +477,11 @@ class Storage:
     def __repr__(self) -> str:
         return f"Storage({redact_options(self.storage_options)!r})"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its options (for a worker process: `zerosafe.stages.workers`); the copy
+        counts its own bytes from zero."""
+        return (Storage, (self.storage_options,))
+
     def _fs(self, url: str) -> tuple[Any, str]:
         import fsspec
 

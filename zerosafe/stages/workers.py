@@ -1,0 +1,265 @@
+"""Units of work in worker processes, so that N tasks use N cores, not one interpreter.
+
+A merge or verify is a loop of reads, CRC-32s, casts, checksums and writes. Each of those
+releases the GIL for a large buffer, but the Python between them (a chunk's bookkeeping, the
+hand-offs between the reader, cast and writer threads, a verify's per-tensor checks) takes it,
+so N tasks as threads of one process queue on it: measured on a 16-core machine, 16 tasks ran
+at 1.5x one task's speed. `UnitPool` runs the same unit functions (`zerosafe.pipeline.merge_unit`,
+`verify_unit`, `extract_unit`) in `workers` processes instead, each with its own interpreter.
+
+- **Memory**: at most `workers` units run at once, one per process, and each holds what a task
+  holds (`ConvertOptions.task_memory_bytes`: the budget divided among the tasks), plus the
+  process itself (`WORKER_OVERHEAD_BYTES`, taken out of the budget first: `process_options`).
+- **Start**: processes are forked from a server that has imported the engine and torch once
+  (`forkserver`), so a worker starts in milliseconds and shares torch's pages; the first pool
+  of a process pays one interpreter start and import.
+- **Arguments**: large, shared objects (the plan) are sent once per worker (`shared`, named by
+  `Shared(name)` in a call); a `Storage` goes as its options (`Storage.__reduce__`), so the
+  worker's own byte counter starts at zero: a unit's bytes are in its result.
+- **Progress**: a unit's `on_bytes` is called in the calling process, from a thread that drains
+  what the workers send (batched, so a small chunk is not a message).
+- **Failures**: a unit's exception is re-raised in the caller as it was (`ConversionError`s
+  pickle with their message); a worker that dies (killed, out of memory) fails the call with
+  a `ConversionError` naming it.
+
+Threads stay the path for small jobs (a worker start costs more than it saves) and where
+`ZEROSAFE_WORKERS=threads`; see `process_options`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import threading
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, replace
+from typing import Any
+
+from zerosafe.config import (
+    MIN_CHUNK_BYTES,
+    PIPELINE_BUFFERS,
+    TASK_OVERHEAD_BYTES,
+    ConvertOptions,
+)
+from zerosafe.errors import ConfigError, ConversionError
+
+__all__ = [
+    "PROCESS_MIN_BYTES",
+    "WORKER_OVERHEAD_BYTES",
+    "Shared",
+    "UnitPool",
+    "process_options",
+]
+
+PROCESS_MIN_BYTES = 2 * 10**9
+"""Bytes to merge below which a job keeps threads: on 2 cores a whole 0.3B command (1.2 GB)
+took 0.2-1.1 s longer with workers than with threads (a forkserver imports torch once)."""
+WORKER_OVERHEAD_BYTES = 160 * 2**20
+"""What a worker process holds besides its task's buffers (interpreter, engine, torch's private
+pages): an estimate, not yet measured on its own (the device check should measure it)."""
+_PROGRESS_BATCH = 16 * 2**20
+"""Bytes a worker accumulates before it reports them."""
+MODES = ("auto", "processes", "threads")
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """Stands, in a call's arguments, for the pool's shared object `name`."""
+
+    name: str
+
+
+def process_options(options: ConvertOptions, *, units: int, nbytes: int) -> ConvertOptions | None:
+    """The options a job's units run with in worker processes, or None to keep threads.
+
+    Processes where more than one task may run (`options.parallel_tasks`), there is more than
+    one unit of real work (`units`) and enough bytes (`nbytes`, `PROCESS_MIN_BYTES`) to pay for
+    starting workers. The workers' own overhead (`WORKER_OVERHEAD_BYTES` each) comes out of the
+    budget before it is divided among the tasks, so the job still holds at most
+    `options.memory`; where what is left cannot hold the tasks, threads.
+    Only where asked, for now: `ZEROSAFE_WORKERS=auto` takes processes by those tests,
+    `processes` regardless of the size test; `threads` (the default) never. On 2 cores they
+    took 2 tasks from 1.05x to 1.25x of one, short of what would make them the default, and
+    a library caller's script needs a `__main__` guard for them (the forkserver imports it);
+    `bench/device_check.sh` measures both on a many-core machine.
+    """
+    mode = os.environ.get("ZEROSAFE_WORKERS", "threads").strip().lower() or "threads"
+    if mode not in MODES:
+        raise ConfigError(
+            f"ZEROSAFE_WORKERS={mode!r}: expected one of {', '.join(MODES)}; unset it for auto"
+        )
+    tasks = options.parallel_tasks
+    if mode == "threads" or tasks < 2 or units < 2:
+        return None
+    if mode == "auto" and nbytes < PROCESS_MIN_BYTES:
+        return None
+    memory = options.memory - tasks * WORKER_OVERHEAD_BYTES
+    if memory < tasks * (TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * MIN_CHUNK_BYTES):
+        return None
+    return replace(options, memory=memory, max_parallel_tasks=tasks)
+
+
+# -- in the worker --------------------------------------------------------------------------------
+
+_shared: dict[str, Any] = {}
+_reports: Any = None
+
+
+def _init_worker(shared: dict[str, Any], reports: Any) -> None:
+    global _reports
+    _shared.update(shared)
+    _reports = reports
+    from zerosafe.stages.streaming import serial_torch
+
+    serial_torch()  # this process runs its own reader/cast/writer threads, one task at a time
+
+
+class _Reporter:
+    """`on_bytes` in a worker: sends `(call, bytes)` every `_PROGRESS_BATCH` bytes."""
+
+    def __init__(self, call: int) -> None:
+        self.call, self.pending = call, 0
+        self.lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        with self.lock:
+            self.pending += n
+            if self.pending < _PROGRESS_BATCH:
+                return
+            n, self.pending = self.pending, 0
+        _reports.put((self.call, n))
+
+    def flush(self) -> None:
+        with self.lock:
+            n, self.pending = self.pending, 0
+        if n:
+            _reports.put((self.call, n))
+
+
+def _resolve(value: Any) -> Any:
+    return _shared[value.name] if isinstance(value, Shared) else value
+
+
+def _run_unit(
+    call: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, int, int]:
+    reporter = _Reporter(call) if call >= 0 else None
+    if reporter is not None:
+        kwargs = {**kwargs, "on_bytes": reporter}
+    try:
+        result = fn(*(_resolve(a) for a in args), **{k: _resolve(v) for k, v in kwargs.items()})
+    finally:
+        if reporter is not None:
+            reporter.flush()
+    return result, os.getpid(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# -- in the caller --------------------------------------------------------------------------------
+
+
+def _context() -> Any:
+    """forkserver where the platform has it (Linux): workers fork from a clean server that
+    preloaded the engine and torch; spawn elsewhere."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["zerosafe.pipeline", "zerosafe.stages.streaming", "torch"])
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+class UnitPool:
+    """`workers` processes that run unit functions; `run` blocks the calling thread only, so
+    several threads of the caller can keep all workers busy (at most `workers` units run)."""
+
+    def __init__(self, workers: int, shared: dict[str, Any] | None = None) -> None:
+        self.workers = workers
+        ctx = _context()
+        self._reports = ctx.SimpleQueue()
+        self._executor = ProcessPoolExecutor(
+            workers, mp_context=ctx, initializer=_init_worker,
+            initargs=(dict(shared or {}), self._reports),
+        )  # fmt: skip
+        self._lock = threading.Lock()
+        self._callbacks: dict[int, Callable[[int], None]] = {}
+        self._next_call = 0
+        self._peaks: dict[int, int] = {}
+        self._drain = threading.Thread(
+            target=self._drain_reports, name="zerosafe-units", daemon=True
+        )
+        self._drain.start()
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        on_bytes: Callable[[int], None] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """`fn(*args, **kwargs)` in a worker (`Shared` arguments resolved there); its
+        `on_bytes` progress reaches `on_bytes` here."""
+        call = -1
+        if on_bytes is not None:
+            with self._lock:
+                call, self._next_call = self._next_call, self._next_call + 1
+                self._callbacks[call] = on_bytes
+        try:
+            future = self._executor.submit(_run_unit, call, fn, args, kwargs)
+            try:
+                result, pid, peak = future.result()
+            except BrokenProcessPool as e:
+                raise ConversionError(
+                    f"a worker process running {getattr(fn, '__name__', fn)} died ({e}); "
+                    "it may have been killed for memory: give a smaller --memory per task or "
+                    "fewer --parallel tasks, or run with ZEROSAFE_WORKERS=threads"
+                ) from e
+        finally:
+            if call >= 0:
+                self._wait_reports(call)
+        with self._lock:
+            self._peaks[pid] = max(peak, self._peaks.get(pid, 0))
+        return result
+
+    def _wait_reports(self, call: int) -> None:
+        """Let the drain thread deliver what the call sent before it returned."""
+        done = threading.Event()
+        with self._lock:  # registered before the marker, which the drain may read at once
+            self._callbacks[-2 - call] = lambda _n: done.set()
+        self._reports.put((call, -1))  # a marker behind the call's last report
+        done.wait()
+        with self._lock:
+            self._callbacks.pop(call, None)
+            self._callbacks.pop(-2 - call, None)
+
+    def _drain_reports(self) -> None:
+        while True:
+            item = self._reports.get()
+            if item is None:
+                return
+            call, n = item
+            if n < 0:
+                call = -2 - call
+            with self._lock:
+                callback = self._callbacks.get(call)
+            if callback is not None:
+                callback(n)
+
+    @property
+    def peak_rss_bytes(self) -> int:
+        """The workers' peak resident memory, added up (an upper bound: torch's shared pages
+        count in each)."""
+        with self._lock:
+            return sum(self._peaks.values())
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._reports.put(None)
+        self._drain.join()
+
+    def __enter__(self) -> UnitPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
