@@ -8,8 +8,8 @@ import pytest
 
 from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
-from zerosafe.errors import ConfigError
 from zerosafe.driver import convert_checkpoint
+from zerosafe.errors import ConfigError
 from zerosafe.stages.workers import PROCESS_MIN_BYTES, process_options
 
 
