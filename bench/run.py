@@ -265,9 +265,10 @@ def _run_tool(
     else:
         argv = [*_zerosafe_command(SRC), "convert", ckpt, out, *common, "--json", "--quiet"]
         # `cli-default` is the command as a user types it: no mode flag. The others name
-        # their mode; a checkout from before `--mode` existed takes `--direct` or nothing.
+        # their mode; a checkout from before `--mode` existed takes `--direct` (its only form
+        # there) or nothing.
         if "direct" in kind:
-            argv.append("--direct")
+            argv += ["--mode", "direct"] if _has_mode_flag(SRC) else ["--direct"]
         elif "staged" in kind and _has_mode_flag(SRC):
             argv += ["--mode", "staged"]
         if kind.startswith("zerosafe"):
