@@ -1,6 +1,7 @@
 """Save a DeepSpeed ZeRO checkpoint, or resume from one and train on; one rank's part.
 
-Run under torchrun with gloo ranks on CPU (DS_ACCELERATOR=cpu) by `tests/lazy/test_resume.py`:
+Run under torchrun with gloo ranks on CPU (DS_ACCELERATOR=cpu) by `tests/lazy/test_resume.py`,
+and on GPUs by `bench/gpu_resume.sh` (DS_ACCELERATOR=cuda, RESUME_BACKEND=nccl):
 
     resume_zero.py save SPEC.json CKPT_DIR
     resume_zero.py resume SPEC.json CKPT_DIR pt|lazy RESULT_DIR
@@ -111,7 +112,7 @@ def train(engine, vocab: int, steps: int, seed: int) -> list[str]:
     gen = torch.Generator().manual_seed(seed * 100 + rank)
     losses = []
     for _ in range(steps):
-        tokens = torch.randint(0, vocab, (2, 5), generator=gen)
+        tokens = torch.randint(0, vocab, (2, 5), generator=gen).to(engine.device)
         logits = engine(tokens)
         loss = F.cross_entropy(logits.reshape(-1, vocab), ((tokens * 7 + 3) % vocab).reshape(-1))
         engine.backward(loss)
@@ -128,7 +129,9 @@ def gathered_weights(engine, stage: int) -> dict:
         else contextlib.nullcontext()
     )
     with gather:
-        return {n: p.detach().clone().contiguous() for n, p in engine.module.named_parameters()}
+        return {
+            n: p.detach().cpu().clone().contiguous() for n, p in engine.module.named_parameters()
+        }
 
 
 def resume(spec: dict, ckpt: str, via: str, out: str) -> None:
@@ -164,7 +167,7 @@ def resume(spec: dict, ckpt: str, via: str, out: str) -> None:
 def main() -> None:
     mode, spec_file, ckpt = sys.argv[1:4]
     spec = json.load(open(spec_file))
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=os.environ.get("RESUME_BACKEND", "gloo"))
     if mode == "save":
         engine, vocab = build(spec)
         train(engine, vocab, spec["steps_before"], seed=1)
