@@ -31,7 +31,6 @@ import pickle
 import resource
 import struct
 import time
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +46,14 @@ from zerosafe.io.lease import work_lease
 from zerosafe.io.storage import ByteSource, Sink, Storage, is_local, join_url, normalize_url
 from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
 from zerosafe.training_state.dcp_plan import DcpItem, DcpPlan, plan_dcp
-from zerosafe.training_state.streams import Sources, check_source_records, read_runs, to_float32
+from zerosafe.training_state.streams import (
+    Sources,
+    check_source_records,
+    files_intact,
+    read_runs,
+    record_crc,
+    to_float32,
+)
 from zerosafe.training_state.torch_save import TensorOut, TorchZipWriter, pickle_bytes
 
 __all__ = ["MARKER_NAME", "DcpSummary", "convert_to_dcp", "is_dcp_output", "verify_dcp_output"]
@@ -216,14 +222,6 @@ def _units(plan: DcpPlan, unit_bytes: int) -> list[list[DcpItem]]:
     return units
 
 
-def _intact(storage: Storage, out_url: str, written: dict[str, Any]) -> bool:
-    try:
-        size = storage.identity(join_url(out_url, written["path"])).size_bytes
-    except Exception:  # noqa: BLE001 - any storage error: the unit runs again
-        return False
-    return bool(size == written["size_bytes"])
-
-
 def verify_written(
     storage: Storage,
     out_url: str,
@@ -274,22 +272,13 @@ def _verify_item(source: _Slice, item: DcpItem, entry: dict[str, Any], chunk_byt
             f"found {obj!r:.200}"
         )
     record = zf.storage_record("0")
-    crc = _record_crc(source, zf.data_offset(record), record.size_bytes, chunk_bytes)
+    crc = record_crc(source, zf.data_offset(record), record.size_bytes, chunk_bytes)
     if not (record.size_bytes == item.nbytes and record.crc32 == entry["crc32"] == crc):
         raise VerificationError(
             f"{where}: data reads back with CRC-32 {crc:08x} ({record.size_bytes} bytes); the zip "
             f"directory says {record.crc32:08x} and {entry['crc32']:08x} was recorded while "
             "writing it"
         )
-
-
-def _record_crc(
-    source: _Slice, start: int, size_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> int:
-    crc = 0
-    for pos in range(start, start + size_bytes, chunk_bytes):
-        crc = zlib.crc32(source.read_range(pos, min(pos + chunk_bytes, start + size_bytes)), crc)
-    return crc
 
 
 def metadata_bytes(
@@ -460,7 +449,7 @@ def _run_units(
             direct=None, allow_nonfinite=None,
         )  # fmt: skip
         record = records.load("dcp", index, key)
-        if record is not None and _intact(storage, job.out_url, record["result"]["file"]):
+        if record is not None and files_intact(storage, job.out_url, [record["result"]["file"]]):
             files.append(record["result"]["file"])
             ledger.update(CrcLedger.from_json(record["result"].get("ledger", {})))
             summary.units_kept += 1
@@ -514,7 +503,7 @@ def verify_dcp_output(out_url: str, *, storage: Storage | None = None) -> dict[s
                 item = _Slice(source, e["offset"], e["length"])
                 zf = TorchZipFile(item)
                 record = zf.storage_record("0")
-                crc = _record_crc(item, zf.data_offset(record), record.size_bytes)
+                crc = record_crc(item, zf.data_offset(record), record.size_bytes)
                 if crc != e["crc32"]:
                     raise VerificationError(
                         f"{e['fqn']}: data reads back with CRC-32 {crc:08x}, "

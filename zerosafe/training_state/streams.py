@@ -6,16 +6,51 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
 from zerosafe.errors import IntegrityError
 from zerosafe.formats.crc import CrcLedger
-from zerosafe.io.storage import ByteSource, Storage
+from zerosafe.io.storage import ByteSource, Storage, join_url
 from zerosafe.training_state.universal_plan import Run, SourceRecord
 
-__all__ = ["Sources", "check_source_records", "read_runs", "to_float32"]
+__all__ = [
+    "Sources",
+    "check_source_records",
+    "files_intact",
+    "read_runs",
+    "record_crc",
+    "to_float32",
+]
+
+CHUNK_BYTES = 8 << 20
+
+
+class _Ranged(Protocol):
+    def read_range(self, start: int, end: int) -> bytes: ...
+
+
+def record_crc(source: _Ranged, start: int, size_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """The CRC-32 of `size_bytes` of `source` from `start`, read in chunks."""
+    crc = 0
+    for pos in range(start, start + size_bytes, chunk_bytes):
+        crc = zlib.crc32(source.read_range(pos, min(pos + chunk_bytes, start + size_bytes)), crc)
+    return crc
+
+
+def files_intact(storage: Storage, out_url: str, written: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether every file a unit recorded (`path` under `out_url`, `size_bytes`) is there with
+    its size: a recorded unit is kept only then (any storage error: it runs again)."""
+    for w in written:
+        try:
+            if storage.identity(join_url(out_url, w["path"])).size_bytes != w["size_bytes"]:
+                return False
+        except Exception:  # noqa: BLE001 - any storage error: the unit runs again
+            return False
+    return True
+
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ import json
 import logging
 import resource
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -39,9 +38,16 @@ from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import work_lease
-from zerosafe.io.storage import ByteSource, Storage, is_local, join_url, normalize_url
+from zerosafe.io.storage import Storage, is_local, join_url, normalize_url
 from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
-from zerosafe.training_state.streams import Sources, check_source_records, read_runs, to_float32
+from zerosafe.training_state.streams import (
+    Sources,
+    check_source_records,
+    files_intact,
+    read_runs,
+    record_crc,
+    to_float32,
+)
 from zerosafe.training_state.torch_save import TensorOut, TorchZipWriter, pickle_bytes
 from zerosafe.training_state.universal_plan import (
     STATES,
@@ -278,19 +284,6 @@ def _units(plan: UniversalPlan, unit_bytes: int) -> list[tuple[str, list[int]]]:
     return units
 
 
-def _intact(storage: Storage, out_url: str, written: list[dict[str, Any]]) -> bool:
-    for w in written:
-        url = join_url(out_url, w["path"])
-        try:
-            if storage.identity(url).size_bytes != w["size_bytes"]:
-                return False
-        except (OSError, FileNotFoundError):
-            return False
-        except Exception:  # noqa: BLE001 - any storage error: the unit runs again
-            return False
-    return True
-
-
 def verify_file(
     storage: Storage, out_url: str, w: dict[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> None:
@@ -311,7 +304,7 @@ def verify_file(
                 if not record.has_crc:
                     continue
                 start = copied.data_offset(record)
-                read = _record_crc(source, start, record.size_bytes, chunk_bytes)
+                read = record_crc(source, start, record.size_bytes, chunk_bytes)
                 if read != record.crc32:
                     raise VerificationError(
                         f"{url}: record '{record.name}' reads back with CRC-32 {read:08x}, its "
@@ -322,7 +315,7 @@ def verify_file(
         obj = zf.load()
         for name, crc in w["crcs"].items():
             record = zf.records[zf.prefix + name]
-            read = _record_crc(source, zf.data_offset(record), record.size_bytes, chunk_bytes)
+            read = record_crc(source, zf.data_offset(record), record.size_bytes, chunk_bytes)
             if not record.crc32 == crc == read:
                 raise VerificationError(
                     f"{url}: record '{name}' reads back with CRC-32 {read:08x}; the zip directory "
@@ -332,13 +325,6 @@ def verify_file(
             _check_state(url, obj, expect)
     finally:
         source.close()
-
-
-def _record_crc(source: ByteSource, start: int, size_bytes: int, chunk_bytes: int) -> int:
-    crc = 0
-    for pos in range(start, start + size_bytes, chunk_bytes):
-        crc = zlib.crc32(source.read_range(pos, min(pos + chunk_bytes, start + size_bytes)), crc)
-    return crc
 
 
 def _check_state(url: str, obj: Any, expect: dict[str, Any]) -> None:
@@ -467,7 +453,7 @@ def _run_units(
             direct=None, allow_nonfinite=None,
         )  # fmt: skip
         record = records.load("universal", index, key)
-        if record is not None and _intact(storage, job.out_url, record["result"]["files"]):
+        if record is not None and files_intact(storage, job.out_url, record["result"]["files"]):
             written += record["result"]["files"]
             ledger.update(CrcLedger.from_json(record["result"].get("ledger", {})))
             summary.units_kept += 1
