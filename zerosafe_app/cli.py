@@ -570,7 +570,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from zerosafe.training_state.dcp import is_dcp_output
-    from zerosafe.training_state.universal import is_universal_output, verify_universal_output
+    from zerosafe.training_state.universal import is_universal_output
     from zerosafe.verify.output import render_verify, verify_output
 
     storage = _storage(args)
@@ -579,23 +579,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
         return verify_dcp(args, storage)
     if is_universal_output(storage, args.output):
-        if args.against:
-            raise ConfigError("`--against` does not apply to a universal checkpoint yet")
-        found = verify_universal_output(args.output, storage=storage)
-        if args.json:
-            print(json.dumps(found, indent=1))
-        else:
-            status = "OK" if found["ok"] else "FAILED"
-            print(
-                f"{status}  {found['output']}: DeepSpeed universal checkpoint "
-                f"{found['folder']}, {found['num_files']} files checked"
-            )
-            for f in found["failures"]:
-                print(f"  {f['file']}: {f['error']}")
-        return EXIT_OK if found["ok"] else EXIT_CHECK_FAILED
+        from zerosafe_app.cli_universal import verify_universal
+
+        return verify_universal(args, storage)
     report = verify_output(
         args.output, against=args.against, tag=args.tag, allow_nonfinite=args.allow_nonfinite,
-        storage=_storage(args),
+        storage=storage,
     )  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=1))

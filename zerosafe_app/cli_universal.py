@@ -5,12 +5,42 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from zerosafe.errors import ConfigError
 from zerosafe.io.storage import Storage
 from zerosafe.units import format_bytes
 
-__all__ = ["check_universal_args", "convert_universal", "inspect_universal"]
+__all__ = [
+    "check_universal_args",
+    "convert_universal",
+    "inspect_universal",
+    "print_verified",
+    "verify_universal",
+]
+
+
+def print_verified(found: dict[str, Any], what: str, *, as_json: bool) -> int:
+    """Print what `verify OUT` found in a training-state output (`--to universal` or `--to
+    dcp`): `OK|FAILED  OUT: <what>`, then one line per failure; 0 if it holds, else 1."""
+    if as_json:
+        print(json.dumps(found, indent=1))
+    else:
+        print(f"{'OK' if found['ok'] else 'FAILED'}  {found['output']}: {what}")
+        for f in found["failures"]:
+            print(f"  {f['file']}: {f['error']}")
+    return 0 if found["ok"] else 1
+
+
+def verify_universal(args: argparse.Namespace, storage: Storage) -> int:
+    """`verify OUT` of a `--to universal` output: every file of its manifest again."""
+    from zerosafe.training_state.universal import verify_universal_output
+
+    if args.against:
+        raise ConfigError("`--against` does not apply to a universal checkpoint yet")
+    found = verify_universal_output(args.output, storage=storage)
+    what = f"DeepSpeed universal checkpoint {found['folder']}, {found['num_files']} files checked"
+    return print_verified(found, what, as_json=args.json)
 
 
 def check_universal_args(args: argparse.Namespace) -> None:

@@ -9,10 +9,11 @@ from typing import Any
 
 from zerosafe.errors import ConfigError
 from zerosafe.units import format_bytes
+from zerosafe_app.cli_universal import print_verified
 
 __all__ = ["convert_dcp", "inspect_dcp", "verify_dcp"]
 
-EXIT_OK, EXIT_CHECK_FAILED = 0, 1
+EXIT_OK = 0
 
 
 def inspect_dcp(args: argparse.Namespace, storage: Any) -> int:
@@ -81,14 +82,5 @@ def verify_dcp(args: argparse.Namespace, storage: Any) -> int:
     if args.against:
         raise ConfigError("`--against` does not apply to a DCP checkpoint written by --to dcp yet")
     found = verify_dcp_output(args.output, storage=storage)
-    if args.json:
-        print(json.dumps(found, indent=1))
-    else:
-        status = "OK" if found["ok"] else "FAILED"
-        print(
-            f"{status}  {found['output']}: PyTorch DCP checkpoint, {found['num_files']} files, "
-            f"{found['num_items']} items checked"
-        )
-        for f in found["failures"]:
-            print(f"  {f['file']}: {f['error']}")
-    return EXIT_OK if found["ok"] else EXIT_CHECK_FAILED
+    what = f"PyTorch DCP checkpoint, {found['num_files']} files, {found['num_items']} items checked"
+    return print_verified(found, what, as_json=args.json)
