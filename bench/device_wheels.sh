@@ -13,5 +13,5 @@ DS_BUILD_OPS=0 .venv/bin/python -m pip wheel --quiet --no-deps --no-build-isolat
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl hjson==3.1.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 \
-    typing-inspection==0.4.5
+    typing-inspection==0.4.5 zlib-ng==1.1.0
 ls -la .whl

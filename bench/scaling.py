@@ -37,6 +37,22 @@ from bench._iolimit import fp32_ranges, measure_limit, warm_cache  # noqa: E402
 from bench.run import _files, forge  # noqa: E402
 
 
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and of its live children (the worker processes of
+    `--workers processes` live across the timed units, so `os.times()`'s reaped-children
+    counters would miss them)."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.Error:  # exited between the listing and the read
+            pass
+    return total
+
+
 def run_once(
     ckpt: str, out: str, tasks: int, shard_bytes: int, dtype: str, workers: str = "threads"
 ) -> dict[str, Any]:
@@ -76,7 +92,7 @@ def run_once(
         pool = UnitPool(tasks, shared={"plan": plan})
         for _ in range(tasks):
             pool.run(abs, 1)
-    cpu0, t0 = sum(os.times()[:2]), time.perf_counter()
+    cpu0, t0 = _cpu_seconds(), time.perf_counter()
     with hold_work(storage, job):
 
         def unit(shard: int) -> tuple[Any, Any]:
@@ -97,6 +113,7 @@ def run_once(
         with ThreadPoolExecutor(max_workers=tasks) as runners:
             results = list(runners.map(unit, range(len(plan.shards))))
         units_s = time.perf_counter() - t0
+        units_cpu_s = _cpu_seconds() - cpu0  # before the worker processes exit
         if pool is not None:
             pool.close()
         merges = [m for m, _ in results]
@@ -119,7 +136,7 @@ def run_once(
         "shards": len(plan.shards),
         "units_s": units_s,
         "wall_s": time.perf_counter() - t0,
-        "cpu_s": sum(os.times()[:2]) - cpu0,
+        "cpu_s": units_cpu_s,
     }
 
 

@@ -10,7 +10,7 @@ from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
 from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import ConfigError
-from zerosafe.stages.workers import PROCESS_MIN_BYTES, process_options
+from zerosafe.stages.workers import PROCESS_MIN_BYTES, process_options, worker_mode
 
 
 def _weights(out: Path) -> dict[str, bytes]:
@@ -42,18 +42,78 @@ def test_processes_write_the_bytes_threads_write(tmp_path: Path, monkeypatch) ->
     assert pools == [2]
 
 
-def test_process_options_divides_the_budget(monkeypatch) -> None:
-    monkeypatch.delenv("ZEROSAFE_WORKERS", raising=False)
+def test_process_options_divides_the_budget() -> None:
     options = ConvertOptions(memory=2 * 10**9, max_parallel_tasks=2)
-    assert process_options(options, units=4, nbytes=PROCESS_MIN_BYTES) is None  # threads by default
-    monkeypatch.setenv("ZEROSAFE_WORKERS", "auto")
-    assert process_options(options, units=4, nbytes=PROCESS_MIN_BYTES - 1) is None
-    assert process_options(options, units=1, nbytes=PROCESS_MIN_BYTES) is None
-    chosen = process_options(options, units=4, nbytes=PROCESS_MIN_BYTES)
+    enough = {"units": 4, "nbytes": PROCESS_MIN_BYTES}
+    assert process_options(options, **enough, mode="threads") is None
+    assert process_options(options, units=4, nbytes=PROCESS_MIN_BYTES - 1, mode="auto") is None
+    assert process_options(options, units=1, nbytes=PROCESS_MIN_BYTES, mode="auto") is None
+    chosen = process_options(options, **enough, mode="auto")
     assert chosen is not None and chosen.parallel_tasks == 2
     assert chosen.memory < options.memory
-    monkeypatch.setenv("ZEROSAFE_WORKERS", "threads")
-    assert process_options(options, units=4, nbytes=PROCESS_MIN_BYTES) is None
-    monkeypatch.setenv("ZEROSAFE_WORKERS", "bogus")
+    small = process_options(options, units=4, nbytes=1, mode="processes")  # no size test
+    assert small is not None and small.parallel_tasks == 2
+    eight = ConvertOptions(memory=10**9, max_parallel_tasks=8)  # 1 GB holds 2 workers
+    fewer = process_options(eight, **enough, mode="auto")
+    assert fewer is not None and fewer.parallel_tasks == 2 and fewer.memory <= eight.memory
+    assert process_options(ConvertOptions(memory=300 * 2**20), **enough, mode="auto") is None
+    one_task = ConvertOptions(memory=2 * 10**9, max_parallel_tasks=1)
+    assert process_options(one_task, **enough, mode="processes") is None
     with pytest.raises(ConfigError):
-        process_options(options, units=4, nbytes=PROCESS_MIN_BYTES)
+        process_options(options, **enough, mode="bogus")
+
+
+def test_worker_mode_argument_then_environment_then_default(monkeypatch) -> None:
+    monkeypatch.delenv("ZEROSAFE_WORKERS", raising=False)
+    assert worker_mode(None) == "threads"  # a library call: no forkserver unless asked
+    assert worker_mode(None, default="auto") == "auto"  # the command's default
+    monkeypatch.setenv("ZEROSAFE_WORKERS", "Threads")
+    assert worker_mode(None, default="auto") == "threads"
+    assert worker_mode("processes") == "processes"  # an explicit argument wins
+    monkeypatch.setenv("ZEROSAFE_WORKERS", "bogus")
+    with pytest.raises(ConfigError, match="ZEROSAFE_WORKERS='bogus'"):
+        worker_mode(None)
+
+
+def test_the_command_takes_processes_where_asked_and_says_so(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Threads by default, in the command and in a library call; `ZEROSAFE_WORKERS=auto` in
+    the command's environment runs a big enough job in worker processes (the size floor is
+    lowered so that the sample counts), and the summary says so."""
+    import zerosafe.driver as driver
+    import zerosafe.stages.workers as workers
+    from zerosafe.stages.workers import UnitPool
+    from zerosafe_app.cli import main
+
+    pools: list[int] = []
+
+    class CountedPool(UnitPool):
+        def __init__(self, n: int, shared: dict | None = None) -> None:
+            pools.append(n)
+            super().__init__(n, shared)
+
+    monkeypatch.setattr(driver, "UnitPool", CountedPool)
+    monkeypatch.setattr(workers, "PROCESS_MIN_BYTES", 1)
+    monkeypatch.delenv("ZEROSAFE_WORKERS", raising=False)
+    options = ConvertOptions(dtype="bf16", max_shard_size=4096, direct=True)
+    convert_checkpoint(str(SAMPLE_CKPT), str(tmp_path / "library"), options)
+    argv = ["convert", str(SAMPLE_CKPT), str(tmp_path / "command"), "--dtype", "bf16",
+            "--max-shard-size", "4096", "--mode", "direct", "--parallel", "2"]  # fmt: skip
+    assert main(argv) == 0
+    assert pools == []
+    assert "worker processes" not in capsys.readouterr().out
+    monkeypatch.setenv("ZEROSAFE_WORKERS", "auto")
+    assert main([*argv[:2], str(tmp_path / "auto"), *argv[3:]]) == 0
+    assert pools == [2]
+    assert "units ran in 2 worker processes" in capsys.readouterr().out
+    assert _weights(tmp_path / "auto") == _weights(tmp_path / "library")
+    assert _weights(tmp_path / "command") == _weights(tmp_path / "library")
+
+
+def test_parallel_defaults_to_half_the_cores(monkeypatch) -> None:
+    from zerosafe_app import cli
+
+    for cores, expected in ((1, 2), (2, 2), (6, 3), (16, 4), (64, 4)):
+        monkeypatch.setattr(cli.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert cli.default_parallel() == expected

@@ -57,7 +57,7 @@ from zerosafe.stages.results import (
 )
 from zerosafe.stages.shards import DirectLocator, StagedLocator
 from zerosafe.stages.unit_records import UnitRecords, unit_key
-from zerosafe.stages.workers import Shared, UnitPool, process_options
+from zerosafe.stages.workers import Shared, UnitPool, process_options, worker_mode
 
 __all__ = ["convert_checkpoint"]
 
@@ -73,6 +73,7 @@ def convert_checkpoint(
     storage: Storage | None = None,
     work_url: str | None = None,
     progress: Progress | None = None,
+    workers: str | None = None,
 ) -> RunSummary:
     """Convert a checkpoint tag into verified safetensors in `out_url`, in this process.
 
@@ -87,6 +88,10 @@ def convert_checkpoint(
         storage: Storage to read and write through (its counter records the bytes).
         work_url: Where to keep the plan and intermediates; by default inside `out_url`.
         progress: Receives byte progress.
+        workers: How units run: `threads`, `processes`, or `auto` (processes for a job big
+            enough to pay for them); None reads `ZEROSAFE_WORKERS`, else `threads`. Processes
+            need the caller's script to start under an `if __name__ == "__main__":` guard
+            (the forkserver imports it).
 
     Returns:
         The run's summary (`RunSummary.to_json()` for JSON).
@@ -97,6 +102,7 @@ def convert_checkpoint(
     """
     options = options or ConvertOptions()
     storage = storage or Storage()
+    mode = worker_mode(workers)
     ckpt_url, out_url = normalize_url(ckpt_url), normalize_url(out_url)
     work_url = normalize_url(work_url) if work_url else None
     started = time.monotonic()
@@ -111,7 +117,7 @@ def convert_checkpoint(
         with hold_work(storage, job) as work_lease:
             return _run_held(
                 job, plan, storage, options, progress or NullProgress(), started=started,
-                leases=(out_lease, work_lease),
+                leases=(out_lease, work_lease), workers=mode,
             )  # fmt: skip
 
 
@@ -124,9 +130,10 @@ def _run_held(
     *,
     started: float,
     leases: Sequence[Lease] = (),
+    workers: str = "threads",
 ) -> RunSummary:
     work = WorkLayout(job.work_url)
-    units = _UnitRunner(job, plan, storage, work, options, progress)
+    units = _UnitRunner(job, plan, storage, work, options, progress, workers=workers)
     extracts, merges, verifies = units.run()
     stats = run_stats(
         job, options, extracts=extracts, merges=merges, verifies=verifies,
@@ -142,6 +149,12 @@ def _run_held(
     summary = summarize(job, published, verifies, seconds=time.monotonic() - started)
     if units.resumed:
         summary = replace(summary, notes=(*summary.notes, units.resumed))
+    if units.pool is not None:
+        processes = (
+            f"units ran in {units.pool.workers} worker processes, one interpreter each "
+            "(ZEROSAFE_WORKERS=threads runs them as threads of this process)"
+        )
+        summary = replace(summary, notes=(*summary.notes, processes))
     try:
         finish_job(
             storage, destination=job.destination, job_key=job.job_key, work_url=job.work_url,
@@ -183,8 +196,11 @@ class _UnitRunner:
         work: WorkLayout,
         options: ConvertOptions,
         progress: Progress,
+        *,
+        workers: str = "threads",
     ) -> None:
         self.job, self.plan, self.storage, self.work = job, plan, storage, work
+        self.workers = workers
         self.options, self.progress = options, progress
         self.records = UnitRecords(storage, work.root)
         self.key_options = unit_key_options(options)
@@ -219,6 +235,7 @@ class _UnitRunner:
             options = process_options(
                 self.options, units=len(todo) + len(parts),
                 nbytes=sum(s.source_bytes for s in todo) + sum(p.size_bytes for p in parts),
+                mode=self.workers,
             )  # fmt: skip
         if options is None:
             return None

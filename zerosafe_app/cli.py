@@ -56,6 +56,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
+def default_parallel() -> int:
+    """`--parallel`'s default: half the cores this process may use, at least 2, at most 4.
+    One task keeps about two cores busy (reads, casts, writes); on a 16-core machine, tasks as
+    threads ran 1.7-2.0x one task's speed at 4 and no faster at 8 or 16 (docs/performance.md)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 2
+    return max(2, min(4, cores // 2))
+
+
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -367,9 +378,11 @@ def _add_convert(sub: Any) -> None:
     p.add_argument(
         "--parallel",
         type=_int_at_least(1),
-        default=2,
+        default=default_parallel(),
         metavar="N",
-        help="tasks at once, within the memory budget (default 2)",
+        help="tasks at once, within the memory budget (default: half the usable cores, 2 to "
+        f"4; {default_parallel()} here); ZEROSAFE_WORKERS=auto runs them as worker processes "
+        "for a job of 2 GB or more",
     )
     p.add_argument(
         "--via",

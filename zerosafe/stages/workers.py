@@ -22,8 +22,10 @@ at 1.5x one task's speed. `UnitPool` runs the same unit functions (`zerosafe.pip
   pickle with their message); a worker that dies (killed, out of memory) fails the call with
   a `ConversionError` naming it.
 
-Threads stay the path for small jobs (a worker start costs more than it saves) and where
-`ZEROSAFE_WORKERS=threads`; see `process_options`.
+Threads are the default, in the command and in a library call: processes are asked for
+(`ZEROSAFE_WORKERS=auto|processes`, or `workers=` in `convert_checkpoint`). Measured on a
+16-core machine, a whole 2B command was slower with them: starting workers that import torch
+cost more than they saved (`process_options`, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -52,14 +54,17 @@ __all__ = [
     "Shared",
     "UnitPool",
     "process_options",
+    "worker_mode",
 ]
 
 PROCESS_MIN_BYTES = 2 * 10**9
 """Bytes to merge below which a job keeps threads: on 2 cores a whole 0.3B command (1.2 GB)
 took 0.2-1.1 s longer with workers than with threads (a forkserver imports torch once)."""
-WORKER_OVERHEAD_BYTES = 160 * 2**20
-"""What a worker process holds besides its task's buffers (interpreter, engine, torch's private
-pages): an estimate, not yet measured on its own (the device check should measure it)."""
+WORKER_OVERHEAD_BYTES = 300 * 2**20
+"""What a worker process holds besides its task's buffers (interpreter, engine, torch), as RSS
+counts it: on the 16-core device machine (torch 2.11) 4 workers under a 1 GB budget raised the
+command's reported peak from 0.90 GB (threads) to 2.05 GB, about 290 MB each. Part of that is
+torch's pages, shared with the forkserver but counted in every worker's RSS."""
 _PROGRESS_BATCH = 16 * 2**20
 """Bytes a worker accumulates before it reports them."""
 MODES = ("auto", "processes", "threads")
@@ -72,33 +77,49 @@ class Shared:
     name: str
 
 
-def process_options(options: ConvertOptions, *, units: int, nbytes: int) -> ConvertOptions | None:
-    """The options a job's units run with in worker processes, or None to keep threads.
-
-    Processes where more than one task may run (`options.parallel_tasks`), there is more than
-    one unit of real work (`units`) and enough bytes (`nbytes`, `PROCESS_MIN_BYTES`) to pay for
-    starting workers. The workers' own overhead (`WORKER_OVERHEAD_BYTES` each) comes out of the
-    budget before it is divided among the tasks, so the job still holds at most
-    `options.memory`; where what is left cannot hold the tasks, threads.
-    Only where asked, for now: `ZEROSAFE_WORKERS=auto` takes processes by those tests,
-    `processes` regardless of the size test; `threads` (the default) never. On 2 cores they
-    took 2 tasks from 1.05x to 1.25x of one, short of what would make them the default, and
-    a library caller's script needs a `__main__` guard for them (the forkserver imports it);
-    `bench/device_check.sh` measures both on a many-core machine.
-    """
-    mode = os.environ.get("ZEROSAFE_WORKERS", "threads").strip().lower() or "threads"
+def worker_mode(requested: str | None, default: str = "threads") -> str:
+    """How a run's units run: `requested` (an API argument), else `ZEROSAFE_WORKERS`, else
+    `default`; one of `MODES`. Processes also need a library caller's script to start under a
+    `__main__` guard (the forkserver imports it)."""
+    raw = requested or os.environ.get("ZEROSAFE_WORKERS") or default
+    mode = raw.strip().lower()
     if mode not in MODES:
         raise ConfigError(
-            f"ZEROSAFE_WORKERS={mode!r}: expected one of {', '.join(MODES)}; unset it for auto"
+            f"ZEROSAFE_WORKERS={raw!r}: expected one of {', '.join(MODES)}; unset it for the "
+            "default"
         )
+    return mode
+
+
+def process_options(
+    options: ConvertOptions, *, units: int, nbytes: int, mode: str
+) -> ConvertOptions | None:
+    """The options a job's units run with in worker processes, or None to keep threads.
+
+    `mode` (`worker_mode`): `threads` never; `auto` takes processes where more than one task
+    may run (`options.parallel_tasks`), there is more than one unit of real work (`units`) and
+    enough bytes (`nbytes`, `PROCESS_MIN_BYTES`) to pay for starting workers; `processes`
+    skips the size test. The workers' own overhead (`WORKER_OVERHEAD_BYTES` each) comes out of
+    the budget before it is divided among the tasks, so the job still holds at most
+    `options.memory`: fewer workers than tasks where the budget cannot hold them all (1 GB holds
+    2), threads where it cannot hold two.
+    Not the default: on a 16-core machine (2B ZeRO-3 -> bf16, warm) the units alone ran 3.5x
+    one task's speed at 8 tasks as processes against 1.8x as threads, but the whole command
+    was slower with them (13.2 s against 11.4 s): starting workers that import torch cost
+    more than the units saved at that size (docs/performance.md).
+    """
+    if mode not in MODES:
+        raise ConfigError(f"worker mode {mode!r}: expected one of {', '.join(MODES)}")
     tasks = options.parallel_tasks
     if mode == "threads" or tasks < 2 or units < 2:
         return None
     if mode == "auto" and nbytes < PROCESS_MIN_BYTES:
         return None
-    memory = options.memory - tasks * WORKER_OVERHEAD_BYTES
-    if memory < tasks * (TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * MIN_CHUNK_BYTES):
+    floor = TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * MIN_CHUNK_BYTES
+    tasks = min(tasks, options.memory // (WORKER_OVERHEAD_BYTES + floor))
+    if tasks < 2:
         return None
+    memory = options.memory - tasks * WORKER_OVERHEAD_BYTES
     return replace(options, memory=memory, max_parallel_tasks=tasks)
 
 
