@@ -2,9 +2,9 @@
 # The second device check of issue 28 (after bench/device_check.sh), within DEADLINE seconds:
 # 1. The whole `zerosafe convert` command as a user runs it (a new process each time, output on
 #    disk, 2B ZeRO-3 ws8 -> bf16, 250MB shards so that the job has the shard count of a larger
-#    model), interleaved rounds of: the defaults (--parallel from the cores, worker processes as
-#    many as the 1 GB budget holds), the same with --memory 4GB, and the old defaults
-#    (ZEROSAFE_WORKERS=threads --parallel 2).
+#    model), interleaved rounds of: the defaults (threads, --parallel from the cores),
+#    ZEROSAFE_WORKERS=auto (worker processes, as many as the 1 GB budget holds), the same with
+#    --memory 4GB, and threads at --parallel 2 (the defaults before 2026-11-26).
 # 2. The GPU load path: a ~2 GB optimizer-like .pt loaded onto the GPU by torch.load
 #    (map_location="cuda") and by zerosafe.load_pt(device="cuda") from its safetensors
 #    conversion, each in its own process: seconds, peak host RSS above the baseline, digest.
@@ -53,13 +53,14 @@ convert() {  # convert NAME [ENV=VALUE...] -- [ARGS...]
   [ $rc -eq 0 ] || tail -3 "$RAW/$name-$round.log" | tee -a "$SUMMARY"
 }
 for round in $(seq 1 "$ROUNDS"); do
-  if [ "$(left)" -lt 120 ]; then note "round $round skipped: $(left) s left"; break; fi
-  convert defaults ZEROSAFE_X=1 --
-  convert defaults-4GB ZEROSAFE_X=1 -- --memory 4GB
+  if [ "$(left)" -lt 150 ]; then note "round $round skipped: $(left) s left"; break; fi
+  convert defaults ZEROSAFE_WORKERS= --
+  convert auto ZEROSAFE_WORKERS=auto --
+  convert auto-4GB ZEROSAFE_WORKERS=auto -- --memory 4GB
   convert threads-p2 ZEROSAFE_WORKERS=threads -- --parallel 2
   pack
 done
-grep -h "worker processes\|one at a time" "$RAW"/defaults*-1.log | head -3 | tee -a "$SUMMARY"
+grep -h "worker processes\|one at a time" "$RAW"/auto*-1.log | head -3 | tee -a "$SUMMARY"
 rm -rf /tmp/zs-cmd/out-*
 if [ "$(left)" -ge 60 ]; then
   note "== GPU load ($(left) s left)"
