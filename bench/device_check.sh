@@ -58,7 +58,7 @@ scaling() {  # scaling WORKERS DEST NEED_SECONDS
     --work-dir "$WORK" --out-dir "$dest" --workers "$workers" --json "$RAW/$name.json" \
     >"$RAW/$name.log" 2>&1
   note "exit $?"
-  grep -E "params, fp32|^tasks|^---|^[0-9]+ \|" "$RAW/$name.log" | tee -a "$SUMMARY"
+  grep -E "params, fp32|memory copy|^tasks|^---|^[0-9]+ \|" "$RAW/$name.log" | tee -a "$SUMMARY"
   tail -3 "$RAW/$name.log" | grep -iE "error|Traceback" | tee -a "$SUMMARY"
   rm -rf "$dest"
   pack

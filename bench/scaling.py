@@ -34,6 +34,7 @@ if "--src" in sys.argv:  # measure another checkout's engine (its `zerosafe` com
 
 from bench._check import check_output  # noqa: E402
 from bench._iolimit import fp32_ranges, measure_limit, warm_cache  # noqa: E402
+from bench._membw import copy_scaling  # noqa: E402
 from bench.run import _files, forge  # noqa: E402
 
 
@@ -169,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     limit = measure_limit(ranges, out, out_bytes, overlapped=True, threads=8)
     shutil.rmtree(out, ignore_errors=True)
     print(f"I/O limit (overlapped, 8 reader threads, warm): {limit['total_s']:.2f} s", flush=True)
+    membw = copy_scaling(max(counts))
+    print(
+        f"memory copy: 1 process {membw['one_gbps']:.1f} GB/s, {membw['processes']} at once "
+        f"{membw['many_gbps']:.1f} GB/s ({membw['scaling']:.2f}x): the ceiling on the speed-up "
+        "of a memory-bound copy",
+        flush=True,
+    )
     rows: list[dict[str, Any]] = []
     for n in counts:
         best: dict[str, Any] | None = None
@@ -205,7 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump(
-                {"params": cfg.params, "fp32_bytes": fp32, "cpus": os.cpu_count(), "rows": rows},
+                {
+                    "params": cfg.params,
+                    "fp32_bytes": fp32,
+                    "cpus": os.cpu_count(),
+                    "io_limit": limit,
+                    "memory_copy": membw,
+                    "rows": rows,
+                },
                 f,
                 indent=1,
             )
