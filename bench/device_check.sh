@@ -7,9 +7,8 @@
 # 2. bench/gpu_resume.sh: a real DeepSpeed ZeRO-2 and ZeRO-3 resume on every GPU, plain
 #    torch.load against zerosafe.lazy_torch_load: peak host RSS, seconds, identical losses.
 # 3. The same scaling with the output on disk (/tmp).
-# The checkpoint is forged once, first, outside the timed runs. A device call brings back at
-# most 8 files, so every log and JSON goes into $OUT/device.tar.gz (re-packed after each step,
-# so a kill keeps what finished) and the tables into $OUT/summary.txt.
+# The checkpoint is forged once, first, outside the timed runs. Every log and JSON goes into
+# $OUT/check.tar.gz and the tables into $OUT/check-summary.txt (bench/_device.sh).
 # Before the call, run bench/device_wheels.sh here and carry `.whl` (DeepSpeed, zlib-ng and
 # what of DeepSpeed's dependencies the image lacks).
 set -uo pipefail
@@ -20,35 +19,15 @@ PARAMS=${PARAMS:-2B}
 TASKS=${TASKS:-1,4,8,16}
 REPEAT=${REPEAT:-2}  # the best of 2 per N: a first run pays one-off costs
 OUT=${OUT:-bench/results/device}
-RAW=/tmp/zs-device-raw
-rm -rf "$RAW" && mkdir -p "$RAW" "$OUT"
-SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
-pack() { tar -czf "$OUT/device.tar.gz" -C "$RAW" . 2>/dev/null; }
-left() { echo $((DEADLINE - (SECONDS - START))); }
-note() { echo "$*" | tee -a "$SUMMARY"; }
-if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (bench/device_wheels.sh)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-PY=.venv/bin/python
-if [ ! -x "$PY" ]; then
-  PY=python3  # a fresh machine: its own torch/numpy; the repo on the path
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONUNBUFFERED=1
+source bench/_device.sh
+device_setup check
 {
   "$PY" -c "import torch, numpy, safetensors, xxhash, psutil, zlib_ng; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count())"
   nproc; free -g; df -h /tmp /dev/shm; nvidia-smi -L 2>&1; uname -r
 } 2>&1 | tee "$RAW/env.txt" | tee -a "$SUMMARY"
 WORK=/tmp/zs-scaling
 note "== forge $PARAMS ZeRO-3 ws8 ($(left) s left)"
-timeout $(( $(left) - 60 )) "$PY" -c "
-import sys, time; sys.path.insert(0, '.')
-from bench.run import forge
-t = time.perf_counter(); info = forge('$WORK/ckpt-$PARAMS-z3-ws8', '$PARAMS', world_size=8, stage=3, seed=0)
-print(f'forged {info[\"num_params\"] / 1e9:.2f}B params in {time.perf_counter() - t:.1f} s')
-" 2>&1 | tee "$RAW/forge.log" | tee -a "$SUMMARY"
+forge_ckpt "$WORK/ckpt-$PARAMS-z3-ws8" "$PARAMS" $(( $(left) - 60 )) 2>&1 | tee "$RAW/forge.log" | tee -a "$SUMMARY"
 scaling() {  # scaling WORKERS DEST NEED_SECONDS
   local workers=$1 dest=$2 need=$3 name
   name="scaling-$workers-$(basename "$(dirname "$dest")")"

@@ -16,28 +16,11 @@ DEADLINE=${DEADLINE:-300}
 ROUNDS=${ROUNDS:-3}
 PARAMS=${PARAMS:-2B}
 OUT=${OUT:-bench/results/device}
-RAW=/tmp/zs-device-cmd
-rm -rf "$RAW" && mkdir -p "$RAW" "$OUT"
-SUMMARY="$OUT/command-summary.txt"
-: >"$SUMMARY"
-pack() { tar -czf "$OUT/command.tar.gz" -C "$RAW" . 2>/dev/null; }
-left() { echo $((DEADLINE - (SECONDS - START))); }
-note() { echo "$*" | tee -a "$SUMMARY"; }
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-PY=.venv/bin/python
-if [ ! -x "$PY" ]; then PY=python3; export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"; fi
-export PYTHONUNBUFFERED=1
+source bench/_device.sh
+device_setup command
 note "$(nproc) CPUs; $("$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())')"
 CKPT=/tmp/zs-cmd/ckpt
-"$PY" -c "
-import sys, time; sys.path.insert(0, '.')
-from bench.run import forge
-t = time.perf_counter(); info = forge('$CKPT', '$PARAMS', world_size=8, stage=3, seed=0)
-print(f'forged {info[\"num_params\"] / 1e9:.2f}B params in {time.perf_counter() - t:.1f} s')
-" 2>&1 | tee -a "$SUMMARY"
+forge_ckpt "$CKPT" "$PARAMS" 2>&1 | tee -a "$SUMMARY"
 cat "$CKPT"/*/*.pt >/dev/null 2>&1  # warm: the rounds compare the engine, not the disk
 convert() {  # convert NAME [ENV=VALUE...] -- [ARGS...]
   local name=$1; shift
