@@ -212,31 +212,41 @@ def measure_limit(
     *,
     overlapped: bool = False,
     threads: int = 2,
+    writers: int = 1,
 ) -> dict[str, Any]:
     """Time reading `ranges` once and writing `out_bytes` once (fsynced) into `out_dir`.
 
     Serial: the read, then the write twice (plain, and with early writeback), each timed
     alone; `write_s` is the faster and `total_s = read_s + write_s`. Overlapped: the read and
-    one early-writeback write at once; `total_s` runs until both finished.
+    the early-writeback write at once, the write cut into `writers` files written by as many
+    threads (a conversion of N tasks writes N shards at once; one stream understated a 16-core
+    machine, whose 8 worker processes beat it); `total_s` runs until both finished.
     """
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "io-limit.bin")
+    paths = [path] if writers <= 1 else [f"{path}.{i}" for i in range(writers)]
     result: dict[str, Any] = {"mode": "overlapped" if overlapped else "serial"}
     try:
         if overlapped:
-            times: dict[str, float] = {}
+            times: list[float] = []
             t0 = time.perf_counter()
+            share = -(-out_bytes // len(paths))
 
-            def timed_write() -> None:
-                _write_file(path, out_bytes, early_writeback=True)
-                times["write"] = time.perf_counter() - t0
+            def timed_write(i: int) -> None:
+                _write_file(
+                    paths[i], max(0, min(share, out_bytes - i * share)), early_writeback=True
+                )
+                times.append(time.perf_counter() - t0)
 
-            writer = threading.Thread(target=timed_write)
-            writer.start()
+            streams = [threading.Thread(target=timed_write, args=(i,)) for i in range(len(paths))]
+            for t in streams:
+                t.start()
             result["bytes_read"] = _read_ranges(ranges, threads)
             result["read_s"] = time.perf_counter() - t0
-            writer.join()
-            result["write_s"] = times["write"]
+            for t in streams:
+                t.join()
+            result["write_s"] = max(times)
+            result["writers"] = len(paths)
             result["total_s"] = time.perf_counter() - t0
         else:
             t0 = time.perf_counter()
@@ -251,8 +261,9 @@ def measure_limit(
             result["total_s"] = result["read_s"] + result["write_s"]
         result["bytes_written"] = out_bytes
     finally:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        for p in paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
     return result
