@@ -117,3 +117,33 @@ def test_parallel_defaults_to_half_the_cores(monkeypatch) -> None:
     for cores, expected in ((1, 2), (2, 2), (6, 3), (16, 4), (64, 4)):
         monkeypatch.setattr(cli.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
         assert cli.default_parallel() == expected
+
+
+def test_more_than_two_tasks_merge_at_once_as_threads(tmp_path: Path, monkeypatch) -> None:
+    """With `--parallel` above 2 the in-process run merges that many shards at once as threads
+    (each then verified by the same thread), not one merge with a verify beside it: the first
+    two merges meet at a barrier, which a serial run would never reach. Same bytes as 2 tasks."""
+    import dataclasses
+    import threading
+
+    import zerosafe.driver as driver
+
+    monkeypatch.delenv("ZEROSAFE_WORKERS", raising=False)
+    barrier = threading.Barrier(2, timeout=60)
+    calls: list[str] = []
+    real_merge = driver.merge_unit
+
+    def merge_meeting_another(*args, **kwargs):  # the real merge, after meeting a second one
+        calls.append(threading.current_thread().name)
+        if len(calls) <= 2:
+            barrier.wait()
+        return real_merge(*args, **kwargs)
+
+    base = ConvertOptions(dtype="bf16", max_shard_size=4096, direct=True, memory=2 * 10**9)
+    two = convert_checkpoint(str(SAMPLE_CKPT), str(tmp_path / "two"), base)
+    monkeypatch.setattr(driver, "merge_unit", merge_meeting_another)
+    four = dataclasses.replace(base, max_parallel_tasks=4)
+    summary = convert_checkpoint(str(SAMPLE_CKPT), str(tmp_path / "four"), four)
+    assert summary.status == two.status == "converted"
+    assert len(calls) >= 3 and all(name.startswith("zerosafe-unit") for name in calls)
+    assert _weights(tmp_path / "four") == _weights(tmp_path / "two")

@@ -177,15 +177,17 @@ class _UnitRunner:
     A unit whose record (`UnitRecords`) a killed run left, under this run's key and with its
     output still on disk as recorded, is not run again: its recorded result is used.
 
-    A shard's verify runs in a second thread while the next unit runs, as the flow's two
-    parallel tasks would (when the memory budget holds two tasks, `parallel_tasks`): it
-    re-reads what the merge just wrote, mostly from the page cache and on the other core,
-    while the next merge waits on the disk. At most one verify runs beside that unit.
+    With two tasks (`parallel_tasks`), or where merges must run one at a time (a rotational
+    disk, `JobPlan.serial_merges`), a shard's verify runs in a second thread while the next
+    merge runs, as the flow's two parallel tasks would: it re-reads what the merge just wrote,
+    mostly from the page cache and on the other core, while the next merge waits on the disk.
+    At most one verify runs beside that merge.
 
-    A job big enough to pay for it (`zerosafe.stages.workers.process_options`) runs its units
-    in `parallel_tasks` worker processes instead, each shard merged then verified by one of
-    `parallel_tasks` threads here that wait on them: N tasks on N cores, none queued on this
-    interpreter, with the budget divided among the workers.
+    With more tasks, `parallel_tasks` threads each merge then verify one shard at a time, as
+    the flow's N parallel tasks would, each merge opening its own readers; in worker processes
+    (`zerosafe.stages.workers.process_options`, where asked) the same, each thread here
+    waiting on a worker: N tasks on N cores, none queued on this interpreter. Either way the
+    budget is divided among the N tasks.
     """
 
     def __init__(
@@ -267,8 +269,13 @@ class _UnitRunner:
         self.progress.start("convert", sum(stages.values()), stages=stages)
         locator = open_locator(self.plan, self.storage, self.work, options)
         pool = self._start_pool(parts)
+        # N shards at once, each merged then verified by one thread: in the worker processes,
+        # or as threads here where more than two tasks fit and the source may be read in
+        # parallel; otherwise one merge at a time here with its verify beside the next merge.
+        at_once = pool.workers if pool else options.parallel_tasks
+        whole_units = pool is not None or (at_once > 2 and not self.job.serial_merges)
         beside = (
-            ThreadPoolExecutor(pool.workers if pool else 1, thread_name_prefix="zerosafe-unit")
+            ThreadPoolExecutor(at_once if whole_units else 1, thread_name_prefix="zerosafe-unit")
             if options.parallel_tasks > 1
             else None
         )
@@ -281,7 +288,7 @@ class _UnitRunner:
 
         def merge_and_verify(shards: list[int]) -> None:
             for shard in shards:
-                if pool is not None and beside is not None:  # N at once, in the workers
+                if whole_units and beside is not None:
                     running.append((shard, beside.submit(self._merge_then_verify, shard)))
                     continue
                 self.merges[shard] = self._merge(shard, locator)
