@@ -9,21 +9,12 @@ import hashlib
 import json
 import os
 import sys
-import threading
-import time
 
-import psutil
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _anon_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+from bench._rss import RSSSampler  # noqa: E402
 
 
 def _digest(obj: object) -> str:
@@ -69,40 +60,24 @@ def make(pt: str) -> None:
 def load(pt: str, via: str) -> None:
     device = os.environ.get("LOAD_DEVICE", "cuda")  # cpu: the script's own check, anywhere
     torch.empty(1, device=device)
-    import zerosafe  # noqa: F401  (imported before the baseline in both ways)
+    import zerosafe  # imported before the baseline in both ways
 
-    proc = psutil.Process()
-    base_rss, base_anon = proc.memory_info().rss, _anon_bytes()
-    peak = {"rss": base_rss, "anon": base_anon}
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak["rss"] = max(peak["rss"], proc.memory_info().rss)
-            peak["anon"] = max(peak["anon"], _anon_bytes())
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    t = time.perf_counter()
-    if via == "pt":
-        obj = torch.load(pt, map_location=device, weights_only=True)
-    else:
-        obj = zerosafe.load_pt(pt, device=device)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - t
-    done.set()
-    sampler.join()
+    with RSSSampler() as rss:
+        if via == "pt":
+            obj = torch.load(pt, map_location=device, weights_only=True)
+        else:
+            obj = zerosafe.load_pt(pt, device=device)
+        if device == "cuda":
+            torch.cuda.synchronize()
     first = obj["state"][0]["exp_avg"]
     print(
         json.dumps(
             {
                 "via": via,
-                "seconds": seconds,
+                "seconds": rss.seconds,
                 "device": str(first.device),
-                "peak_rss_above_bytes": peak["rss"] - base_rss,
-                "peak_anon_above_bytes": peak["anon"] - base_anon,
+                "peak_rss_above_bytes": rss.peak_rss - rss.base_rss,
+                "peak_anon_above_bytes": rss.peak_anon - rss.base_anon,
                 "digest": _digest(obj),
             }
         )

@@ -375,13 +375,14 @@ def _add_convert(sub: Any) -> None:
         "manifest, hashed by verify's re-read; on a complete output without them, verify it "
         "again to add them",
     )
+    parallel = default_parallel()
     p.add_argument(
         "--parallel",
         type=_int_at_least(1),
-        default=default_parallel(),
+        default=parallel,
         metavar="N",
         help="tasks at once, within the memory budget (default: half the usable cores, 2 to "
-        f"4; {default_parallel()} here); ZEROSAFE_WORKERS=auto runs them as worker processes "
+        f"4; {parallel} here); ZEROSAFE_WORKERS=auto runs them as worker processes "
         "for a job of 2 GB or more",
     )
     p.add_argument(

@@ -15,22 +15,20 @@ RESULT_DIR/weights.safetensors (every weight, gathered, after the last step).
 """
 
 import contextlib
-import gc
 import json
 import os
 import sys
-import threading
-import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed
-import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from bench._rss import RSSSampler  # noqa: E402
 
 
 class Wide(nn.Module):
@@ -48,42 +46,6 @@ class Wide(nn.Module):
         h = self.embed(tokens)
         h = h + self.down(F.gelu(self.norm(self.up(h))))
         return self.head(h)
-
-
-class RSSSampler:
-    """Peak RSS and peak anonymous RSS (RSS less file-backed and shared pages) of this
-    process while the block runs, sampled every millisecond."""
-
-    def __init__(self) -> None:
-        self.proc = psutil.Process()
-        self.stop = threading.Event()
-        self.peak_rss = self.peak_anon = 0
-
-    def sample(self) -> None:
-        info = self.proc.memory_info()
-        self.peak_rss = max(self.peak_rss, info.rss)
-        self.peak_anon = max(self.peak_anon, info.rss - info.shared)
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.sample()
-            time.sleep(0.001)
-
-    def __enter__(self) -> "RSSSampler":
-        gc.collect()
-        info = self.proc.memory_info()
-        self.base_rss, self.base_anon = info.rss, info.rss - info.shared
-        self.peak_rss, self.peak_anon = self.base_rss, self.base_anon
-        self.thread = threading.Thread(target=self.run, daemon=True)
-        self.started = time.monotonic()
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.seconds = time.monotonic() - self.started
-        self.stop.set()
-        self.thread.join()
-        self.sample()
 
 
 def build(spec: dict) -> tuple:
