@@ -147,3 +147,31 @@ def test_more_than_two_tasks_merge_at_once_as_threads(tmp_path: Path, monkeypatc
     assert summary.status == two.status == "converted"
     assert len(calls) >= 3 and all(name.startswith("zerosafe-unit") for name in calls)
     assert _weights(tmp_path / "four") == _weights(tmp_path / "two")
+
+
+def test_prestart_starts_the_forkserver_only_where_processes_may_run() -> None:
+    import subprocess
+    import sys
+
+    # In a fresh interpreter: this one's forkserver may already run for the tests above.
+    code = (
+        "import sys\n"
+        "from multiprocessing import forkserver\n"
+        "from zerosafe.stages import workers\n"
+        "workers.usable_cores = lambda: int(sys.argv[2])\n"
+        "started = workers.prestart(sys.argv[1])\n"
+        "print(started, forkserver._forkserver._forkserver_pid is not None)\n"
+    )
+    seen = {}
+    for mode, cores in (("threads", 16), ("auto", 2), ("auto", 16), ("processes", 2)):
+        run = subprocess.run(
+            [sys.executable, "-c", code, mode, str(cores)],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        seen[mode, cores] = run.stdout.split()
+    assert seen == {
+        ("threads", 16): ["False", "False"],
+        ("auto", 2): ["False", "False"],
+        ("auto", 16): ["True", "True"],
+        ("processes", 2): ["True", "True"],
+    }

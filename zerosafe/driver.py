@@ -57,7 +57,7 @@ from zerosafe.stages.results import (
 )
 from zerosafe.stages.shards import DirectLocator, StagedLocator
 from zerosafe.stages.unit_records import UnitRecords, unit_key
-from zerosafe.stages.workers import Shared, UnitPool, process_options, worker_mode
+from zerosafe.stages.workers import Shared, UnitPool, prestart, process_options, worker_mode
 
 __all__ = ["convert_checkpoint"]
 
@@ -103,6 +103,7 @@ def convert_checkpoint(
     options = options or ConvertOptions()
     storage = storage or Storage()
     mode = worker_mode(workers)
+    prestart(mode)  # the workers' interpreter and imports, overlapped with planning
     ckpt_url, out_url = normalize_url(ckpt_url), normalize_url(out_url)
     work_url = normalize_url(work_url) if work_url else None
     started = time.monotonic()

@@ -60,11 +60,9 @@ def default_parallel() -> int:
     """`--parallel`'s default: half the cores this process may use, at least 2, at most 4.
     One task keeps about two cores busy (reads, casts, writes); on a 16-core machine, tasks as
     threads ran 1.7-2.0x one task's speed at 4 and no faster at 8 or 16 (docs/performance.md)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 2
-    return max(2, min(4, cores // 2))
+    from zerosafe.stages.workers import usable_cores
+
+    return max(2, min(4, usable_cores() // 2))
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:

@@ -53,7 +53,9 @@ __all__ = [
     "WORKER_OVERHEAD_BYTES",
     "Shared",
     "UnitPool",
+    "prestart",
     "process_options",
+    "usable_cores",
     "worker_mode",
 ]
 
@@ -89,6 +91,31 @@ def worker_mode(requested: str | None, default: str = "threads") -> str:
             "default"
         )
     return mode
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def prestart(mode: str) -> bool:
+    """Start the worker processes' forkserver now, where `mode` may use it, so that its
+    interpreter start and its import of the engine and torch (about 2 s) run on a spare core
+    while the caller plans, not when the first unit is submitted. `auto` starts it only with
+    more than 2 cores (`usable_cores`): on 2 it would take a core from planning for a pool that
+    a small job never starts. Returns whether it started one; an unused server exits with the
+    caller."""
+    if mode == "threads" or (mode == "auto" and usable_cores() <= 2):
+        return False
+    if _context().get_start_method() != "forkserver":
+        return False
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return True
 
 
 def process_options(
