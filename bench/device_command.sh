@@ -2,10 +2,16 @@
 # The second device check of issue 28 (after bench/device_check.sh), within DEADLINE seconds:
 # 1. The whole `zerosafe convert` command as a user runs it (a new process each time, output on
 #    disk, 2B ZeRO-3 ws8 -> bf16, 250MB shards so that the job has the shard count of a larger
-#    model), interleaved rounds of: the defaults (threads, --parallel from the cores),
-#    ZEROSAFE_WORKERS=auto (worker processes, as many as the 1 GB budget holds), the same with
-#    --memory 4GB, and threads at --parallel 2 (the defaults before 2026-11-26).
-# 2. The GPU load path: a ~2 GB optimizer-like .pt loaded onto the GPU by torch.load
+#    model), interleaved rounds of CONFIGS (default: all of them):
+#      defaults   threads, --parallel from the cores (4 on 16), merges N at once in-process
+#      threads-p8 threads, --parallel 8
+#      auto       ZEROSAFE_WORKERS=auto: worker processes, as many as the 1 GB budget holds
+#      auto-4GB   the same with --memory 4GB --parallel 8
+#      threads-p2 threads at --parallel 2 (the defaults before 2026-11-26)
+# 2. With PROFILE=1 and py-spy carried (bench/device_wheels.sh): one more run of `defaults` and
+#    of `auto-4GB` under `py-spy record --idle --threads --subprocesses -f raw`, for where the
+#    wall-clock goes beyond the units.
+# 3. With GPU_LOAD=1 (default): a ~2 GB optimizer-like .pt loaded onto the GPU by torch.load
 #    (map_location="cuda") and by zerosafe.load_pt(device="cuda") from its safetensors
 #    conversion, each in its own process: seconds, peak host RSS above the baseline, digest.
 # Everything goes into $OUT/command.tar.gz and $OUT/command-summary.txt.
@@ -16,36 +22,57 @@ DEADLINE=${DEADLINE:-300}
 ROUNDS=${ROUNDS:-3}
 PARAMS=${PARAMS:-2B}
 OUT=${OUT:-bench/results/device}
+CONFIGS=${CONFIGS:-defaults threads-p8 auto auto-4GB threads-p2}
+PROFILE=${PROFILE:-0}
+GPU_LOAD=${GPU_LOAD:-1}
 source bench/_device.sh
 device_setup command
 note "$(nproc) CPUs; $("$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())')"
 CKPT=/tmp/zs-cmd/ckpt
 forge_ckpt "$CKPT" "$PARAMS" 2>&1 | tee -a "$SUMMARY"
 cat "$CKPT"/*/*.pt >/dev/null 2>&1  # warm: the rounds compare the engine, not the disk
-convert() {  # convert NAME [ENV=VALUE...] -- [ARGS...]
+convert() {  # convert NAME [ENV=VALUE...] -- [ARGS...]; RUNNER (e.g. py-spy) wraps it if set
   local name=$1; shift
   local envs=() t0 t1 rc
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
   rm -rf "/tmp/zs-cmd/out-$name"
   t0=$(date +%s.%N)
-  env "${envs[@]}" "$PY" -m zerosafe_app.cli convert "$CKPT" "/tmp/zs-cmd/out-$name" \
+  env "${envs[@]}" ${RUNNER:-} "$PY" -m zerosafe_app.cli convert "$CKPT" "/tmp/zs-cmd/out-$name" \
     --dtype bf16 --max-shard-size 250MB "$@" >"$RAW/$name-$round.log" 2>&1
   rc=$?
   t1=$(date +%s.%N)
-  note "$name round $round: exit $rc, $(awk "BEGIN { printf \"%.2f\", $t1 - $t0 }") s; $(head -1 "$RAW/$name-$round.log" | grep -o 'peak memory [0-9.]* [MG]B')"
+  note "$name round $round: exit $rc, $(awk "BEGIN { printf \"%.2f\", $t1 - $t0 }") s; $(grep -m1 -o 'peak memory [0-9.]* [MG]B' "$RAW/$name-$round.log")"
   [ $rc -eq 0 ] || tail -3 "$RAW/$name-$round.log" | tee -a "$SUMMARY"
+}
+run_config() {
+  case $1 in
+    defaults) convert defaults ZEROSAFE_WORKERS= -- ;;
+    threads-p8) convert threads-p8 ZEROSAFE_WORKERS=threads -- --parallel 8 ;;
+    auto) convert auto ZEROSAFE_WORKERS=auto -- ;;
+    auto-4GB) convert auto-4GB ZEROSAFE_WORKERS=auto -- --memory 4GB --parallel 8 ;;
+    threads-p2) convert threads-p2 ZEROSAFE_WORKERS=threads -- --parallel 2 ;;
+    *) note "unknown config $1" ;;
+  esac
 }
 for round in $(seq 1 "$ROUNDS"); do
   if [ "$(left)" -lt 150 ]; then note "round $round skipped: $(left) s left"; break; fi
-  convert defaults ZEROSAFE_WORKERS= --
-  convert auto ZEROSAFE_WORKERS=auto --
-  convert auto-4GB ZEROSAFE_WORKERS=auto -- --memory 4GB
-  convert threads-p2 ZEROSAFE_WORKERS=threads -- --parallel 2
+  for config in $CONFIGS; do run_config "$config"; done
   pack
 done
+if [ "$PROFILE" = 1 ] && [ -x /tmp/site/bin/py-spy ]; then
+  for config in defaults auto-4GB; do
+    if [ "$(left)" -lt 90 ]; then note "profile $config skipped: $(left) s left"; continue; fi
+    round=profile
+    RUNNER="/tmp/site/bin/py-spy record --idle --threads --subprocesses -r 250 -f raw -o $RAW/profile-$config.txt --" \
+      run_config "$config"
+    pack
+  done
+elif [ "$PROFILE" = 1 ]; then
+  note "profiles skipped: no /tmp/site/bin/py-spy (carry .whl from bench/device_wheels.sh)"
+fi
 grep -h "worker processes\|one at a time" "$RAW"/auto*-1.log | head -3 | tee -a "$SUMMARY"
 rm -rf /tmp/zs-cmd/out-*
-if [ "$(left)" -ge 60 ]; then
+if [ "$GPU_LOAD" = 1 ] && [ "$(left)" -ge 60 ]; then
   note "== GPU load ($(left) s left)"
   PT=/tmp/zs-load/opt.pt
   mkdir -p /tmp/zs-load
@@ -54,7 +81,7 @@ if [ "$(left)" -ge 60 ]; then
     "$PY" bench/_cuda_load.py load "$PT" "$via" 2>&1 | tail -1 | tee -a "$SUMMARY"
   done
 else
-  note "GPU load skipped: $(left) s left"
+  note "GPU load skipped (GPU_LOAD=$GPU_LOAD, $(left) s left)"
 fi
 note "== done in $((SECONDS - START)) s"
 pack
