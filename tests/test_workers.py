@@ -24,9 +24,9 @@ def test_processes_write_the_bytes_threads_write(tmp_path: Path, monkeypatch) ->
     pools: list[int] = []
 
     class CountedPool(UnitPool):  # the real pool, counted: the processes path did run
-        def __init__(self, workers: int, shared: dict | None = None) -> None:
+        def __init__(self, workers: int, shared: dict | None = None, **kw: bool) -> None:
             pools.append(workers)
-            super().__init__(workers, shared)
+            super().__init__(workers, shared, **kw)
 
     monkeypatch.setattr(driver, "UnitPool", CountedPool)
     options = ConvertOptions(dtype="bf16", max_shard_size=4096, direct=True)
@@ -89,9 +89,9 @@ def test_the_command_takes_processes_where_asked_and_says_so(
     pools: list[int] = []
 
     class CountedPool(UnitPool):
-        def __init__(self, n: int, shared: dict | None = None) -> None:
+        def __init__(self, n: int, shared: dict | None = None, **kw: bool) -> None:
             pools.append(n)
-            super().__init__(n, shared)
+            super().__init__(n, shared, **kw)
 
     monkeypatch.setattr(driver, "UnitPool", CountedPool)
     monkeypatch.setattr(workers, "PROCESS_MIN_BYTES", 1)

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
+from zerosafe.cast import output_needs_torch
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import StorageError
 from zerosafe.io.lease import Lease
@@ -103,7 +104,8 @@ def convert_checkpoint(
     options = options or ConvertOptions()
     storage = storage or Storage()
     mode = worker_mode(workers)
-    prestart(mode)  # the workers' interpreter and imports, overlapped with planning
+    # the workers' interpreter and imports, overlapped with planning
+    prestart(mode, torch=output_needs_torch(options.dtype))
     ckpt_url, out_url = normalize_url(ckpt_url), normalize_url(out_url)
     work_url = normalize_url(work_url) if work_url else None
     started = time.monotonic()
@@ -243,7 +245,10 @@ class _UnitRunner:
         if options is None:
             return None
         self.unit_options = options
-        self.pool = UnitPool(options.parallel_tasks, shared={"plan": self.plan})
+        self.pool = UnitPool(
+            options.parallel_tasks, shared={"plan": self.plan},
+            torch=output_needs_torch(options.dtype),
+        )  # fmt: skip
         return self.pool
 
     def _merge_then_verify(self, shard: int) -> VerifyResult:

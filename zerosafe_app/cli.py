@@ -557,11 +557,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if done is not None:  # complete and intact: no checkpoint byte read, nothing started
         summary = RunSummary.already_complete(args.output, done)
     elif via == "local":
+        from zerosafe.cast import output_needs_torch
         from zerosafe.stages.streaming import serial_torch
 
-        # This process runs its own threads (see serial_torch): set once torch is imported,
-        # beside the planning, not before it.
-        preload("torch", then=serial_torch)
+        if output_needs_torch(options.dtype):  # bfloat16 and float32 are cast without it
+            # This process runs its own threads (see serial_torch): set once torch is
+            # imported, beside the planning, not before it.
+            preload("torch", then=serial_torch)
         from zerosafe.driver import convert_checkpoint
 
         summary = convert_checkpoint(

@@ -20,10 +20,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
+from zerosafe.cast import cast_into
 from zerosafe.config import PIPELINE_BUFFERS
-from zerosafe.dtypes import dtype_info, torch_dtype
+from zerosafe.dtypes import dtype_info
 from zerosafe.formats.crc import CrcLedger
 from zerosafe.formats.safetensors import SafetensorsStreamWriter
 from zerosafe.io.buffers import allocate_buffer, pin_mmap_threshold
@@ -40,12 +40,7 @@ except ImportError:  # zlib-ng is optional; zlib gives identical values, slower
 
 _READ_AHEAD = 3
 _CAST_STEP = 32768 - 64
-"""Elements per torch call in `_cast` while torch runs more than one thread of its own: below
-torch's parallel grain, a multiple of 64."""
-_CAST_STEP_SERIAL = 1 << 20
-"""Elements per torch call once `serial_torch()` has run: torch then never fans out, so a call
-can be long; each call takes the GIL once, and with short calls many parallel tasks queued on
-it (16 tasks on 16 cores ran at the speed of 2, measured)."""
+"""A run of `_cast` is a multiple of this many elements (`zerosafe.cast.TORCH_STEP`)."""
 _WRITE_QUEUE = 2
 _CAST_THREADS = max(1, min(2, os.cpu_count() or 1))
 """Threads that cast one chunk (the caller's and helpers); 2 keeps cores for readers/writer."""
@@ -205,15 +200,12 @@ def _read(job: CopyJob, pos: int, n: int, buf: bytearray | None) -> tuple[int | 
     return (_crc32(view) if job.crc_key is not None else None), view
 
 
-_torch: Any = None
-
-
 def serial_torch() -> None:
     """Make torch run every operation on its calling thread (`torch.set_num_threads(1)`).
 
     A conversion runs its own threads (tasks, readers, casters, hashers), each on a core; torch's
     OpenMP pool would add a thread per core per call, spinning between calls. With it off, a cast
-    runs in long calls that release the GIL (see `_CAST_STEP_SERIAL`). The `zerosafe` command,
+    runs in long calls that release the GIL (see `zerosafe.cast.TORCH_STEP_SERIAL`). The `zerosafe` command,
     the flows call this; a library caller that keeps torch's pool converts
     at the earlier, shorter steps (correct, and slower when many tasks run at once).
     """
@@ -230,47 +222,34 @@ def _cast(
     out_dtype: str,
     helpers: ThreadPoolExecutor | None = None,
 ) -> memoryview:
-    """Cast with torch (round-to-nearest-even), in the calling thread and `helpers`.
+    """Cast (round-to-nearest-even: `zerosafe.cast`, numpy for bfloat16 and float32 output,
+    torch otherwise) in the calling thread and `helpers`.
 
-    One `copy_` over a whole chunk would fan out over torch's OpenMP pool, whose threads spin
-    between calls and fight the reader and writer threads for the cores: measured on 2 cores,
-    that made the cast the slowest stage of a merge (0.3 GB/s). Slices under torch's grain size
-    (`at::internal::GRAIN_SIZE`, 32768 elements) run serially, at several GB/s, without touching
-    the process-wide `torch.set_num_threads`. The values are the same kernel's either way.
-    A large chunk is cut in equal runs of slices, one per helper thread plus the caller's
-    (torch releases the GIL while it copies): the cast was the one stage of a merge that ran
-    on one core.
+    A large chunk is cut in equal runs, one per helper thread plus the caller's (numpy and torch
+    release the GIL while they copy): the cast was the one stage of a merge that ran on one core.
     """
-    global _torch
-    torch = _torch
-    if torch is None:  # `import torch` per call takes the import lock: shared by every task
-        import torch
-
-        _torch = torch
     count = len(src) // dtype_info(src_dtype).itemsize
     n_out = count * dtype_info(out_dtype).itemsize
     if count == 0:
         return memoryview(out)[:0]
-    src_t = torch.frombuffer(src, dtype=torch_dtype(src_dtype), count=count)
-    out_t = torch.frombuffer(out, dtype=torch_dtype(out_dtype), count=count)
-    step = _CAST_STEP_SERIAL if torch.get_num_threads() == 1 else _CAST_STEP
     ways = 1 if helpers is None or count < _PARALLEL_CAST_MIN else _CAST_THREADS
     per = -(-count // ways)
     per += -per % _CAST_STEP
-    runs = [(out_t[i : i + per], src_t[i : i + per], step) for i in range(0, count, per)]
-    waits = [helpers.submit(_cast_run, *run) for run in runs[1:]] if helpers else []
-    _cast_run(*runs[0])
+    src_size, out_size = dtype_info(src_dtype).itemsize, dtype_info(out_dtype).itemsize
+    out_view = memoryview(out)
+    runs = [
+        (
+            src[i * src_size : (i + min(per, count - i)) * src_size], src_dtype,
+            out_view[i * out_size : (i + min(per, count - i)) * out_size], out_dtype,
+            min(per, count - i),
+        )
+        for i in range(0, count, per)
+    ]  # fmt: skip
+    waits = [helpers.submit(cast_into, *run) for run in runs[1:]] if helpers else []
+    cast_into(*runs[0])
     for wait in waits:
         wait.result()
-    return memoryview(out)[:n_out]
-
-
-def _cast_run(dst: Any, src: Any, step: int) -> None:
-    if len(src) <= step:
-        dst.copy_(src)
-        return
-    for d, s in zip(dst.split(step), src.split(step), strict=True):
-        d.copy_(s)
+    return out_view[:n_out]
 
 
 class _Writer(threading.Thread):

@@ -10,9 +10,10 @@ at 1.5x one task's speed. `UnitPool` runs the same unit functions (`zerosafe.pip
 - **Memory**: at most `workers` units run at once, one per process, and each holds what a task
   holds (`ConvertOptions.task_memory_bytes`: the budget divided among the tasks), plus the
   process itself (`WORKER_OVERHEAD_BYTES`, taken out of the budget first: `process_options`).
-- **Start**: processes are forked from a server that has imported the engine and torch once
-  (`forkserver`), so a worker starts in milliseconds and shares torch's pages; the first pool
-  of a process pays one interpreter start and import.
+- **Start**: processes are forked from a server that has imported the engine once (and torch,
+  where a cast needs it: `zerosafe.cast`), so a worker starts in milliseconds and shares those
+  pages; the first pool of a process pays one interpreter start and import, which `prestart`
+  overlaps with planning.
 - **Arguments**: large, shared objects (the plan) are sent once per worker (`shared`, named by
   `Shared(name)` in a call); a `Storage` goes as its options (`Storage.__reduce__`), so the
   worker's own byte counter starts at zero: a unit's bytes are in its result.
@@ -101,7 +102,7 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def prestart(mode: str) -> bool:
+def prestart(mode: str, *, torch: bool = False) -> bool:
     """Start the worker processes' forkserver now, where `mode` may use it, so that its
     interpreter start and its import of the engine and torch (about 2 s) run on a spare core
     while the caller plans, not when the first unit is submitted. `auto` starts it only with
@@ -110,7 +111,7 @@ def prestart(mode: str) -> bool:
     caller."""
     if mode == "threads" or (mode == "auto" and usable_cores() <= 2):
         return False
-    if _context().get_start_method() != "forkserver":
+    if _context(torch=torch).get_start_method() != "forkserver":
         return False
     from multiprocessing import forkserver
 
@@ -156,13 +157,14 @@ _shared: dict[str, Any] = {}
 _reports: Any = None
 
 
-def _init_worker(shared: dict[str, Any], reports: Any) -> None:
+def _init_worker(shared: dict[str, Any], reports: Any, torch: bool) -> None:
     global _reports
     _shared.update(shared)
     _reports = reports
-    from zerosafe.stages.streaming import serial_torch
+    if torch:
+        from zerosafe.stages.streaming import serial_torch
 
-    serial_torch()  # this process runs its own reader/cast/writer threads, one task at a time
+        serial_torch()  # this process runs its own reader/cast/writer threads, one task at a time
 
 
 class _Reporter:
@@ -208,12 +210,14 @@ def _run_unit(
 # -- in the caller --------------------------------------------------------------------------------
 
 
-def _context() -> Any:
+def _context(*, torch: bool) -> Any:
     """forkserver where the platform has it (Linux): workers fork from a clean server that
-    preloaded the engine and torch; spawn elsewhere."""
+    preloaded the engine (and torch, where the units cast through it); spawn elsewhere."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["zerosafe.pipeline", "zerosafe.stages.streaming", "torch"])
+        ctx.set_forkserver_preload(
+            ["zerosafe.pipeline", "zerosafe.stages.streaming", *(["torch"] if torch else [])]
+        )
         return ctx
     return multiprocessing.get_context("spawn")
 
@@ -222,13 +226,15 @@ class UnitPool:
     """`workers` processes that run unit functions; `run` blocks the calling thread only, so
     several threads of the caller can keep all workers busy (at most `workers` units run)."""
 
-    def __init__(self, workers: int, shared: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, workers: int, shared: dict[str, Any] | None = None, *, torch: bool = False
+    ) -> None:
         self.workers = workers
-        ctx = _context()
+        ctx = _context(torch=torch)
         self._reports = ctx.SimpleQueue()
         self._executor = ProcessPoolExecutor(
             workers, mp_context=ctx, initializer=_init_worker,
-            initargs=(dict(shared or {}), self._reports),
+            initargs=(dict(shared or {}), self._reports, torch),
         )  # fmt: skip
         self._lock = threading.Lock()
         self._callbacks: dict[int, Callable[[int], None]] = {}

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from zerosafe.dtypes import dtype_info, torch_dtype
+from zerosafe.cast import cast_bytes
+from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError, ConversionError
 from zerosafe.io.lease import DESTINATION_LEASE_NAME
 from zerosafe.io.storage import Storage, join_url, normalize_url
@@ -695,8 +696,6 @@ def lowp_cross_check(
 
 def _compare_lowp(src_info: Any, out_dtype: str, copy: LowpCopy, chunk_bytes: int) -> bool:
     """Output elements `[offset, offset + numel)` of `copy.name`, cast, against the copy."""
-    import torch
-
     src, header, _, data_start = src_info
     out_size = dtype_info(out_dtype).itemsize
     begin = header[copy.name]["data_offsets"][0] + copy.element_offset * out_size
@@ -708,12 +707,10 @@ def _compare_lowp(src_info: Any, out_dtype: str, copy: LowpCopy, chunk_bytes: in
         raw = src.read_range(
             data_start + begin + start * out_size, data_start + begin + (start + count) * out_size
         )
-        out = torch.frombuffer(bytearray(raw), dtype=torch_dtype(out_dtype)).to(torch_dtype(lowp))
         ref_raw = copy.source.read_range(
             copy.byte_offset + start * low_size, copy.byte_offset + (start + count) * low_size
         )
-        ref = torch.frombuffer(bytearray(ref_raw), dtype=torch_dtype(lowp))
-        if not torch.equal(out.view(torch.int16), ref.view(torch.int16)):
+        if cast_bytes(raw, out_dtype, lowp) != bytes(ref_raw):
             return False
     return True
 

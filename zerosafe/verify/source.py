@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from zerosafe.dtypes import dtype_info, torch_dtype
+from zerosafe.cast import cast_bytes
+from zerosafe.dtypes import dtype_info
 from zerosafe.io.storage import ByteSource, Storage, join_url
 from zerosafe.verify.tensors import Failure, parse_safetensors_header
 
@@ -30,15 +31,6 @@ __all__ = ["SAMPLE_ELEMENTS", "sample_values"]
 
 SAMPLE_ELEMENTS = 64
 """Elements read per fragment by the value sample."""
-
-
-def _cast_bytes(raw: bytes, src_dtype: str, out_dtype: str) -> bytes:
-    import torch
-
-    t = torch.frombuffer(bytearray(raw), dtype=torch_dtype(src_dtype))
-    if src_dtype != out_dtype:
-        t = t.to(torch_dtype(out_dtype))
-    return bytes(t.contiguous().view(torch.uint8).numpy().tobytes())
 
 
 def sample_values(
@@ -94,7 +86,7 @@ def sample_values(
                     seg.source.read_range(seg.offset, seg.offset + seg.nbytes)
                     for seg in locator.locate(slot, src_offset, count)
                 )
-                want = _cast_bytes(raw, src_dtype, out_dtype)
+                want = cast_bytes(raw, src_dtype, out_dtype)
                 start = begin + dst_offset * out_item
                 got = out_src.read_range(start, start + count * out_item)
                 compared += 1

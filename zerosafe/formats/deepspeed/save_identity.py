@@ -295,10 +295,6 @@ def check_module_copy_sample(ckpt: ZeroCheckpoint | PipelineCheckpoint, plan: Pl
 
 
 def _equal_cast(master: bytes, master_dtype: str, saved: bytes, saved_dtype: str) -> bool:
-    import torch
+    from zerosafe.cast import cast_bytes
 
-    from zerosafe.dtypes import torch_dtype
-
-    cast = torch.frombuffer(bytearray(master), dtype=torch_dtype(master_dtype))
-    cast = cast.to(torch_dtype(saved_dtype))
-    return bool(cast.contiguous().view(torch.uint8).numpy().tobytes() == saved)
+    return cast_bytes(master, master_dtype, saved_dtype) == saved
