@@ -2,6 +2,7 @@
 # The device checks of issue 28, unattended, within DEADLINE seconds (default 500), into $OUT
 # (default bench/results/device), most valuable first; a step that would not fit is skipped
 # and says so:
+# STEPS picks and orders them (default: 1, 2, 3 below).
 # 1. bench/scaling.py at 1/4/8/16 tasks, units as worker processes then as threads, output
 #    into tmpfs (/dev/shm); each run also measures the overlapped I/O limit.
 # 2. bench/gpu_resume.sh: a real DeepSpeed ZeRO-2 and ZeRO-3 resume on every GPU, plain
@@ -18,6 +19,8 @@ DEADLINE=${DEADLINE:-500}
 PARAMS=${PARAMS:-2B}
 TASKS=${TASKS:-1,4,8,16}
 REPEAT=${REPEAT:-2}  # the best of 2 per N: a first run pays one-off costs
+# the steps, in order: scaling-WORKERS-shm|tmp (bench/scaling.py into tmpfs or onto disk), gpu
+STEPS=${STEPS:-scaling-processes-shm scaling-threads-shm gpu scaling-processes-tmp scaling-threads-tmp}
 OUT=${OUT:-bench/results/device}
 source bench/_device.sh
 device_setup check
@@ -42,19 +45,25 @@ scaling() {  # scaling WORKERS DEST NEED_SECONDS
   rm -rf "$dest"
   pack
 }
-scaling processes /dev/shm/zs-out 100
-scaling threads /dev/shm/zs-out 100
-if [ "$(left)" -ge 150 ]; then
-  note "== gpu resume ($(left) s left)"
-  mkdir -p "$RAW/gpu"
-  PY="$PY" OUT="$RAW/gpu" timeout $(( $(left) > 220 ? 200 : $(left) - 20 )) bash bench/gpu_resume.sh \
-    2>&1 | tee "$RAW/gpu-resume.log" | tee -a "$SUMMARY"
-  cp "$RAW"/gpu/gpu-resume-z*.json "$OUT/" 2>/dev/null
-  pack
-else
-  note "== gpu resume skipped: $(left) s left"
-fi
-scaling processes /tmp/zs-out 80
-scaling threads /tmp/zs-out 80
+gpu_resume() {
+  if [ "$(left)" -ge 150 ]; then
+    note "== gpu resume ($(left) s left)"
+    mkdir -p "$RAW/gpu"
+    PY="$PY" OUT="$RAW/gpu" timeout $(( $(left) > 220 ? 200 : $(left) - 20 )) bash bench/gpu_resume.sh \
+      2>&1 | tee "$RAW/gpu-resume.log" | tee -a "$SUMMARY"
+    cp "$RAW"/gpu/gpu-resume-z*.json "$OUT/" 2>/dev/null
+    pack
+  else
+    note "== gpu resume skipped: $(left) s left"
+  fi
+}
+for step in $STEPS; do
+  case $step in
+    scaling-*-shm) w=${step#scaling-}; scaling "${w%-shm}" /dev/shm/zs-out 100 ;;
+    scaling-*-tmp) w=${step#scaling-}; scaling "${w%-tmp}" /tmp/zs-out 80 ;;
+    gpu) gpu_resume ;;
+    *) note "unknown step $step" ;;
+  esac
+done
 note "== done in $((SECONDS - START)) s"
 pack

@@ -8,8 +8,11 @@
 #      auto       ZEROSAFE_WORKERS=auto: worker processes, as many as the 1 GB budget holds
 #      auto-4GB   the same with --memory 4GB --parallel 8
 #      threads-p2 threads at --parallel 2 (the defaults before 2026-11-26)
-# 2. With PROFILE=1 and py-spy carried (bench/device_wheels.sh): one more run of `defaults` and
-#    of `auto-4GB` under `py-spy record --idle --threads --subprocesses -f raw`, for where the
+#    and each of them as base-NAME: the same command run from BASELINE, an earlier tree of this
+#    repository (`git worktree add .base COMMIT`, then carry `.base`), for before/after figures
+#    from the same run.
+# 2. With PROFILE=1 and py-spy carried (bench/device_wheels.sh): one more run of each of
+#    PROFILES (default: defaults auto-4GB) under `py-spy record --idle --threads --subprocesses -f raw`, for where the
 #    wall-clock goes beyond the units.
 # 3. With GPU_LOAD=1 (default): a ~2 GB optimizer-like .pt loaded onto the GPU by torch.load
 #    (map_location="cuda") and by zerosafe.load_pt(device="cuda") from its safetensors
@@ -25,9 +28,16 @@ OUT=${OUT:-bench/results/device}
 CONFIGS=${CONFIGS:-defaults threads-p8 auto auto-4GB threads-p2}
 PROFILE=${PROFILE:-0}
 GPU_LOAD=${GPU_LOAD:-1}
+PROFILES=${PROFILES:-defaults auto-4GB}
+BASELINE=${BASELINE:-.base}
 source bench/_device.sh
 device_setup command
 note "$(nproc) CPUs; $("$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())')"
+for i in 1 2 3; do  # what a command that imports torch waits for (the page cache is warm now)
+  note "import torch: $("$PY" -c 'import time; t = time.perf_counter(); import torch; print(f"{time.perf_counter() - t:.2f} s")'); import numpy, ml_dtypes: $("$PY" -c 'import time; t = time.perf_counter(); import numpy, ml_dtypes; print(f"{time.perf_counter() - t:.2f} s")')"
+done
+PY=$(command -v "$PY" 2>/dev/null || echo "$PWD/$PY")
+case $PY in /*) ;; *) PY=$PWD/$PY ;; esac
 CKPT=/tmp/zs-cmd/ckpt
 forge_ckpt "$CKPT" "$PARAMS" 2>&1 | tee -a "$SUMMARY"
 cat "$CKPT"/*/*.pt >/dev/null 2>&1  # warm: the rounds compare the engine, not the disk
@@ -37,20 +47,25 @@ convert() {  # convert NAME [ENV=VALUE...] -- [ARGS...]; RUNNER (e.g. py-spy) wr
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
   rm -rf "/tmp/zs-cmd/out-$name"
   t0=$(date +%s.%N)
-  env "${envs[@]}" ${RUNNER:-} "$PY" -m zerosafe_app.cli convert "$CKPT" "/tmp/zs-cmd/out-$name" \
-    --dtype bf16 --max-shard-size 250MB "$@" >"$RAW/$name-$round.log" 2>&1
+  (cd "${RUN_DIR:-.}" && env "${envs[@]}" ${RUNNER:-} "$PY" -m zerosafe_app.cli convert "$CKPT" \
+    "/tmp/zs-cmd/out-$name" --dtype bf16 --max-shard-size 250MB "$@") >"$RAW/$name-$round.log" 2>&1
   rc=$?
   t1=$(date +%s.%N)
   note "$name round $round: exit $rc, $(awk "BEGIN { printf \"%.2f\", $t1 - $t0 }") s; $(grep -m1 -o 'peak memory [0-9.]* [MG]B' "$RAW/$name-$round.log")"
   [ $rc -eq 0 ] || tail -3 "$RAW/$name-$round.log" | tee -a "$SUMMARY"
 }
-run_config() {
-  case $1 in
-    defaults) convert defaults ZEROSAFE_WORKERS= -- ;;
-    threads-p8) convert threads-p8 ZEROSAFE_WORKERS=threads -- --parallel 8 ;;
-    auto) convert auto ZEROSAFE_WORKERS=auto -- ;;
-    auto-4GB) convert auto-4GB ZEROSAFE_WORKERS=auto -- --memory 4GB --parallel 8 ;;
-    threads-p2) convert threads-p2 ZEROSAFE_WORKERS=threads -- --parallel 2 ;;
+run_config() {  # run_config [base-]NAME
+  local p="" RUN_DIR=.
+  case $1 in base-*)
+    p=base-; RUN_DIR=$BASELINE
+    [ -d "$RUN_DIR/zerosafe" ] || { note "$1: no baseline tree at $BASELINE"; return; } ;;
+  esac
+  case ${1#base-} in
+    defaults) convert ${p}defaults ZEROSAFE_WORKERS= -- ;;
+    threads-p8) convert ${p}threads-p8 ZEROSAFE_WORKERS=threads -- --parallel 8 ;;
+    auto) convert ${p}auto ZEROSAFE_WORKERS=auto -- ;;
+    auto-4GB) convert ${p}auto-4GB ZEROSAFE_WORKERS=auto -- --memory 4GB --parallel 8 ;;
+    threads-p2) convert ${p}threads-p2 ZEROSAFE_WORKERS=threads -- --parallel 2 ;;
     *) note "unknown config $1" ;;
   esac
 }
@@ -60,7 +75,7 @@ for round in $(seq 1 "$ROUNDS"); do
   pack
 done
 if [ "$PROFILE" = 1 ] && [ -x /tmp/site/bin/py-spy ]; then
-  for config in defaults auto-4GB; do
+  for config in $PROFILES; do
     if [ "$(left)" -lt 90 ]; then note "profile $config skipped: $(left) s left"; continue; fi
     round=profile
     RUNNER="/tmp/site/bin/py-spy record --idle --threads --subprocesses -r 250 -f raw -o $RAW/profile-$config.txt --" \

@@ -57,7 +57,7 @@ def test_widening_to_float32_gives_torch_values_for_every_value(src: str) -> Non
 def test_other_pairs_go_through_torch() -> None:
     assert needs_torch("float32", "float16") and needs_torch("bfloat16", "float16")
     assert not needs_torch("float32", "bfloat16") and not needs_torch("bfloat16", "bfloat16")
-    raw = np.array([1.0, 65504.0, 1e5, -2.0**-25, 3.0e-8], np.float32).tobytes()
+    raw = np.array([1.0, 65504.0, 1e5, -(2.0**-25), 3.0e-8], np.float32).tobytes()
     assert cast_bytes(raw, "float32", "float16") == _torch_cast(raw, "float32", "float16")
 
 
