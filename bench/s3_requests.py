@@ -225,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop moto on the way out
 
     from bench.forge import forge_checkpoint, transformer_shapes
+    from zerosafe.cast import serial_torch
     from zerosafe.config import ConvertOptions
     from zerosafe.driver import convert_checkpoint
-    from zerosafe.stages.streaming import serial_torch
 
     serial_torch()
     work = Path(args.work or tempfile.mkdtemp(prefix="zs-s3-requests-"))

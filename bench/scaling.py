@@ -72,10 +72,13 @@ def run_once(
     )
 
     try:
-        from zerosafe.stages.streaming import serial_torch
-    except ImportError:  # a checkout from before it existed
-        pass
-    else:
+        from zerosafe.cast import serial_torch
+    except ImportError:  # a checkout from before zerosafe.cast
+        try:
+            from zerosafe.stages.streaming import serial_torch
+        except ImportError:  # from before serial_torch
+            serial_torch = None
+    if serial_torch is not None:
         serial_torch()  # as the command and the flow's tasks do
     shutil.rmtree(out, ignore_errors=True)
     storage = Storage()

@@ -38,6 +38,16 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def assert_torch_cast(got: torch.Tensor, src: torch.Tensor, out_dtype: torch.dtype) -> None:
+    """`got` is `src.to(out_dtype)` bit for bit at every value but a NaN, which is a NaN of the
+    same sign (its bits are not torch's: `zerosafe.cast`)."""
+    want = src.to(out_dtype)
+    nan = torch.isnan(src)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert bool(torch.isnan(got[nan]).all())
+    assert torch.equal(torch.signbit(got[nan]), torch.signbit(src[nan]))
+
+
 def upcast(t: torch.Tensor) -> torch.Tensor:
     """The exact fp32 value of a floating tensor; other dtypes unchanged."""
     return t.to(torch.float32) if t.is_floating_point() else t

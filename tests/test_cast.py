@@ -79,3 +79,19 @@ def test_a_conversion_imports_torch_only_for_float16(dtype: str, imports_torch: 
         )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-4:] == ["exit", "0", "torch", str(imports_torch)]
+
+
+def test_serial_torch_waits_for_the_cast_that_imports_torch() -> None:
+    code = (
+        "import sys\n"
+        "from zerosafe.cast import cast_bytes, serial_torch\n"
+        "serial_torch()\n"
+        "before = 'torch' in sys.modules\n"
+        "cast_bytes(bytes(8), 'float32', 'float16')\n"
+        "import torch\n"
+        "print(before, torch.get_num_threads())\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert run.stdout.split() == ["False", "1"]

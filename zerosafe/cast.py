@@ -19,6 +19,7 @@ Other pairs (to float16: numpy ran at 1.2 GB/s against torch's 2.7; anything els
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from zerosafe.dtypes import dtype_info, torch_dtype
@@ -30,6 +31,7 @@ __all__ = [
     "needs_torch",
     "numpy_dtype",
     "output_needs_torch",
+    "serial_torch",
 ]
 
 NUMPY_CASTS = frozenset({("float32", "bfloat16"), ("bfloat16", "float32"), ("float16", "float32")})
@@ -39,12 +41,46 @@ TORCH_STEP = 32768 - 64
 parallel grain (`at::internal::GRAIN_SIZE`), so a call never fans out over its OpenMP pool, a
 multiple of 64."""
 TORCH_STEP_SERIAL = 1 << 20
-"""Elements per torch call once torch runs one thread (`zerosafe.stages.streaming.serial_torch`):
+"""Elements per torch call once torch runs one thread (`serial_torch`):
 a call can then be long; each call takes the GIL once, and with short calls many parallel
 tasks queued on it (16 tasks on 16 cores ran at the speed of 2, measured)."""
 
 _numpy: Any = None
 _torch: Any = None
+_serial = False
+
+
+def serial_torch() -> None:
+    """Have torch run every operation on its calling thread (`torch.set_num_threads(1)`), now
+    if torch is imported, else when a cast first imports it: this never imports torch.
+
+    A conversion runs its own threads (tasks, readers, casters, hashers), each on a core; torch's
+    OpenMP pool would add a thread per core per call, spinning between calls. With it off, a cast
+    runs in long calls that release the GIL (`TORCH_STEP_SERIAL`). The `zerosafe` command, the
+    flows and the worker processes call this; a library caller that keeps torch's pool casts at
+    the shorter steps (correct, and slower when many tasks run at once).
+    """
+    global _serial
+    _serial = True
+    torch = _torch
+    if torch is None:
+        loaded = sys.modules.get("torch")  # fully imported: a preload's `then`, a caller's import
+        torch = loaded if hasattr(loaded, "set_num_threads") else None
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+def _torch_module() -> Any:
+    """torch, imported once (an `import` per call would take the import lock each time), made
+    serial on first use where `serial_torch` asked for it."""
+    global _torch
+    if _torch is None:
+        import torch
+
+        if _serial and torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
+        _torch = torch
+    return _torch
 
 
 def needs_torch(src_dtype: str, out_dtype: str) -> bool:
@@ -89,12 +125,7 @@ def cast_into(src: Any, src_dtype: str, out: Any, out_dtype: str, count: int) ->
         with np.errstate(invalid="ignore", over="ignore"):  # NaN and overflow cast as torch's
             np.copyto(o, a, casting="unsafe")
         return
-    global _torch
-    torch = _torch
-    if torch is None:  # `import torch` per call would take the import lock each time
-        import torch
-
-        _torch = torch
+    torch = _torch_module()
     src_t = torch.frombuffer(src, dtype=torch_dtype(src_dtype), count=count)
     out_t = torch.frombuffer(out, dtype=torch_dtype(out_dtype), count=count)
     step = TORCH_STEP_SERIAL if torch.get_num_threads() == 1 else TORCH_STEP

@@ -42,6 +42,7 @@ from zerosafe.pipeline import (
     stage_bytes,
     summarize,
     unit_key_options,
+    unit_process_options,
     verify_fingerprint,
     verify_unit,
 )
@@ -58,7 +59,7 @@ from zerosafe.stages.results import (
 )
 from zerosafe.stages.shards import DirectLocator, StagedLocator
 from zerosafe.stages.unit_records import UnitRecords, unit_key
-from zerosafe.stages.workers import Shared, UnitPool, prestart, process_options, worker_mode
+from zerosafe.stages.workers import Shared, UnitPool, prestart, processes_note, worker_mode
 
 __all__ = ["convert_checkpoint"]
 
@@ -153,11 +154,7 @@ def _run_held(
     if units.resumed:
         summary = replace(summary, notes=(*summary.notes, units.resumed))
     if units.pool is not None:
-        processes = (
-            f"units ran in {units.pool.workers} worker processes, one interpreter each "
-            "(ZEROSAFE_WORKERS=threads runs them as threads of this process)"
-        )
-        summary = replace(summary, notes=(*summary.notes, processes))
+        summary = replace(summary, notes=(*summary.notes, processes_note(units.pool.workers)))
     try:
         finish_job(
             storage, destination=job.destination, job_key=job.job_key, work_url=job.work_url,
@@ -233,15 +230,10 @@ class _UnitRunner:
         result: _T = self.pool.run(fn, Shared("plan"), *args, **kwargs)
         return result
 
-    def _start_pool(self, parts: Sequence[PartWork]) -> UnitPool | None:
-        todo = [s for s in self.job.shards if s.index not in self.reused]
-        options = None
-        if not self.job.serial_merges and type(self.storage) is Storage:
-            options = process_options(
-                self.options, units=len(todo) + len(parts),
-                nbytes=sum(s.source_bytes for s in todo) + sum(p.size_bytes for p in parts),
-                mode=self.workers,
-            )  # fmt: skip
+    def _start_pool(self) -> UnitPool | None:
+        options = unit_process_options(
+            self.job, self.storage, self.options, mode=self.workers, reused=self.reused
+        )
         if options is None:
             return None
         self.unit_options = options
@@ -274,7 +266,7 @@ class _UnitRunner:
         stages = stage_bytes(job, parts, direct=options.direct)
         self.progress.start("convert", sum(stages.values()), stages=stages)
         locator = open_locator(self.plan, self.storage, self.work, options)
-        pool = self._start_pool(parts)
+        pool = self._start_pool()
         # N shards at once, each merged then verified by one thread: in the worker processes,
         # or as threads here where more than two tasks fit and the source may be read in
         # parallel; otherwise one merge at a time here with its verify beside the next merge.

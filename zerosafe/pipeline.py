@@ -72,6 +72,7 @@ from zerosafe.stages.shards import (
     shard_metadata,
 )
 from zerosafe.stages.unit_records import fingerprint
+from zerosafe.stages.workers import process_options
 from zerosafe.units import format_bytes
 from zerosafe.verify.output import lowp_report
 from zerosafe.verify.tensors import verify_shard
@@ -99,6 +100,7 @@ __all__ = [
     "shard_identity",
     "stage_bytes",
     "summarize",
+    "unit_process_options",
     "unit_key_options",
     "verify_fingerprint",
     "verify_unit",
@@ -321,6 +323,28 @@ def parts_to_extract(job: JobPlan, *, direct: bool, reused: Collection[int] = ()
         return []
     needed = {p for s in job.shards if s.index not in reused for p in s.parts}
     return [p for p in job.parts if p.index in needed]
+
+
+def unit_process_options(
+    job: JobPlan,
+    storage: Storage,
+    options: ConvertOptions,
+    *,
+    mode: str,
+    reused: Collection[int] = (),
+) -> ConvertOptions | None:
+    """The options a run's units take in worker processes (`zerosafe.stages.workers`), or
+    None to keep threads: by `mode` and what the run has to do (`process_options`), never for
+    merges that must run one at a time (a rotational disk) or a storage that is not the local
+    one (a worker rebuilds its storage from options; a remote one keeps its own connections)."""
+    if job.serial_merges or type(storage) is not Storage:
+        return None
+    todo = [s for s in job.shards if s.index not in reused]
+    parts = parts_to_extract(job, direct=options.direct, reused=reused)
+    return process_options(
+        options, units=len(todo) + len(parts),
+        nbytes=sum(s.source_bytes for s in todo) + sum(p.size_bytes for p in parts), mode=mode,
+    )  # fmt: skip
 
 
 class MergeReadiness:

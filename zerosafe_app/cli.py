@@ -557,13 +557,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if done is not None:  # complete and intact: no checkpoint byte read, nothing started
         summary = RunSummary.already_complete(args.output, done)
     elif via == "local":
-        from zerosafe.cast import output_needs_torch
-        from zerosafe.stages.streaming import serial_torch
+        from zerosafe.cast import output_needs_torch, serial_torch
 
+        serial_torch()  # this process runs its own threads; applied when torch is imported
         if output_needs_torch(options.dtype):  # bfloat16 and float32 are cast without it
-            # This process runs its own threads (see serial_torch): set once torch is
-            # imported, beside the planning, not before it.
-            preload("torch", then=serial_torch)
+            preload("torch", then=serial_torch)  # beside the planning, not before it
         from zerosafe.driver import convert_checkpoint
 
         summary = convert_checkpoint(
@@ -571,7 +569,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             progress=TerminalProgress() if show_progress else NullProgress(), storage=_storage(args),
         )  # fmt: skip
     else:
-        preload("torch")
+        from zerosafe.cast import output_needs_torch
+
+        if output_needs_torch(options.dtype):
+            preload("torch")
         summary = convert_with_flow(
             args, options, show_progress=show_progress, api=api,
             storage_options=_storage_options(args), mode=args.mode,

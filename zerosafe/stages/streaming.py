@@ -200,21 +200,6 @@ def _read(job: CopyJob, pos: int, n: int, buf: bytearray | None) -> tuple[int | 
     return (_crc32(view) if job.crc_key is not None else None), view
 
 
-def serial_torch() -> None:
-    """Make torch run every operation on its calling thread (`torch.set_num_threads(1)`).
-
-    A conversion runs its own threads (tasks, readers, casters, hashers), each on a core; torch's
-    OpenMP pool would add a thread per core per call, spinning between calls. With it off, a cast
-    runs in long calls that release the GIL (see `zerosafe.cast.TORCH_STEP_SERIAL`). The `zerosafe` command,
-    the flows call this; a library caller that keeps torch's pool converts
-    at the earlier, shorter steps (correct, and slower when many tasks run at once).
-    """
-    import torch
-
-    if torch.get_num_threads() != 1:
-        torch.set_num_threads(1)
-
-
 def _cast(
     src: memoryview,
     src_dtype: str,

@@ -56,6 +56,7 @@ __all__ = [
     "UnitPool",
     "prestart",
     "process_options",
+    "processes_note",
     "usable_cores",
     "worker_mode",
 ]
@@ -151,20 +152,27 @@ def process_options(
     return replace(options, memory=memory, max_parallel_tasks=tasks)
 
 
+def processes_note(workers: int) -> str:
+    """The summary's note for a run whose units ran in `workers` processes."""
+    return (
+        f"units ran in {workers} worker processes, one interpreter each "
+        "(ZEROSAFE_WORKERS=threads runs them as threads of this process)"
+    )
+
+
 # -- in the worker --------------------------------------------------------------------------------
 
 _shared: dict[str, Any] = {}
 _reports: Any = None
 
 
-def _init_worker(shared: dict[str, Any], reports: Any, torch: bool) -> None:
+def _init_worker(shared: dict[str, Any], reports: Any) -> None:
     global _reports
     _shared.update(shared)
     _reports = reports
-    if torch:
-        from zerosafe.stages.streaming import serial_torch
+    from zerosafe.cast import serial_torch
 
-        serial_torch()  # this process runs its own reader/cast/writer threads, one task at a time
+    serial_torch()  # this process runs its own reader/cast/writer threads, one task at a time
 
 
 class _Reporter:
@@ -234,7 +242,7 @@ class UnitPool:
         self._reports = ctx.SimpleQueue()
         self._executor = ProcessPoolExecutor(
             workers, mp_context=ctx, initializer=_init_worker,
-            initargs=(dict(shared or {}), self._reports, torch),
+            initargs=(dict(shared or {}), self._reports),
         )  # fmt: skip
         self._lock = threading.Lock()
         self._callbacks: dict[int, Callable[[int], None]] = {}

@@ -48,12 +48,21 @@ from zerosafe.pipeline import (
     run_stats,
     stage_bytes,
     summarize,
+    unit_process_options,
 )
 from zerosafe.stages.results import JobPlan, PublishResult, RunStats, RunSummary, VerifyResult
+from zerosafe.stages.workers import processes_note, worker_mode
 from zerosafe.units import format_bytes
 from zerosafe_app.flows.config import JobConfig, flow_parameters, load_job_config
 from zerosafe_app.flows.schedule import StageResults, StageScheduler
-from zerosafe_app.tasks._common import Job, read_journal, set_progress, stage_memory
+from zerosafe_app.tasks._common import (
+    Job,
+    close_workers,
+    read_journal,
+    set_progress,
+    stage_memory,
+    workers_peak_rss,
+)
 from zerosafe_app.tasks._common import progress as task_progress
 from zerosafe_app.tasks.credentials import storage_for
 from zerosafe_app.tasks.inspect import inspect
@@ -345,17 +354,28 @@ def _run_held(cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: fl
         )
         return RunSummary.already_complete(cfg.destination, job.job_key)
     with hold_work(storage, job) as work_lease:
+        # Worker processes (ZEROSAFE_WORKERS) where the tasks run in this process; a Dask
+        # cluster's workers are processes already.
+        unit_options = None
+        if cfg.runner != "dask":
+            unit_options = unit_process_options(job, storage, options, mode=worker_mode(None))
         task_job = Job(
-            cfg.source, cfg.destination, job.work_url, job.job_key, options,
+            cfg.source, cfg.destination, job.work_url, job.job_key, unit_options or options,
             cfg.storage_options, work_lease.run_id,
+            workers=unit_options.parallel_tasks if unit_options else 0,
         ).as_dict()  # fmt: skip
-        published, verifies = _run_stages(
-            cfg, options, job, task_job, storage, started=started,
-            leases=(out_lease, work_lease),
-        )  # fmt: skip
+        try:
+            published, verifies = _run_stages(
+                cfg, options, job, task_job, storage, started=started,
+                leases=(out_lease, work_lease),
+            )  # fmt: skip
+        finally:
+            close_workers(task_job)
         # `stage_task` types a task's result as its JSON; with `return_state` it is its state
         cleanup = cast("State[None]", finish(task_job, return_state=True))
     summary = summarize(job, published, verifies, seconds=time.monotonic() - started)
+    if task_job["workers"]:
+        summary = replace(summary, notes=(*summary.notes, processes_note(task_job["workers"])))
     if cleanup.is_failed():  # the output is complete: say what is left, do not fail the run
         warning = cleanup_warning(
             cfg.destination, job.work_url, cleanup.result(raise_on_failure=False)
@@ -406,7 +426,7 @@ def _run_stages(
     merges = [done.merges[i] for i in range(len(job.shards))]
     verifies = [done.verifies[i] for i in range(len(job.shards))]
     stats = _stats(
-        job, options, storage, done, seconds=time.monotonic() - started, run_id=task_job["run_id"]
+        job, options, storage, done, seconds=time.monotonic() - started, task_job=task_job
     )
     for lease in leases:  # another run took over: it owns the output now
         lease.check()
@@ -435,11 +455,11 @@ def _stats(
     done: StageResults,
     *,
     seconds: float,
-    run_id: str,
+    task_job: dict[str, Any],
 ) -> RunStats:
     """The run's stats, with what the journal says of this run's tasks (its entries carry
     the run id): which ran (not cached) and each stage's own memory peak."""
-    journal = read_journal(storage, job.work_url, run_id=run_id)
+    journal = read_journal(storage, job.work_url, run_id=task_job["run_id"])
     growth, baseline = stage_memory(journal)
     return run_stats(
         job, options, extracts=list(done.extracts.values()), merges=list(done.merges.values()),
@@ -448,8 +468,10 @@ def _stats(
             stage: sum(1 for e in journal if e["stage"] == stage)
             for stage in ("extract", "merge", "verify")
         },
-        # the process's lifetime peak (ru_maxrss), as the command line has always reported
-        peak_rss_bytes=max((e["peak_rss_bytes"] for e in journal), default=0),
+        # the process's lifetime peak (ru_maxrss), as the command line has always reported,
+        # and the job's worker processes' peaks where units ran in them (added up)
+        peak_rss_bytes=max((e["peak_rss_bytes"] for e in journal), default=0)
+        + workers_peak_rss(task_job),
         # Each stage's own peak: the most one of its tasks raised the RSS (zerosafe_app/tasks/_common.py).
         rss_growth_bytes_by_stage=growth, rss_baseline_bytes=baseline,
     )  # fmt: skip

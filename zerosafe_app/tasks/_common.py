@@ -10,22 +10,24 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
+from zerosafe.cast import output_needs_torch, serial_torch
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConversionError
 from zerosafe.io.storage import Storage, join_url
 from zerosafe.pipeline import WorkLayout, peak_rss_bytes, unit_key_options
 from zerosafe.plan.model import Plan, load_plan
 from zerosafe.stages.progress import NullProgress, Progress
-from zerosafe.stages.streaming import serial_torch
 from zerosafe.stages.unit_records import unit_key
+from zerosafe.stages.workers import Shared, UnitPool
 from zerosafe.units import format_bytes
 from zerosafe_app.tasks.credentials import storage_for
 
 _progress: Progress = NullProgress()
+_T = TypeVar("_T")
 
 
 def set_progress(progress: Progress) -> None:
@@ -57,6 +59,11 @@ class Job:
     run_id: str = ""
     """The run holding the work area (`zerosafe.pipeline.hold_work`): journal entries carry
     it, so a run's stats count its own tasks whatever the workers' clocks say."""
+    workers: int = 0
+    """Worker processes that run this job's units in a process running its tasks (`run_unit`;
+    `zerosafe.stages.workers`); 0: each task's own thread runs its unit. The flow sets it
+    from `ZEROSAFE_WORKERS` (`zerosafe.pipeline.unit_process_options`), with `options`
+    then holding the units' share of the budget."""
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -92,8 +99,8 @@ def _plan(work: str, job_key: str, storage_key: str) -> Plan:
 def context(job: Job) -> tuple[Plan, Storage, ConvertOptions, WorkLayout]:
     """The plan (loaded once per process), a storage, the options and the work layout.
 
-    Every task calls it first; it also makes torch serial in this process (`serial_torch`):
-    the flow runs tasks in parallel itself."""
+    Every task calls it first; it also has torch run serially in this process, once a cast
+    imports it (`serial_torch`): the flow runs tasks in parallel itself."""
     serial_torch()
     key = json.dumps(job.storage_options, sort_keys=True)
     storage = storage_for(job.storage_options)
@@ -103,6 +110,42 @@ def context(job: Job) -> tuple[Plan, Storage, ConvertOptions, WorkLayout]:
         job.options,
         WorkLayout(job.work),
     )
+
+
+_pools: dict[tuple[str, str], UnitPool] = {}
+_pools_lock = threading.Lock()
+
+
+def run_unit(job: Job, plan: Plan, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """`fn(plan, *args, **kwargs)` (a unit of `zerosafe.pipeline`) in this thread, or in one
+    of the job's worker processes when `job.workers` asks for them: started by the first
+    unit in this process, fed the plan once, stopped by `close_workers`."""
+    if job.workers < 2:
+        return fn(plan, *args, **kwargs)
+    key = (job.job_key, job.run_id)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = UnitPool(
+                job.workers, shared={"plan": plan}, torch=output_needs_torch(job.options.dtype)
+            )
+    result: _T = pool.run(fn, Shared("plan"), *args, **kwargs)
+    return result
+
+
+def workers_peak_rss(job: Mapping[str, Any]) -> int:
+    """The peak RSS of the job's worker processes in this process, added up (0: none ran)."""
+    with _pools_lock:
+        pool = _pools.get((job["job_key"], job["run_id"]))
+    return pool.peak_rss_bytes if pool is not None else 0
+
+
+def close_workers(job: Mapping[str, Any]) -> None:
+    """Stop the job's worker processes in this process, if any started."""
+    with _pools_lock:
+        pool = _pools.pop((job["job_key"], job["run_id"]), None)
+    if pool is not None:
+        pool.close()
 
 
 def cache_key(stage: str):  # type: ignore[no-untyped-def]
@@ -136,13 +179,16 @@ def current_rss_bytes() -> int:
 
 
 @functools.cache
-def _warm_imports() -> None:
-    """Import what the stages import lazily (torch for casts and checks, safetensors for
-    verify), once per process, before the first task's memory baseline: a one-time import of
-    some 190 MB is the process's baseline, not the working memory of whichever stage ran
-    first."""
+def _warm_imports(torch: bool) -> None:
+    """Import what the stages import lazily (safetensors and ml_dtypes for verify and casts;
+    torch where the casts need it: `zerosafe.cast`), once per process, before the first
+    task's memory baseline: a one-time import of some 190 MB is the process's baseline, not
+    the working memory of whichever stage ran first."""
+    import ml_dtypes  # noqa: F401
     import safetensors  # noqa: F401
-    import torch  # noqa: F401
+
+    if torch:
+        import torch as _  # noqa: F401
 
 
 class TaskMeter:
@@ -151,8 +197,8 @@ class TaskMeter:
     tasks raised the RSS above where it started; the process's lifetime peak (`ru_maxrss`)
     can only grow from task to task, so it says nothing about one stage."""
 
-    def __init__(self, every_s: float = 0.01) -> None:
-        _warm_imports()
+    def __init__(self, job: Job, every_s: float = 0.01) -> None:
+        _warm_imports(output_needs_torch(job.options.dtype))
         self._every_s = every_s
         self._stop = threading.Event()
         self.started = time.monotonic()

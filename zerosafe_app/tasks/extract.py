@@ -6,7 +6,15 @@ from typing import Any
 
 from zerosafe.pipeline import extract_unit, intermediate_is_present
 from zerosafe.stages.results import ExtractResult
-from zerosafe_app.tasks._common import Job, TaskMeter, cache_key, context, progress, record_run
+from zerosafe_app.tasks._common import (
+    Job,
+    TaskMeter,
+    cache_key,
+    context,
+    progress,
+    record_run,
+    run_unit,
+)
 from zerosafe_app.tasks.edge import stage_task
 
 
@@ -15,10 +23,17 @@ from zerosafe_app.tasks.edge import stage_task
 )
 def extract(job: Job, index: int, rank: int, label: str, fingerprint: str = "") -> ExtractResult:
     """Extract part `index` (`rank`'s `label`): its sizes, content hash and CRC ledger."""
-    meter = TaskMeter()
+    meter = TaskMeter(job)
     plan, storage, options, work = context(job)
-    result = extract_unit(
-        plan, index, storage, work, options, on_bytes=lambda n: progress().advance(n, "extract")
+    result = run_unit(
+        job,
+        plan,
+        extract_unit,
+        index,
+        storage,
+        work,
+        options,
+        on_bytes=lambda n: progress().advance(n, "extract"),
     )
     record_run(job, "extract", index, result, meter)
     return result

@@ -8,7 +8,15 @@ from zerosafe import pipeline
 from zerosafe.pipeline import merge_unit
 from zerosafe.stages import output
 from zerosafe.stages.results import MergeResult
-from zerosafe_app.tasks._common import Job, TaskMeter, cache_key, context, progress, record_run
+from zerosafe_app.tasks._common import (
+    Job,
+    TaskMeter,
+    cache_key,
+    context,
+    progress,
+    record_run,
+    run_unit,
+)
 from zerosafe_app.tasks.edge import stage_task
 
 
@@ -16,10 +24,10 @@ from zerosafe_app.tasks.edge import stage_task
 def merge(job: Job, index: int, number: int, count: int, fingerprint: str = "") -> MergeResult:
     """Merge shard `index` (shown as `number`/`count`). `fingerprint` names the content of
     the intermediates it reads, so a re-extracted identical file keeps this result cached."""
-    meter = TaskMeter()
+    meter = TaskMeter(job)
     plan, storage, options, work = context(job)
-    result = merge_unit(
-        plan, index, storage, job.destination, work, options,
+    result = run_unit(
+        job, plan, merge_unit, index, storage, job.destination, work, options,
         on_bytes=lambda n: progress().advance(n, "merge"),
     )  # fmt: skip
     record_run(job, "merge", index, result, meter)

@@ -6,7 +6,15 @@ from typing import Any
 
 from zerosafe.pipeline import verify_unit
 from zerosafe.stages.results import VerifyResult
-from zerosafe_app.tasks._common import Job, TaskMeter, cache_key, context, progress, record_run
+from zerosafe_app.tasks._common import (
+    Job,
+    TaskMeter,
+    cache_key,
+    context,
+    progress,
+    record_run,
+    run_unit,
+)
 from zerosafe_app.tasks.edge import stage_task
 
 
@@ -24,10 +32,10 @@ def verify(
     `fingerprint` holds the file's size and version, so a file changed after a cached
     verification is verified again.
     """
-    meter = TaskMeter()
+    meter = TaskMeter(job)
     plan, storage, options, _ = context(job)
-    result = verify_unit(
-        plan, index, storage, job.destination, options, expected=expected,
+    result = run_unit(
+        job, plan, verify_unit, index, storage, job.destination, options, expected=expected,
         on_bytes=lambda n: progress().advance(n, "verify"),
     )  # fmt: skip
     record_run(job, "verify", index, result, meter)

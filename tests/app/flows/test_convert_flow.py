@@ -261,3 +261,48 @@ def test_example_conf_is_valid() -> None:
     for field in JobConfig.model_fields:
         assert f"{field}:" in documented, f"conf/example.yaml does not document `{field}`"
     assert json.dumps(cfg.model_dump())
+
+
+@pytest.mark.slow
+def test_flow_runs_units_in_worker_processes_where_asked(
+    prefect_server: None, tmp_path: Path, monkeypatch
+) -> None:
+    """ZEROSAFE_WORKERS=processes: the flow's extract, merge and verify tasks hand their units
+    to worker processes (the real pool, counted), the bytes are the engine's, the summary
+    says so, and the workers are stopped when the run ends."""
+    from zerosafe_app.flows.convert import convert
+    from zerosafe_app.tasks import _common
+
+    started: list[int] = []
+
+    class CountedPool(_common.UnitPool):
+        def __init__(self, workers: int, shared: dict | None = None, **kw: bool) -> None:
+            started.append(workers)
+            super().__init__(workers, shared, **kw)
+
+    closed: list[int] = []
+    real_close = _common.UnitPool.close
+
+    def close(pool: _common.UnitPool) -> None:
+        closed.append(pool.workers)
+        real_close(pool)
+
+    monkeypatch.setattr(_common, "UnitPool", CountedPool)
+    monkeypatch.setattr(_common.UnitPool, "close", close)
+    monkeypatch.setenv("ZEROSAFE_WORKERS", "processes")
+    out = tmp_path / "flow"
+    result = convert(
+        source=str(SAMPLE_CKPT), destination=str(out), max_shard_size="20KB", dtype="bf16",
+        mode="staged", max_parallel_tasks=2,
+    )  # fmt: skip
+    assert result["status"] == "converted" and len(result["files"]) > 1
+    assert started == [2] and closed == [2] and not _common._pools
+    assert any("2 worker processes" in note for note in result["notes"])
+    ref = tmp_path / "engine"
+    convert_checkpoint(
+        str(SAMPLE_CKPT), str(ref), ConvertOptions(max_shard_size=20_000, dtype="bf16")
+    )
+    ours, _ = load_output(out)
+    theirs, _ = load_output(ref)
+    assert set(ours) == set(theirs)
+    assert all(same_bytes(ours[key], theirs[key]) for key in ours)
