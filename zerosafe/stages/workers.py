@@ -63,7 +63,7 @@ __all__ = [
 
 PROCESS_MIN_BYTES = 2 * 10**9
 """Bytes to merge below which a job keeps threads: on 2 cores a whole 0.3B command (1.2 GB)
-took 0.2-1.1 s longer with workers than with threads (a forkserver imports torch once)."""
+took 0.2-1.1 s longer with workers than with threads (measured when workers imported torch)."""
 WORKER_OVERHEAD_BYTES = 300 * 2**20
 """What a worker process holds besides its task's buffers (interpreter, engine, torch), as RSS
 counts it: on the 16-core device machine (torch 2.11) 4 workers under a 1 GB budget raised the
