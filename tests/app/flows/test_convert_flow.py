@@ -30,6 +30,20 @@ def _latest_subflow_run(client, name: str):  # type: ignore[no-untyped-def]
     return runs[0]
 
 
+def _assert_engine_output(out: Path, ref: Path) -> None:
+    """`out` (the sample in 20 KB bf16 shards) holds the engine's bytes, checksums and job."""
+    convert_checkpoint(
+        str(SAMPLE_CKPT), str(ref), ConvertOptions(max_shard_size=20_000, dtype="bf16")
+    )
+    ours, manifest = load_output(out)
+    theirs, ref_manifest = load_output(ref)
+    assert set(ours) == set(theirs)
+    for key in ours:
+        assert same_bytes(ours[key], theirs[key]), key
+        assert manifest["tensors"][key]["xxh3_128"] == ref_manifest["tensors"][key]["xxh3_128"]
+    assert manifest["job_key"] == ref_manifest["job_key"]
+
+
 @pytest.mark.slow
 def test_flow_matches_engine_and_names_its_tasks(prefect_server: None, tmp_path: Path) -> None:
     from prefect.client.orchestration import get_client
@@ -52,17 +66,7 @@ def test_flow_matches_engine_and_names_its_tasks(prefect_server: None, tmp_path:
     )
     assert result["status"] == "converted" and len(result["files"]) > 1
     n = len(result["files"])
-    ref = tmp_path / "engine"
-    convert_checkpoint(
-        str(SAMPLE_CKPT), str(ref), ConvertOptions(max_shard_size=20_000, dtype="bf16")
-    )
-    ours, manifest = load_output(out)
-    theirs, ref_manifest = load_output(ref)
-    assert set(ours) == set(theirs)
-    for key in ours:
-        assert same_bytes(ours[key], theirs[key]), key
-        assert manifest["tensors"][key]["xxh3_128"] == ref_manifest["tensors"][key]["xxh3_128"]
-    assert manifest["job_key"] == ref_manifest["job_key"]
+    _assert_engine_output(out, tmp_path / "engine")
 
     with get_client(sync_client=True) as client:
         run = _latest_subflow_run(client, "convert-job")
@@ -298,11 +302,4 @@ def test_flow_runs_units_in_worker_processes_where_asked(
     assert result["status"] == "converted" and len(result["files"]) > 1
     assert started == [2] and closed == [2] and not _common._pools
     assert any("2 worker processes" in note for note in result["notes"])
-    ref = tmp_path / "engine"
-    convert_checkpoint(
-        str(SAMPLE_CKPT), str(ref), ConvertOptions(max_shard_size=20_000, dtype="bf16")
-    )
-    ours, _ = load_output(out)
-    theirs, _ = load_output(ref)
-    assert set(ours) == set(theirs)
-    assert all(same_bytes(ours[key], theirs[key]) for key in ours)
+    _assert_engine_output(out, tmp_path / "engine")
