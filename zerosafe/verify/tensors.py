@@ -213,7 +213,10 @@ _EXPONENT_BITS = {
     "float32": ("uint32", 0x7F800000),
     "float64": ("uint64", 0x7FF0000000000000),
 }
-_MASK_BLOCK_BYTES = 2 * 2**20
+_MASK_BLOCK_BYTES = 512 * 2**10
+"""Bytes the exponent scan takes at once: with its scratch block, they stay in a core's L2.
+Over 256 MB of bfloat16 here, 512 KB blocks scanned at 7.0-8.3 GB/s, 2 MB blocks at 5.8-6.6,
+and 64 KB at 4.9-6.0 (more numpy calls)."""
 _VERIFY_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Tensors hashed at once (xxhash and hashlib release the GIL); each holds one chunk buffer."""
 
