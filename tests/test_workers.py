@@ -75,12 +75,12 @@ def test_worker_mode_argument_then_environment_then_default(monkeypatch) -> None
         worker_mode(None)
 
 
-def test_the_command_takes_processes_where_asked_and_says_so(
+def test_the_command_takes_processes_by_default_and_says_so(
     tmp_path: Path, monkeypatch, capsys
 ) -> None:
-    """Threads by default, in the command and in a library call; `ZEROSAFE_WORKERS=auto` in
-    the command's environment runs a big enough job in worker processes (the size floor is
-    lowered so that the sample counts), and the summary says so."""
+    """The command runs a big enough job in worker processes by default (the size floor is
+    lowered so that the sample counts) and the summary says so; `ZEROSAFE_WORKERS=threads`
+    keeps threads, and so does a library call unless asked. Same bytes every way."""
     import zerosafe.driver as driver
     import zerosafe.stages.workers as workers
     from zerosafe.stages.workers import UnitPool
@@ -98,16 +98,17 @@ def test_the_command_takes_processes_where_asked_and_says_so(
     monkeypatch.delenv("ZEROSAFE_WORKERS", raising=False)
     options = ConvertOptions(dtype="bf16", max_shard_size=4096, direct=True)
     convert_checkpoint(str(SAMPLE_CKPT), str(tmp_path / "library"), options)
+    assert pools == []
     argv = ["convert", str(SAMPLE_CKPT), str(tmp_path / "command"), "--dtype", "bf16",
             "--max-shard-size", "4096", "--mode", "direct", "--parallel", "2"]  # fmt: skip
     assert main(argv) == 0
-    assert pools == []
-    assert "worker processes" not in capsys.readouterr().out
-    monkeypatch.setenv("ZEROSAFE_WORKERS", "auto")
-    assert main([*argv[:2], str(tmp_path / "auto"), *argv[3:]]) == 0
     assert pools == [2]
     assert "units ran in 2 worker processes" in capsys.readouterr().out
-    assert _weights(tmp_path / "auto") == _weights(tmp_path / "library")
+    monkeypatch.setenv("ZEROSAFE_WORKERS", "threads")
+    assert main([*argv[:2], str(tmp_path / "threads"), *argv[3:]]) == 0
+    assert pools == [2]
+    assert "worker processes" not in capsys.readouterr().out
+    assert _weights(tmp_path / "threads") == _weights(tmp_path / "library")
     assert _weights(tmp_path / "command") == _weights(tmp_path / "library")
 
 
@@ -175,3 +176,41 @@ def test_prestart_starts_the_forkserver_only_where_processes_may_run() -> None:
         ("auto", 16): ["True", "True"],
         ("processes", 2): ["True", "True"],
     }
+
+
+def test_workers_die_with_a_killed_command(tmp_path: Path) -> None:
+    """SIGKILL to the process that runs a pool: its worker, busy with a long unit, is killed
+    too (it would otherwise finish its unit, writing after the command is gone)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "pool.py"
+    script.write_text(
+        "import os, time\n"
+        "from zerosafe.stages.workers import UnitPool\n"
+        "if __name__ == '__main__':\n"
+        "    pool = UnitPool(1)\n"
+        "    print(pool.run(os.getpid), flush=True)\n"
+        "    pool.run(time.sleep, 120)\n"
+    )
+    run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout is not None
+        worker = int(run.stdout.readline())
+        time.sleep(0.5)  # the worker is in its sleep
+        os.kill(worker, 0)  # alive
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(worker, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"worker {worker} outlived the killed command by 30 s")
+    finally:
+        run.kill()

@@ -91,9 +91,10 @@ def convert_checkpoint(
         work_url: Where to keep the plan and intermediates; by default inside `out_url`.
         progress: Receives byte progress.
         workers: How units run: `threads`, `processes`, or `auto` (processes for a job big
-            enough to pay for them); None reads `ZEROSAFE_WORKERS`, else `threads`. Processes
-            need the caller's script to start under an `if __name__ == "__main__":` guard
-            (the forkserver imports it).
+            enough to pay for them; the `zerosafe` command passes `auto` unless
+            `ZEROSAFE_WORKERS` says otherwise); None reads `ZEROSAFE_WORKERS`, else
+            `threads`. Processes need the caller's script to start under an
+            `if __name__ == "__main__":` guard (the forkserver imports it).
 
     Returns:
         The run's summary (`RunSummary.to_json()` for JSON).

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 
+from zerosafe.cast import output_needs_torch
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import IntegrityError, StorageError, VerificationError
 from zerosafe.formats.safetensors import HeaderEntry, build_header
@@ -344,6 +345,7 @@ def unit_process_options(
     return process_options(
         options, units=len(todo) + len(parts),
         nbytes=sum(s.source_bytes for s in todo) + sum(p.size_bytes for p in parts), mode=mode,
+        torch=output_needs_torch(options.dtype),
     )  # fmt: skip
 
 

@@ -23,10 +23,12 @@ at 1.5x one task's speed. `UnitPool` runs the same unit functions (`zerosafe.pip
   pickle with their message); a worker that dies (killed, out of memory) fails the call with
   a `ConversionError` naming it.
 
-Threads are the default, in the command and in a library call: processes are asked for
-(`ZEROSAFE_WORKERS=auto|processes`, or `workers=` in `convert_checkpoint`). Measured on a
-16-core machine, a whole 2B command was slower with them: starting workers that import torch
-cost more than they saved (`process_options`, docs/performance.md).
+The command's default is `auto` (a job of 2 GB or more runs in workers); the flow and a
+library call keep threads unless asked (`ZEROSAFE_WORKERS=auto|processes|threads`, or
+`workers=` in `convert_checkpoint`). Once casts stopped importing torch (`zerosafe.cast`),
+workers started cheaply and won: a whole 1B command on 2 cores 3.0-3.1 s against 4.2-4.7 s as
+threads, a 2B one on 16 cores 4.0-4.5 s against 4.0-5.3 s (docs/performance.md). A worker dies
+with the process that started it (`_die_with_caller`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import resource
+import select
+import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -52,6 +57,7 @@ from zerosafe.errors import ConfigError, ConversionError
 __all__ = [
     "PROCESS_MIN_BYTES",
     "WORKER_OVERHEAD_BYTES",
+    "WORKER_OVERHEAD_NO_TORCH_BYTES",
     "Shared",
     "UnitPool",
     "prestart",
@@ -69,6 +75,10 @@ WORKER_OVERHEAD_BYTES = 300 * 2**20
 counts it: on the 16-core device machine (torch 2.11) 4 workers under a 1 GB budget raised the
 command's reported peak from 0.90 GB (threads) to 2.05 GB, about 290 MB each. Part of that is
 torch's pages, shared with the forkserver but counted in every worker's RSS."""
+WORKER_OVERHEAD_NO_TORCH_BYTES = 100 * 2**20
+"""The same for a job whose casts need no torch (bfloat16 or float32 output: `zerosafe.cast`):
+a fresh interpreter with the engine's imports and not torch held 42 MB; on 2 cores a 1B
+command (1 GB budget) peaked at 443-452 MiB with 2 workers against 348-361 MiB as threads."""
 _PROGRESS_BATCH = 16 * 2**20
 """Bytes a worker accumulates before it reports them."""
 MODES = ("auto", "processes", "threads")
@@ -121,21 +131,20 @@ def prestart(mode: str, *, torch: bool = False) -> bool:
 
 
 def process_options(
-    options: ConvertOptions, *, units: int, nbytes: int, mode: str
+    options: ConvertOptions, *, units: int, nbytes: int, mode: str, torch: bool = True
 ) -> ConvertOptions | None:
     """The options a job's units run with in worker processes, or None to keep threads.
 
     `mode` (`worker_mode`): `threads` never; `auto` takes processes where more than one task
     may run (`options.parallel_tasks`), there is more than one unit of real work (`units`) and
     enough bytes (`nbytes`, `PROCESS_MIN_BYTES`) to pay for starting workers; `processes`
-    skips the size test. The workers' own overhead (`WORKER_OVERHEAD_BYTES` each) comes out of
+    skips the size test. The workers' own overhead (`WORKER_OVERHEAD_BYTES` each, or
+    `WORKER_OVERHEAD_NO_TORCH_BYTES` where their casts need no torch) comes out of
     the budget before it is divided among the tasks, so the job still holds at most
     `options.memory`: fewer workers than tasks where the budget cannot hold them all (1 GB holds
-    2), threads where it cannot hold two.
-    Not the default: on a 16-core machine (2B ZeRO-3 -> bf16, warm) the units alone ran 3.5x
-    one task's speed at 8 tasks as processes against 1.8x as threads, but the whole command
-    was slower with them (13.2 s against 11.4 s): starting workers that import torch cost
-    more than the units saved at that size (docs/performance.md).
+    2 that import torch, 6 that do not), threads where it cannot hold two.
+    On a 16-core machine (2B ZeRO-3 -> bf16, warm, units alone) processes ran 8 tasks at 3.1x
+    one task's speed into tmpfs against 2.1x as threads (docs/performance.md).
     """
     if mode not in MODES:
         raise ConfigError(f"worker mode {mode!r}: expected one of {', '.join(MODES)}")
@@ -145,10 +154,11 @@ def process_options(
     if mode == "auto" and nbytes < PROCESS_MIN_BYTES:
         return None
     floor = TASK_OVERHEAD_BYTES + PIPELINE_BUFFERS * MIN_CHUNK_BYTES
-    tasks = min(tasks, options.memory // (WORKER_OVERHEAD_BYTES + floor))
+    overhead = WORKER_OVERHEAD_BYTES if torch else WORKER_OVERHEAD_NO_TORCH_BYTES
+    tasks = min(tasks, options.memory // (overhead + floor))
     if tasks < 2:
         return None
-    memory = options.memory - tasks * WORKER_OVERHEAD_BYTES
+    memory = options.memory - tasks * overhead
     return replace(options, memory=memory, max_parallel_tasks=tasks)
 
 
@@ -166,8 +176,37 @@ _shared: dict[str, Any] = {}
 _reports: Any = None
 
 
-def _init_worker(shared: dict[str, Any], reports: Any) -> None:
+def _die_with_caller(caller: int) -> None:
+    """Kill this worker as soon as the process that started the pool (`caller`) is gone, so
+    a command killed with SIGKILL leaves no worker writing a shard after it. Its parent is the
+    forkserver, which outlives the caller while a worker holds the caller's end of its pipe,
+    so the worker watches the caller itself: a pidfd (Linux 5.3+) that becomes readable when
+    the caller exits, else a check every second."""
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(caller)
+        except (AttributeError, OSError):
+            fd = None
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while True:
+                try:
+                    os.kill(caller, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:  # alive, another user's process: cannot be ours
+                    pass
+                time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="zerosafe-watch-caller", daemon=True).start()
+
+
+def _init_worker(shared: dict[str, Any], reports: Any, caller: int) -> None:
     global _reports
+    _die_with_caller(caller)
     _shared.update(shared)
     _reports = reports
     from zerosafe.cast import serial_torch
@@ -242,7 +281,7 @@ class UnitPool:
         self._reports = ctx.SimpleQueue()
         self._executor = ProcessPoolExecutor(
             workers, mp_context=ctx, initializer=_init_worker,
-            initargs=(dict(shared or {}), self._reports),
+            initargs=(dict(shared or {}), self._reports, os.getpid()),
         )  # fmt: skip
         self._lock = threading.Lock()
         self._callbacks: dict[int, Callable[[int], None]] = {}
