@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from zerosafe.cast import cast_into
+from zerosafe.cast import TORCH_STEP, cast_into
 from zerosafe.config import PIPELINE_BUFFERS
 from zerosafe.dtypes import dtype_info
 from zerosafe.formats.crc import CrcLedger
@@ -39,8 +39,8 @@ except ImportError:  # zlib-ng is optional; zlib gives identical values, slower
     from zlib import crc32 as _crc32
 
 _READ_AHEAD = 3
-_CAST_STEP = 32768 - 64
-"""A run of `_cast` is a multiple of this many elements (`zerosafe.cast.TORCH_STEP`)."""
+_CAST_STEP = TORCH_STEP
+"""A run of `_cast` is a multiple of torch's short step, so a torch cast splits it evenly."""
 _WRITE_QUEUE = 2
 _CAST_THREADS = max(1, min(2, os.cpu_count() or 1))
 """Threads that cast one chunk (the caller's and helpers); 2 keeps cores for readers/writer."""
@@ -213,28 +213,26 @@ def _cast(
     A large chunk is cut in equal runs, one per helper thread plus the caller's (numpy and torch
     release the GIL while they copy): the cast was the one stage of a merge that ran on one core.
     """
-    count = len(src) // dtype_info(src_dtype).itemsize
-    n_out = count * dtype_info(out_dtype).itemsize
+    src_size, out_size = dtype_info(src_dtype).itemsize, dtype_info(out_dtype).itemsize
+    count = len(src) // src_size
+    out_view = memoryview(out)
     if count == 0:
-        return memoryview(out)[:0]
+        return out_view[:0]
     ways = 1 if helpers is None or count < _PARALLEL_CAST_MIN else _CAST_THREADS
     per = -(-count // ways)
     per += -per % _CAST_STEP
-    src_size, out_size = dtype_info(src_dtype).itemsize, dtype_info(out_dtype).itemsize
-    out_view = memoryview(out)
-    runs = [
-        (
-            src[i * src_size : (i + min(per, count - i)) * src_size], src_dtype,
-            out_view[i * out_size : (i + min(per, count - i)) * out_size], out_dtype,
-            min(per, count - i),
-        )
-        for i in range(0, count, per)
-    ]  # fmt: skip
+    runs = []
+    for i in range(0, count, per):
+        n = min(per, count - i)
+        runs.append(
+            (src[i * src_size : (i + n) * src_size], src_dtype,
+             out_view[i * out_size : (i + n) * out_size], out_dtype, n)
+        )  # fmt: skip
     waits = [helpers.submit(cast_into, *run) for run in runs[1:]] if helpers else []
     cast_into(*runs[0])
     for wait in waits:
         wait.result()
-    return out_view[:n_out]
+    return out_view[: count * out_size]
 
 
 class _Writer(threading.Thread):
