@@ -194,10 +194,8 @@ def _die_with_caller(caller: int) -> None:
             while True:
                 try:
                     os.kill(caller, 0)
-                except ProcessLookupError:
-                    break
-                except PermissionError:  # alive, another user's process: cannot be ours
-                    pass
+                except (ProcessLookupError, PermissionError):  # gone, or its number reused
+                    break  # by another user's process (the caller ran as this worker's user)
                 time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
 
