@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -214,3 +216,31 @@ def test_workers_die_with_a_killed_command(tmp_path: Path) -> None:
         raise AssertionError(f"worker {worker} outlived the killed command by 30 s")
     finally:
         run.kill()
+
+
+def _pid_and_tasks_at_once() -> tuple[int, int]:
+    from zerosafe.stages import streaming
+
+    return os.getpid(), streaming._tasks_at_once
+
+
+def test_start_brings_every_worker_up_before_the_units() -> None:
+    """`start` forks all the workers at once (the executor would fork one per submit, while
+    the other submits wait), and each worker's copies know how many run beside it."""
+    import threading
+
+    from zerosafe.stages.workers import UnitPool
+
+    with UnitPool(3) as pool:
+        pool.start()
+        assert len(pool._executor._processes) == 3  # the stdlib's own count of its workers
+        barrier = threading.Barrier(3)
+
+        def call(_: int) -> tuple[int, int]:
+            barrier.wait()
+            return pool.run(_pid_and_tasks_at_once)
+
+        with ThreadPoolExecutor(3) as callers:
+            got = list(callers.map(call, range(3)))
+        assert len(pool._executor._processes) == 3  # no worker forked after start
+        assert {tasks for _, tasks in got} == {3}

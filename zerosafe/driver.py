@@ -58,6 +58,7 @@ from zerosafe.stages.results import (
     VerifyResult,
 )
 from zerosafe.stages.shards import DirectLocator, StagedLocator
+from zerosafe.stages.streaming import set_tasks_at_once
 from zerosafe.stages.unit_records import UnitRecords, unit_key
 from zerosafe.stages.workers import Shared, UnitPool, prestart, processes_note, worker_mode
 
@@ -242,6 +243,12 @@ class _UnitRunner:
             options.parallel_tasks, shared={"plan": self.plan},
             torch=output_needs_torch(options.dtype),
         )  # fmt: skip
+        try:
+            self.pool.start()
+        except BaseException:
+            self.pool.close()
+            self.pool = None
+            raise
         return self.pool
 
     def _merge_then_verify(self, shard: int) -> VerifyResult:
@@ -266,12 +273,18 @@ class _UnitRunner:
         readiness = MergeReadiness(job.shards, direct=options.direct, reused=self.reused)
         stages = stage_bytes(job, parts, direct=options.direct)
         self.progress.start("convert", sum(stages.values()), stages=stages)
-        locator = open_locator(self.plan, self.storage, self.work, options)
         pool = self._start_pool()
+        try:
+            locator = open_locator(self.plan, self.storage, self.work, options)
+        except BaseException:
+            if pool is not None:
+                pool.close()
+            raise
         # N shards at once, each merged then verified by one thread: in the worker processes,
         # or as threads here where more than two tasks fit and the source may be read in
         # parallel; otherwise one merge at a time here with its verify beside the next merge.
         at_once = pool.workers if pool else options.parallel_tasks
+        set_tasks_at_once(at_once)
         whole_units = pool is not None or (at_once > 2 and not self.job.serial_merges)
         beside = (
             ThreadPoolExecutor(at_once if whole_units else 1, thread_name_prefix="zerosafe-unit")

@@ -1,4 +1,5 @@
-"""The copy pipeline: casts equal torch's `.to()` bit for bit, across chunk boundaries."""
+"""The copy: casts equal torch's `.to()` bit for bit, across chunk boundaries, and every range
+read is in the CRC ledger, both as the threaded pipeline and fused block by block."""
 
 from __future__ import annotations
 
@@ -9,10 +10,21 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import assert_torch_cast
+from zerosafe.errors import ConfigError
 from zerosafe.formats.crc import CrcLedger
 from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter
 from zerosafe.io.storage import Storage
-from zerosafe.stages.streaming import CopyJob, copy_stream
+from zerosafe.stages import streaming
+from zerosafe.stages.streaming import CopyJob, copy_mode, copy_stream, set_tasks_at_once
+
+
+@pytest.fixture(params=["fused", "pipeline"], autouse=True)
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test runs both ways; fused blocks are cut small and odd, as the pipeline's chunks
+    are below, so that a tensor and a record span many of them."""
+    monkeypatch.setenv("ZEROSAFE_COPY", request.param)
+    monkeypatch.setattr(streaming, "FUSED_BLOCK_BYTES", 4096 + 12)
+    return str(request.param)
 
 
 def _special_fp32(n: int) -> torch.Tensor:
@@ -106,3 +118,51 @@ def test_read_error_aborts_cleanly(tmp_path: Path) -> None:
         copy_stream([CopyJob(0, source, 0, 200, "uint8", "uint8")], writer, chunk_bytes=64)
     writer.abort()
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["src.bin"]
+
+
+def test_ledger_runs_records_across_jobs_in_any_order(tmp_path: Path) -> None:
+    """A record read in pieces, out of order and around another record, checks whole."""
+    import zlib
+
+    data = bytes((i * 7 + i // 251) % 256 for i in range(100_000))
+    (tmp_path / "src.bin").write_bytes(data)
+    storage = Storage()
+    source = storage.open_source(str(tmp_path / "src.bin"))
+    writer = SafetensorsStreamWriter(
+        storage.open_sink(str(tmp_path / "o.safetensors")),
+        [HeaderEntry("t", "uint8", (len(data),))],
+    )
+    ledger = CrcLedger()
+    jobs = [
+        CopyJob(0, source, 25_000, 20_000, "uint8", "uint8", "a", 25_000),
+        CopyJob(0, source, 45_000, 15_000, "uint8", "uint8", "a", 45_000),
+        CopyJob(0, source, 60_000, 40_000, "uint8", "uint8", "b", 0),
+        CopyJob(0, source, 0, 25_000, "uint8", "uint8", "a", 0),
+    ]
+    copy_stream(jobs, writer, chunk_bytes=3000, ledger=ledger)
+    writer.finish()
+    check = ledger.check(
+        {"a": (60_000, zlib.crc32(data[:60_000])), "b": (40_000, zlib.crc32(data[60_000:]))}
+    )
+    assert sorted(check.checked) == ["a", "b"] and not check.failed
+    out = (tmp_path / "o.safetensors").read_bytes()
+    assert out.endswith(data[25_000:] + data[:25_000])
+
+
+def test_copy_mode_follows_tasks_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zerosafe.stages import workers
+
+    monkeypatch.setattr(workers, "usable_cores", lambda: 16)
+    monkeypatch.setattr(streaming, "_tasks_at_once", 1)
+    monkeypatch.setenv("ZEROSAFE_COPY", "auto")
+    assert copy_mode() == "pipeline"  # one unit on 16 cores: the pipeline's threads help
+    set_tasks_at_once(8)
+    assert copy_mode() == "fused"  # half the cores or more: the cheaper loop per byte
+    monkeypatch.setenv("ZEROSAFE_COPY", "pipeline")
+    assert copy_mode() == "pipeline"
+    monkeypatch.setenv("ZEROSAFE_COPY", "fused")
+    set_tasks_at_once(1)
+    assert copy_mode() == "fused"
+    monkeypatch.setenv("ZEROSAFE_COPY", "fast")
+    with pytest.raises(ConfigError, match="ZEROSAFE_COPY='fast': expected one of auto, fused"):
+        copy_mode()

@@ -79,6 +79,8 @@ WORKER_OVERHEAD_NO_TORCH_BYTES = 100 * 2**20
 """The same for a job whose casts need no torch (bfloat16 or float32 output: `zerosafe.cast`):
 a fresh interpreter with the engine's imports and not torch held 42 MB; on 2 cores a 1B
 command (1 GB budget) peaked at 443-452 MiB with 2 workers against 348-361 MiB as threads."""
+_started: Any = None
+"""The pool's barrier in a worker (`_rendezvous`)."""
 _PROGRESS_BATCH = 16 * 2**20
 """Bytes a worker accumulates before it reports them."""
 MODES = ("auto", "processes", "threads")
@@ -202,9 +204,15 @@ def _die_with_caller(caller: int) -> None:
     threading.Thread(target=watch, name="zerosafe-watch-caller", daemon=True).start()
 
 
-def _init_worker(shared: dict[str, Any], reports: Any, caller: int) -> None:
-    global _reports
+def _init_worker(
+    shared: dict[str, Any], reports: Any, caller: int, started: Any, workers: int
+) -> None:
+    global _reports, _started
     _die_with_caller(caller)
+    _started = started
+    from zerosafe.stages.streaming import set_tasks_at_once
+
+    set_tasks_at_once(workers)
     _shared.update(shared)
     _reports = reports
     from zerosafe.cast import serial_torch
@@ -232,6 +240,12 @@ class _Reporter:
             n, self.pending = self.pending, 0
         if n:
             _reports.put((self.call, n))
+
+
+def _rendezvous(timeout: float) -> int:
+    """Wait until every worker of the pool runs this (`UnitPool.start`)."""
+    _started.wait(timeout)
+    return os.getpid()
 
 
 def _resolve(value: Any) -> Any:
@@ -277,9 +291,10 @@ class UnitPool:
         self.workers = workers
         ctx = _context(torch=torch)
         self._reports = ctx.SimpleQueue()
+        self._started = ctx.Barrier(workers)
         self._executor = ProcessPoolExecutor(
             workers, mp_context=ctx, initializer=_init_worker,
-            initargs=(dict(shared or {}), self._reports, os.getpid()),
+            initargs=(dict(shared or {}), self._reports, os.getpid(), self._started, workers),
         )  # fmt: skip
         self._lock = threading.Lock()
         self._callbacks: dict[int, Callable[[int], None]] = {}
@@ -289,6 +304,27 @@ class UnitPool:
             target=self._drain_reports, name="zerosafe-units", daemon=True
         )
         self._drain.start()
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Start every worker now, before the units. The executor would otherwise start one
+        per submit, in the submitting thread and under a lock the other submits wait on: on
+        the 16-core machine, 16 tasks' first units waited about 0.4 s each for their
+        siblings' workers to fork while 15 others loaded the cores (bench/scaling.py's
+        profile). Each worker runs `_rendezvous` and waits there for the others, so no
+        worker is idle until all are up and every submit here starts a new one."""
+        waits = [self._executor.submit(_rendezvous, timeout) for _ in range(self.workers)]
+        try:
+            pids = {wait.result() for wait in waits}
+        except Exception as e:  # a broken pool, or the barrier broken by its timeout
+            raise ConversionError(
+                f"worker processes failed to start ({type(e).__name__}: {e}); "
+                "run with ZEROSAFE_WORKERS=threads"
+            ) from e
+        if len(pids) != self.workers:
+            raise ConversionError(
+                f"{len(pids)} of {self.workers} worker processes started within {timeout} s; "
+                "run with ZEROSAFE_WORKERS=threads"
+            )
 
     def run(
         self,

@@ -21,6 +21,7 @@ from zerosafe.io.storage import Storage, join_url
 from zerosafe.pipeline import WorkLayout, peak_rss_bytes, unit_key_options
 from zerosafe.plan.model import Plan, load_plan
 from zerosafe.stages.progress import NullProgress, Progress
+from zerosafe.stages.streaming import set_tasks_at_once
 from zerosafe.stages.unit_records import unit_key
 from zerosafe.stages.workers import Shared, UnitPool
 from zerosafe.units import format_bytes
@@ -100,8 +101,10 @@ def context(job: Job) -> tuple[Plan, Storage, ConvertOptions, WorkLayout]:
     """The plan (loaded once per process), a storage, the options and the work layout.
 
     Every task calls it first; it also has torch run serially in this process, once a cast
-    imports it (`serial_torch`): the flow runs tasks in parallel itself."""
+    imports it (`serial_torch`): the flow runs tasks in parallel itself, as many as its copies
+    are told (`set_tasks_at_once`)."""
     serial_torch()
+    set_tasks_at_once(job.workers or job.options.parallel_tasks)
     key = json.dumps(job.storage_options, sort_keys=True)
     storage = storage_for(job.storage_options)
     return (
@@ -126,9 +129,15 @@ def run_unit(job: Job, plan: Plan, fn: Callable[..., _T], *args: Any, **kwargs: 
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None:
-            pool = _pools[key] = UnitPool(
+            pool = UnitPool(
                 job.workers, shared={"plan": plan}, torch=output_needs_torch(job.options.dtype)
             )
+            try:
+                pool.start()
+            except BaseException:
+                pool.close()
+                raise
+            _pools[key] = pool
     result: _T = pool.run(fn, Shared("plan"), *args, **kwargs)
     return result
 
