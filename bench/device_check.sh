@@ -19,7 +19,11 @@ DEADLINE=${DEADLINE:-500}
 PARAMS=${PARAMS:-2B}
 TASKS=${TASKS:-1,4,8,16}
 REPEAT=${REPEAT:-2}  # the best of 2 per N: a first run pays one-off costs
-# the steps, in order: scaling-WORKERS-shm|tmp (bench/scaling.py into tmpfs or onto disk), gpu
+# the steps, in order: scaling-WORKERS-shm|tmp (bench/scaling.py into tmpfs or onto disk), gpu;
+# a scaling step may end in :VAR=VALUE,... to run with those variables (its files are named so),
+# e.g. scaling-processes-shm:ZEROSAFE_COPY=pipeline; `probe`: the cores' topology and pure-CPU
+# scaling (bench/_cpu_probe.py); `profile` (py-spy over a run at the most tasks, every process,
+# waits included) takes the same suffix.
 STEPS=${STEPS:-scaling-processes-shm scaling-threads-shm gpu scaling-processes-tmp scaling-threads-tmp}
 OUT=${OUT:-bench/results/device}
 source bench/_device.sh
@@ -31,18 +35,35 @@ device_setup check
 WORK=/tmp/zs-scaling
 note "== forge $PARAMS ZeRO-3 ws8 ($(left) s left)"
 forge_ckpt "$WORK/ckpt-$PARAMS-z3-ws8" "$PARAMS" $(( $(left) - 60 )) 2>&1 | tee "$RAW/forge.log" | tee -a "$SUMMARY"
-scaling() {  # scaling WORKERS DEST NEED_SECONDS
-  local workers=$1 dest=$2 need=$3 name
-  name="scaling-$workers-$(basename "$(dirname "$dest")")"
+scaling() {  # scaling WORKERS DEST NEED_SECONDS [VAR=VALUE,...]
+  local workers=$1 dest=$2 need=$3 vars=${4:-} name
+  name="scaling-$workers-$(basename "$(dirname "$dest")")${vars:+-${vars//[=,]/-}}"
   if [ "$(left)" -lt "$need" ]; then note "== $name skipped: $(left) s left, needs $need"; return; fi
   note "== $name ($(left) s left)"
-  timeout "$need" "$PY" bench/scaling.py --params "$PARAMS" --tasks "$TASKS" --repeat "$REPEAT" \
+  env ${vars//,/ } timeout "$need" "$PY" bench/scaling.py --params "$PARAMS" --tasks "$TASKS" --repeat "$REPEAT" \
     --work-dir "$WORK" --out-dir "$dest" --workers "$workers" --json "$RAW/$name.json" \
     >"$RAW/$name.log" 2>&1
   note "exit $?"
   grep -E "params, fp32|memory copy|^tasks|^---|^[0-9]+ \|" "$RAW/$name.log" | tee -a "$SUMMARY"
   tail -3 "$RAW/$name.log" | grep -iE "error|Traceback" | tee -a "$SUMMARY"
   rm -rf "$dest"
+  pack
+}
+probe() {  # the cores themselves: topology and pure-CPU scaling (bench/_cpu_probe.py)
+  note "== probe ($(left) s left)"
+  "$PY" bench/_cpu_probe.py 2>&1 | tee -a "$SUMMARY"
+}
+profile() {  # py-spy over a run at the most tasks, every process, waits included
+  if [ ! -x /tmp/site/bin/py-spy ]; then note "== profile skipped: no py-spy (carry .whl)"; return; fi
+  if [ "$(left)" -lt 90 ]; then note "== profile skipped: $(left) s left"; return; fi
+  note "== profile ($(left) s left)"
+  env ${1//,/ } timeout 80 /tmp/site/bin/py-spy record --idle --threads --subprocesses -r 100 -f raw \
+    -o "$RAW/profile.txt" -- "$PY" bench/scaling.py --params "$PARAMS" --tasks "${TASKS##*,}" \
+    --repeat 2 --work-dir "$WORK" --out-dir /dev/shm/zs-out --workers processes \
+    >"$RAW/profile.log" 2>&1
+  "$PY" bench/_profile.py "$RAW/profile.txt" --rate 100 --top 40 >"$RAW/profile-summary.txt" 2>&1
+  sed -n '/^leaves/,$p' "$RAW/profile-summary.txt" | head -42 | tee -a "$SUMMARY"
+  rm -rf /dev/shm/zs-out
   pack
 }
 gpu_resume() {
@@ -57,11 +78,15 @@ gpu_resume() {
     note "== gpu resume skipped: $(left) s left"
   fi
 }
-for step in $STEPS; do
+for entry in $STEPS; do
+  step=${entry%%:*} vars=
+  [ "$step" != "$entry" ] && vars=${entry#*:}
   case $step in
-    scaling-*-shm) w=${step#scaling-}; scaling "${w%-shm}" /dev/shm/zs-out 100 ;;
-    scaling-*-tmp) w=${step#scaling-}; scaling "${w%-tmp}" /tmp/zs-out 80 ;;
+    scaling-*-shm) w=${step#scaling-}; scaling "${w%-shm}" /dev/shm/zs-out 100 "$vars" ;;
+    scaling-*-tmp) w=${step#scaling-}; scaling "${w%-tmp}" /tmp/zs-out 80 "$vars" ;;
     gpu) gpu_resume ;;
+    probe) probe ;;
+    profile) profile "$vars" ;;
     *) note "unknown step $step" ;;
   esac
 done

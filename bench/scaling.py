@@ -33,6 +33,7 @@ if "--src" in sys.argv:  # measure another checkout's engine (its `zerosafe` com
     sys.path.insert(0, os.path.abspath(sys.argv[sys.argv.index("--src") + 1]))
 
 from bench._check import check_output  # noqa: E402
+from bench._cpu_probe import proc_stat, stat_cpus  # noqa: E402
 from bench._iolimit import fp32_ranges, measure_limit, warm_cache  # noqa: E402
 from bench._membw import copy_scaling  # noqa: E402
 from bench.run import _files, forge  # noqa: E402
@@ -52,6 +53,10 @@ def _cpu_seconds() -> float:
         except psutil.Error:  # exited between the listing and the read
             pass
     return total
+
+
+def _busy(cpus: dict[str, float]) -> float:
+    return sum(v for k, v in cpus.items() if k not in ("idle", "iowait", "steal"))
 
 
 def run_once(
@@ -80,6 +85,12 @@ def run_once(
             serial_torch = None
     if serial_torch is not None:
         serial_torch()  # as the command and the flow's tasks do
+    try:  # as the command does (a worker pool tells its workers itself)
+        from zerosafe.stages.streaming import set_tasks_at_once
+
+        set_tasks_at_once(tasks)
+    except ImportError:  # a checkout from before the fused copy
+        pass
     shutil.rmtree(out, ignore_errors=True)
     storage = Storage()
     options = ConvertOptions(
@@ -94,12 +105,24 @@ def run_once(
         from zerosafe.stages.workers import Shared, UnitPool
 
         pool = UnitPool(tasks, shared={"plan": plan})
-        for _ in range(tasks):
-            pool.run(abs, 1)
+        if hasattr(pool, "start"):
+            pool.start()
+        else:  # a checkout from before UnitPool.start: tasks calls at once start most workers
+            with ThreadPoolExecutor(tasks) as starters:
+                list(starters.map(lambda _: pool.run(time.sleep, 0.2), range(tasks)))
+    stat0 = proc_stat()
     cpu0, t0 = _cpu_seconds(), time.perf_counter()
     with hold_work(storage, job):
+        spans: list[tuple[float, float]] = []
 
         def unit(shard: int) -> tuple[Any, Any]:
+            begun = time.perf_counter()
+            try:
+                return run_unit(shard)
+            finally:
+                spans.append((begun - t0, time.perf_counter() - t0))
+
+        def run_unit(shard: int) -> tuple[Any, Any]:
             if pool is not None:
                 merged = pool.run(
                     merge_unit, Shared("plan"), shard, storage, job.destination, work, options
@@ -118,6 +141,7 @@ def run_once(
             results = list(runners.map(unit, range(len(plan.shards))))
         units_s = time.perf_counter() - t0
         units_cpu_s = _cpu_seconds() - cpu0  # before the worker processes exit
+        machine = stat_cpus(stat0, proc_stat(), units_s)
         if pool is not None:
             pool.close()
         merges = [m for m, _ in results]
@@ -134,13 +158,21 @@ def run_once(
             storage, destination=job.destination, job_key=job.job_key, work_url=job.work_url,
             keep_work=False,
         )  # fmt: skip
+    spans.sort(key=lambda span: span[1])
+    lengths = sorted(end - begin for begin, end in spans)
+    # From when the first task found no unit left to start until the last unit ended.
+    last_start = max(begin for begin, _ in spans)
     return {
+        "unit_s_median": round(lengths[len(lengths) // 2], 3),
+        "unit_s_max": round(lengths[-1], 3),
+        "tail_s": round(spans[-1][1] - min(e for _, e in spans if e >= last_start), 3),
         "tasks": tasks,
         "workers": workers,
         "shards": len(plan.shards),
         "units_s": units_s,
         "wall_s": time.perf_counter() - t0,
         "cpu_s": units_cpu_s,
+        "machine_cpus": machine,
     }
 
 
@@ -209,14 +241,20 @@ def main(argv: list[str] | None = None) -> int:
         f"output in {os.path.dirname(out)}; I/O limit {limit['total_s']:.2f} s "
         f"({fp32 / limit['total_s'] / 1e9:.2f} GB/s of fp32)"
     )
-    print("tasks | merge+verify s | CPU s | fp32 GB/s | speed-up | efficiency | output ok")
-    print("---|---|---|---|---|---|---")
+    print(
+        "tasks | merge+verify s | CPU s | fp32 GB/s | speed-up | efficiency | output ok "
+        "| machine's CPUs busy / idle / steal | unit s median / max | tail s"
+    )
+    print("---|---|---|---|---|---|---|---|---|---")
     for r in rows:
         speedup = base / r["units_s"]
         r["speedup"], r["efficiency"] = speedup, speedup / r["tasks"]
         print(
             f"{r['tasks']} | {r['units_s']:.2f} | {r['cpu_s']:.1f} | {fp32 / r['units_s'] / 1e9:.2f} "
-            f"| {speedup:.2f}x | {r['efficiency']:.2f} | {r['ok']}"
+            f"| {speedup:.2f}x | {r['efficiency']:.2f} | {r['ok']} "
+            f"| {_busy(r['machine_cpus']):.1f} / {r['machine_cpus']['idle']:.1f} / "
+            f"{r['machine_cpus']['steal']:.1f} | {r['unit_s_median']:.2f} / {r['unit_s_max']:.2f} "
+            f"| {r['tail_s']:.2f}"
         )
     if cfg.json:
         with open(cfg.json, "w") as f:
