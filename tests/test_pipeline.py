@@ -298,3 +298,43 @@ def test_the_driver_summary_has_every_key_the_flow_summary_has(tmp_path: Path) -
     old_driver_stats = {"seconds", "bytes_read", "source_bytes_read", "fp32_bytes",
                         "bytes_written", "peak_rss_bytes", "mode", "mode_reason"}  # fmt: skip
     assert set(manifest["stats"]) >= old_flow_stats | old_driver_stats
+
+
+def test_a_merge_in_streams_writes_what_one_stream_writes(tmp_path: Path) -> None:
+    """Threads filling their own ranges of one shard give its bytes, digests and CRC ledger."""
+    from zerosafe.pipeline import merge_streams
+    from zerosafe.stages.shards import _stream_bounds, check_integrity
+
+    options = ConvertOptions(direct=True, dtype="bf16")
+    storage, got = Storage(), {}
+    for streams in (1, 3):
+        out = str(tmp_path / f"out{streams}")
+        job, plan = plan_job_and_load(storage, str(SAMPLE_CKPT), out, options)
+        assert plan is not None and len(plan.shards) == 1 and len(plan.shard_tensors(0)) > 3
+        with hold_work(storage, job):
+            merged = merge_unit(
+                plan, 0, storage, out, WorkLayout(job.work_url), options, streams=streams
+            )
+            assert verify_unit(plan, 0, storage, out, options, expected=merged.tensors).ok
+            assert not check_integrity(plan, storage, [merged.ledger]).failed
+            assert sum(len(pieces) for pieces in merged.ledger.values()) > 0
+        shard = next((tmp_path / f"out{streams}").rglob(merged.file))
+        got[streams] = (shard.read_bytes(), merged.tensors, merged.bytes_read)
+    assert got[1] == got[3]
+    assert _stream_bounds([_Entry(n) for n in (10, 10, 10, 10)], 2) == [0, 2, 4]
+    assert _stream_bounds([_Entry(n) for n in (100, 1, 1)], 3) == [0, 1, 2, 3]
+    assert _stream_bounds([_Entry(n) for n in (5,)], 4) == [0, 1]
+    # The last round's merges share the idle tasks' cores; the others run as one stream.
+    assert [merge_streams(p, 35, 16, options) for p in (0, 31, 32, 34)] == [1, 1, 5, 5]
+    assert merge_streams(0, 1, 2, options) == 2 and merge_streams(0, 32, 16, options) == 1
+    assert merge_streams(4, 5, 1, options) == 1
+    from zerosafe.config import TASK_OVERHEAD_BYTES
+
+    # A task's buffers of 8 MiB hold one stream's 5 MiB, not two.
+    small = ConvertOptions(memory=TASK_OVERHEAD_BYTES + 8 * 2**20, max_parallel_tasks=1)
+    assert small.chunk_bytes == 2**20 and merge_streams(0, 1, 8, small) == 1
+
+
+class _Entry:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes

@@ -31,6 +31,7 @@ from zerosafe.pipeline import (
     hold_work,
     intermediate_is_present,
     merge_fingerprint,
+    merge_streams,
     merge_unit,
     open_locator,
     parts_to_extract,
@@ -219,6 +220,8 @@ class _UnitRunner:
         """The options units run with (in workers: the budget less the workers' overhead)."""
         self.worker_rss_bytes = 0
         self._lock = threading.Lock()  # units finish in several threads with a pool
+        self._merges_started = 0
+        self._to_merge = self._at_once = 1
 
     def _count(self, counts: dict[str, int], stage: str) -> None:
         with self._lock:
@@ -284,8 +287,10 @@ class _UnitRunner:
         # or as threads here where more than two tasks fit and the source may be read in
         # parallel; otherwise one merge at a time here with its verify beside the next merge.
         at_once = pool.workers if pool else options.parallel_tasks
-        set_tasks_at_once(at_once)
         whole_units = pool is not None or (at_once > 2 and not self.job.serial_merges)
+        to_merge = max(1, len(self.plan.shards) - len(self.reused))
+        set_tasks_at_once(min(to_merge, at_once if whole_units else 1))  # copies at once
+        self._to_merge, self._at_once = to_merge, at_once  # for `merge_streams`
         beside = (
             ThreadPoolExecutor(at_once if whole_units else 1, thread_name_prefix="zerosafe-unit")
             if options.parallel_tasks > 1
@@ -365,9 +370,13 @@ class _UnitRunner:
             self._count(self.kept, "merge")
             self.progress.advance(work.source_bytes, "merge")
             return MergeResult.from_json(record["result"])
+        with self._lock:
+            position, self._merges_started = self._merges_started, self._merges_started + 1
+        streams = merge_streams(position, self._to_merge, self._at_once, self.unit_options)
         result = self._call(
             merge_unit, shard, self.storage, self.job.destination, self.work, self.unit_options,
             locator=locator, on_bytes=lambda n: self.progress.advance(n, "merge"),
+            streams=streams,
         )  # fmt: skip
         if result.reused:
             return result

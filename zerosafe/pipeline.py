@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from zerosafe.cast import output_needs_torch
-from zerosafe.config import ConvertOptions
+from zerosafe.config import PIPELINE_BUFFERS, ConvertOptions
 from zerosafe.errors import IntegrityError, StorageError, VerificationError
 from zerosafe.formats.safetensors import HeaderEntry, build_header
 from zerosafe.io.lease import Lease, destination_lease, work_lease
@@ -90,6 +90,7 @@ __all__ = [
     "hold_work",
     "intermediate_is_present",
     "merge_fingerprint",
+    "merge_streams",
     "merge_unit",
     "open_locator",
     "parts_to_extract",
@@ -433,12 +434,14 @@ def merge_unit(
     *,
     on_bytes: OnBytes = None,
     locator: DirectLocator | StagedLocator | None = None,
+    streams: int = 1,
 ) -> MergeResult:
     """Merge output shard `shard` into the job's pending folder, or, in a repair, keep the
     published shard when it is still as published.
 
     Args:
         locator: Shared by several merges (the sequential driver); by default one of its own.
+        streams: Threads copying at once within the shard (`merge_streams`).
     """
     file_name = plan.shards[shard].file_name
     reused = reusable_shard(storage, destination, plan.job_key, shard, file_name)
@@ -449,11 +452,32 @@ def merge_unit(
     try:
         return merge_shard(
             plan, shard, storage, pending_url(destination, plan.job_key), reader,
-            chunk_bytes=options.chunk_bytes, on_bytes=on_bytes,
+            chunk_bytes=options.chunk_bytes, on_bytes=on_bytes, streams=streams,
         )  # fmt: skip
     finally:
         if locator is None:
             reader.close()
+
+
+MAX_MERGE_STREAMS = 8
+FUSED_STREAM_BYTES = 5 * 2**20
+"""What one stream of a merge holds (`zerosafe.stages.streaming._copy_fused`: a 1 MiB read
+block and four 1 MiB cast blocks)."""
+
+
+def merge_streams(position: int, total: int, at_once: int, options: ConvertOptions) -> int:
+    """Threads for the merge that is `position`-th of `total` started with `at_once` tasks:
+    1, except where too few merges are left to keep every task busy. A run of `total`
+    merges on `at_once` tasks ends in a round of `total % at_once` of them (or is one round
+    of `total < at_once`); each of those gets `at_once // round` streams, so that the cores of
+    the tasks left without a shard copy its tensors (on 16 cores, 35 shards left 3 to run
+    alone for a third of the run). At most `MAX_MERGE_STREAMS`, and as many as the task's
+    copy buffers hold (`FUSED_STREAM_BYTES` each)."""
+    last_round = total % at_once if total >= at_once else total
+    if at_once < 2 or last_round == 0 or position < total - last_round:
+        return 1
+    fits = options.chunk_bytes * PIPELINE_BUFFERS // FUSED_STREAM_BYTES
+    return max(1, min(at_once // last_round, MAX_MERGE_STREAMS, fits))
 
 
 def verify_unit(

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
-from collections.abc import Sequence
+
+try:  # the same CRC-32 (zip's), computed with SIMD; zlib gives identical values, slower
+    from zlib_ng.zlib_ng import crc32 as _crc32
+except ImportError:
+    from zlib import crc32 as _crc32
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +28,7 @@ from zerosafe.verify.checksum import new_digest
 __all__ = [
     "HeaderEntry",
     "SafetensorsStreamWriter",
+    "TensorRangeWriter",
     "build_header",
     "read_header",
 ]
@@ -102,12 +107,80 @@ def read_header(source: ByteSource) -> tuple[dict[str, dict[str, Any]], dict[str
     return header, metadata, data_start
 
 
-class SafetensorsStreamWriter:
+class _TensorCursor:
+    """Which tensor of `entries[first:last]` the next bytes belong to, and each finished
+    tensor's digest (and CRC32 when `track_crc`), for the writers below."""
+
+    def __init__(
+        self,
+        entries: Sequence[HeaderEntry],
+        first: int,
+        last: int,
+        *,
+        checksum: str,
+        track_crc: bool,
+    ) -> None:
+        self.entries = list(entries)
+        self.checksum = checksum
+        """The per-tensor digest's algorithm (`zerosafe.verify.checksum`)."""
+        self.digests: list[str] = []
+        """Per tensor, in header order, the hex digest of its bytes."""
+        self.crc32: list[int] = []
+        self._track_crc = track_crc
+        self._index = first
+        self._last = last
+        self._written = 0
+        self._hash = new_digest(checksum)
+        self._crc = 0
+        self._skip_empty()
+
+    def _close_tensor(self) -> None:
+        self.digests.append(self._hash.hexdigest())
+        self.crc32.append(self._crc)
+        self._index += 1
+        self._written = 0
+        self._hash = new_digest(self.checksum)
+        self._crc = 0
+
+    def _skip_empty(self) -> None:
+        while self._index < self._last and self.entries[self._index].nbytes == 0:
+            self._close_tensor()
+
+    def _take(self, index: int, data: memoryview | bytes) -> memoryview:
+        """`data` as the next bytes of tensor `index` (the current one): checked and hashed;
+        the caller writes them, then calls `_taken`."""
+        if index != self._index:
+            raise AssertionError(f"bytes for tensor {index} while tensor {self._index} is open")
+        view = memoryview(data).cast("B")
+        entry = self.entries[index]
+        if self._written + len(view) > entry.nbytes:
+            raise AssertionError(
+                f"'{entry.name}': {self._written + len(view)} bytes for {entry.nbytes}"
+            )
+        self._hash.update(view)
+        if self._track_crc:
+            self._crc = _crc32(view, self._crc)
+        return view
+
+    def _taken(self, nbytes: int) -> None:
+        self._written += nbytes
+        if self._written == self.entries[self._index].nbytes:
+            self._close_tensor()
+            self._skip_empty()
+
+    @property
+    def complete(self) -> bool:
+        """Whether every tensor of the range got all its bytes."""
+        return self._index == self._last
+
+
+class SafetensorsStreamWriter(_TensorCursor):
     """Writes one safetensors file through a `Sink`: header now, tensor bytes as they come.
 
     Tracks a digest per tensor while writing (`checksum`: SHA-256 unless told), and a CRC32 when `track_crc` (intermediates,
     whose readers check their pieces against it). `write` takes the bytes of tensor `index`
-    in order; `finish` checks every tensor got exactly its bytes, then commits.
+    in order; `finish` checks every tensor got exactly its bytes, then commits. Several
+    threads may instead fill the tensors in ranges (`ranges`, then `adopt`).
     """
 
     def __init__(
@@ -120,20 +193,9 @@ class SafetensorsStreamWriter:
         checksum: str = "sha256",
     ):
         self.sink = sink
-        self._track_crc = track_crc
-        self.checksum = checksum
-        """The per-tensor digest's algorithm (`zerosafe.verify.checksum`)."""
-        self.entries = list(entries)
-        self.header = build_header(self.entries, metadata)
-        self.digests: list[str] = []
-        """Per tensor, in header order, the hex digest of its bytes."""
-        self.crc32: list[int] = []
-        self._index = 0
-        self._written = 0
-        self._hash = new_digest(checksum)
-        self._crc = 0
+        self.header = build_header(entries, metadata)
         self.sink.write(self.header)
-        self._skip_empty()
+        super().__init__(entries, 0, len(entries), checksum=checksum, track_crc=track_crc)
 
     @property
     def data_bytes(self) -> int:
@@ -149,36 +211,41 @@ class SafetensorsStreamWriter:
         assert self.checksum == "sha256", f"this writer records {self.checksum}"
         return self.digests
 
-    def _close_tensor(self) -> None:
-        self.digests.append(self._hash.hexdigest())
-        self.crc32.append(self._crc)
-        self._index += 1
-        self._written = 0
-        self._hash = new_digest(self.checksum)
-        self._crc = 0
-
-    def _skip_empty(self) -> None:
-        while self._index < len(self.entries) and self.entries[self._index].nbytes == 0:
-            self._close_tensor()
-
     def write(self, index: int, data: memoryview | bytes) -> None:
         """Append bytes of tensor `index` (the current one)."""
-        if index != self._index:
-            raise AssertionError(f"bytes for tensor {index} while tensor {self._index} is open")
-        view = memoryview(data).cast("B")
-        entry = self.entries[index]
-        if self._written + len(view) > entry.nbytes:
-            raise AssertionError(
-                f"'{entry.name}': {self._written + len(view)} bytes for {entry.nbytes}"
-            )
-        self._hash.update(view)
-        if self._track_crc:
-            self._crc = zlib.crc32(view, self._crc)
+        view = self._take(index, data)
         self.sink.write(view)
-        self._written += len(view)
-        if self._written == entry.nbytes:
-            self._close_tensor()
-            self._skip_empty()
+        self._taken(len(view))
+
+    def ranges(
+        self, bounds: Sequence[int], write_at: Callable[[int, memoryview], None]
+    ) -> list[TensorRangeWriter]:
+        """Writers of tensors `[bounds[i], bounds[i + 1])` at their own offsets of the file,
+        through `write_at` (a local sink's `write_at`), one per thread; no tensor may have been
+        written here. `adopt` takes their digests back once all are complete."""
+        if self._written or any(e.nbytes for e in self.entries[: self._index]):
+            raise AssertionError("ranges of a file whose tensors have begun")
+        if not bounds or bounds[0] != 0 or bounds[-1] != len(self.entries):
+            raise AssertionError(f"ranges {list(bounds)} do not cover {len(self.entries)} tensors")
+        start = len(self.header)
+        offsets = [start]
+        for entry in self.entries:
+            offsets.append(offsets[-1] + entry.nbytes)
+        return [
+            TensorRangeWriter(self, first, last, offsets[first], write_at)
+            for first, last in zip(bounds, bounds[1:], strict=False)
+        ]
+
+    def adopt(self, parts: Sequence[TensorRangeWriter]) -> None:
+        """Every tensor as `parts` (from `ranges`, in order) wrote it."""
+        incomplete = [p for p in parts if not p.complete]
+        if incomplete:
+            raise AssertionError(f"tensor range {incomplete[0].first} incomplete at adopt")
+        self.digests = [d for p in parts for d in p.digests]
+        self.crc32 = [c for p in parts for c in p.crc32]
+        if len(self.digests) != len(self.entries):
+            raise AssertionError(f"{len(self.digests)} tensors adopted of {len(self.entries)}")
+        self._index = len(self.entries)
 
     def finish(self) -> None:
         """Check completeness and commit the file."""
@@ -189,3 +256,31 @@ class SafetensorsStreamWriter:
 
     def abort(self) -> None:
         self.sink.abort()
+
+
+class TensorRangeWriter(_TensorCursor):
+    """Tensors `[first, last)` of a file a `SafetensorsStreamWriter` began, written at their
+    own offsets (`SafetensorsStreamWriter.ranges`)."""
+
+    def __init__(
+        self,
+        parent: SafetensorsStreamWriter,
+        first: int,
+        last: int,
+        offset: int,
+        write_at: Callable[[int, memoryview], None],
+    ) -> None:
+        self.sink = parent.sink
+        self.first = first
+        self._pos = offset
+        self._write_at = write_at
+        super().__init__(
+            parent.entries, first, last, checksum=parent.checksum, track_crc=parent._track_crc
+        )
+
+    def write(self, index: int, data: memoryview | bytes) -> None:
+        """Bytes of tensor `index` (the range's current one), at the next offset."""
+        view = self._take(index, data)
+        self._write_at(self._pos, view)
+        self._pos += len(view)
+        self._taken(len(view))

@@ -353,6 +353,7 @@ class LocalSink:
             raise StorageError(f"{url}: cannot create '{self._tmp_path}': {e.strerror}") from e
         self._done = False
         self._flushed = 0
+        self._count_lock = threading.Lock()
 
     def write(self, data: bytes | memoryview) -> None:
         self._write(data)
@@ -364,6 +365,31 @@ class LocalSink:
                 _SYNC_FILE_RANGE_WRITE,
             )
             self._flushed = self.bytes_written
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        """Write `data` at `offset` (`os.pwrite`, so several threads may each fill their own
+        range of the file: a merge's parallel streams); `write` is still the sequential
+        append, and the file is whole only once every range is written."""
+        view = memoryview(data).cast("B")
+        fd = self._file.fileno()
+        try:
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+                with self._count_lock:
+                    self.bytes_written += n
+                if self._counter is not None:
+                    self._counter.add_written(n)
+        except OSError as e:  # not aborted here: other threads may be writing to the file
+            raise self._write_error(e) from e
+
+    def _write_error(self, e: OSError) -> StorageError:
+        if e.errno == errno.ENOSPC:
+            return StorageError(
+                f"{self.url}: no space left on device after writing {self.bytes_written} bytes; "
+                "free space there (or choose another output) and run the same command again"
+            )
+        return StorageError(f"{self.url}: write failed: {e.strerror}")
 
     def _write(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -377,12 +403,7 @@ class LocalSink:
                     self._counter.add_written(n)
         except OSError as e:
             self.abort()
-            if e.errno == errno.ENOSPC:
-                raise StorageError(
-                    f"{self.url}: no space left on device after writing {self.bytes_written} bytes; "
-                    "free space there (or choose another output) and run the same command again"
-                ) from e
-            raise StorageError(f"{self.url}: write failed: {e.strerror}") from e
+            raise self._write_error(e) from e
 
     def commit(self) -> None:
         assert not self._done, "sink already closed"

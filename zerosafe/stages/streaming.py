@@ -25,14 +25,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from zerosafe.cast import TORCH_STEP, cast_into
 from zerosafe.config import PIPELINE_BUFFERS
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import ConfigError
 from zerosafe.formats.crc import CrcLedger
-from zerosafe.formats.safetensors import SafetensorsStreamWriter
 from zerosafe.io.buffers import allocate_buffer, pin_mmap_threshold
 from zerosafe.io.coalesce import PlannedRead, Prefetcher, plan_requests
 from zerosafe.io.s3 import TransferSettings
@@ -43,8 +42,10 @@ __all__ = [
     "PrefetchLimits",
     "copy_mode",
     "copy_stream",
+    "local_copy",
     "prefetch_limits",
     "set_tasks_at_once",
+    "TensorWriter",
 ]
 
 try:  # the same CRC-32 (zip's), computed with SIMD: 5-6x zlib's speed on the benchmark machine
@@ -109,6 +110,15 @@ def copy_mode() -> str:
 COALESCE_READS = True
 """Coalesce and prefetch reads when every source is remote (off: one ranged read per chunk of
 each fragment, as before; the benchmark's baseline)."""
+
+
+class TensorWriter(Protocol):
+    """Where copied bytes go: a `SafetensorsStreamWriter`, or one of its `TensorRangeWriter`s."""
+
+    sink: Any
+    """The file's sink (its `url` says whether the copy may run fused)."""
+
+    def write(self, index: int, data: memoryview | bytes) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +304,7 @@ def _cast(
 class _Writer(threading.Thread):
     """Hashes and writes queued chunks; after an error it keeps draining so no one blocks."""
 
-    def __init__(self, writer: SafetensorsStreamWriter, pool: _BufferPool) -> None:
+    def __init__(self, writer: TensorWriter, pool: _BufferPool) -> None:
         super().__init__(name="zerosafe-writer", daemon=True)
         self.writer = writer
         self.pool = pool
@@ -357,19 +367,25 @@ def _in_out_dtype(
     return out_buf, view
 
 
-def _fused(jobs: list[CopyJob], writer: SafetensorsStreamWriter) -> bool:
-    """Whether `copy_stream` copies `jobs` block by block (`_copy_fused`): every source and
-    the output local files, and `copy_mode` says so."""
-    if not jobs or not is_local(str(getattr(writer.sink, "url", ""))):
+def local_copy(jobs: Iterable[CopyJob], writer: TensorWriter) -> bool:
+    """Whether every source of `jobs` and the output are local files (a copy that may run
+    fused, `_copy_fused`)."""
+    if not is_local(str(getattr(writer.sink, "url", ""))):
         return False  # an object store's sink sends its parts from `write`: keep it off-thread
-    if not all(is_local(j.source.url) for j in jobs):
+    return all(is_local(j.source.url) for j in jobs)
+
+
+def _fused(jobs: list[CopyJob], writer: TensorWriter, fused: bool | None) -> bool:
+    """Whether `copy_stream` copies `jobs` block by block: local files, and `fused` (None:
+    `copy_mode`) says so."""
+    if not jobs or not local_copy(jobs, writer):
         return False
-    return copy_mode() == "fused"
+    return copy_mode() == "fused" if fused is None else fused
 
 
 def _copy_fused(
     jobs: list[CopyJob],
-    writer: SafetensorsStreamWriter,
+    writer: TensorWriter,
     ledger: CrcLedger | None,
     on_bytes: Callable[[int], None] | None,
 ) -> int:
@@ -428,12 +444,13 @@ def _copy_fused(
 
 def copy_stream(
     jobs: Iterable[CopyJob],
-    writer: SafetensorsStreamWriter,
+    writer: TensorWriter,
     *,
     chunk_bytes: int,
     ledger: CrcLedger | None = None,
     on_bytes: Callable[[int], None] | None = None,
     num_readers: int = 2,
+    fused: bool | None = None,
 ) -> int:
     """Run `jobs` in order into `writer` (which must be positioned at their first tensor).
 
@@ -444,13 +461,15 @@ def copy_stream(
         ledger: Receives the CRC32 of every range read whose job names a `crc_key`.
         on_bytes: Called with the source bytes of each chunk once it is queued for writing.
         num_readers: Threads reading at once.
+        fused: Copy local files block by block (True), through the pipeline (False), or as
+            `copy_mode` says (None).
 
     Returns:
         Bytes read from the sources: the jobs' bytes, or with coalesced reads the requests'
         whole ranges (gaps read through included), as they went over the wire.
     """
     jobs = list(jobs)
-    if _fused(jobs, writer):
+    if _fused(jobs, writer, fused):
         return _copy_fused(jobs, writer, ledger, on_bytes)
     pin_mmap_threshold()
     jobs, prefetcher, pool = _plan_reads(jobs, chunk_bytes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from zerosafe import pipeline
-from zerosafe.pipeline import merge_unit
+from zerosafe.pipeline import merge_streams, merge_unit
 from zerosafe.stages import output
 from zerosafe.stages.results import MergeResult
 from zerosafe_app.tasks._common import (
@@ -26,9 +26,11 @@ def merge(job: Job, index: int, number: int, count: int, fingerprint: str = "") 
     the intermediates it reads, so a re-extracted identical file keeps this result cached."""
     meter = TaskMeter(job)
     plan, storage, options, work = context(job)
+    # The flow submits merges in shard order, so the last shards are the last round's.
+    streams = merge_streams(index, count, job.workers or options.parallel_tasks, options)
     result = run_unit(
         job, plan, merge_unit, index, storage, job.destination, work, options,
-        on_bytes=lambda n: progress().advance(n, "merge"),
+        on_bytes=lambda n: progress().advance(n, "merge"), streams=streams,
     )  # fmt: skip
     record_run(job, "merge", index, result, meter)
     return result
