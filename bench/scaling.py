@@ -17,6 +17,7 @@ Every output is checked against the forge's values before it is deleted.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -33,7 +34,23 @@ if "--src" in sys.argv:  # measure another checkout's engine (its `zerosafe` com
     sys.path.insert(0, os.path.abspath(sys.argv[sys.argv.index("--src") + 1]))
 
 from bench._check import check_output  # noqa: E402
-from bench._cpu_probe import proc_stat, stat_cpus  # noqa: E402
+
+
+def _load_probe() -> Any:
+    """This checkout's bench/_cpu_probe.py, also under `--src` (whose bench may predate it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_zerosafe_cpu_probe", os.path.join(REPO, "bench", "_cpu_probe.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_probe = _load_probe()
+proc_stat, stat_cpus = _probe.proc_stat, _probe.stat_cpus
 from bench._iolimit import fp32_ranges, measure_limit, warm_cache  # noqa: E402
 from bench._membw import copy_scaling  # noqa: E402
 from bench.run import _files, forge  # noqa: E402
@@ -85,6 +102,10 @@ def run_once(
             serial_torch = None
     if serial_torch is not None:
         serial_torch()  # as the command and the flow's tasks do
+    try:
+        from zerosafe.pipeline import merge_streams
+    except ImportError:  # a checkout from before merges in streams
+        merge_streams = None
     try:  # as the command does (a worker pool tells its workers itself)
         from zerosafe.stages.streaming import set_tasks_at_once
 
@@ -114,6 +135,14 @@ def run_once(
     cpu0, t0 = _cpu_seconds(), time.perf_counter()
     with hold_work(storage, job):
         spans: list[tuple[float, float]] = []
+        started = itertools.count()
+
+        def streams(shard: int) -> dict[str, int]:
+            """As the command gives them (`merge_streams`; a checkout from before: none)."""
+            position = next(started)
+            if merge_streams is None:
+                return {}
+            return {"streams": merge_streams(position, len(plan.shards), tasks, options)}
 
         def unit(shard: int) -> tuple[Any, Any]:
             begun = time.perf_counter()
@@ -123,15 +152,17 @@ def run_once(
                 spans.append((begun - t0, time.perf_counter() - t0))
 
         def run_unit(shard: int) -> tuple[Any, Any]:
+            extra = streams(shard)
             if pool is not None:
                 merged = pool.run(
-                    merge_unit, Shared("plan"), shard, storage, job.destination, work, options
-                )
+                    merge_unit, Shared("plan"), shard, storage, job.destination, work, options,
+                    **extra,
+                )  # fmt: skip
                 return merged, pool.run(
                     verify_unit, Shared("plan"), shard, storage, job.destination, options,
                     expected=merged.tensors,
                 )  # fmt: skip
-            merged = merge_unit(plan, shard, storage, job.destination, work, options)
+            merged = merge_unit(plan, shard, storage, job.destination, work, options, **extra)
             verified = verify_unit(
                 plan, shard, storage, job.destination, options, expected=merged.tensors
             )
