@@ -166,3 +166,33 @@ def test_copy_mode_follows_tasks_per_core(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("ZEROSAFE_COPY", "fast")
     with pytest.raises(ConfigError, match="ZEROSAFE_COPY='fast': expected one of auto, fused"):
         copy_mode()
+
+
+def test_a_cold_source_is_copied_by_the_pipeline(tmp_path: Path) -> None:
+    """Fused only from the page cache: from a cold disk the pipeline's readers are faster."""
+    import os
+
+    from zerosafe.io.residency import cached_fraction
+    from zerosafe.stages.streaming import fusable
+
+    path = tmp_path / "src.bin"
+    path.write_bytes(os.urandom(4 << 20))
+    storage = Storage()
+    source = storage.open_source(str(path))
+    writer = SafetensorsStreamWriter(
+        storage.open_sink(str(tmp_path / "o.safetensors")), [HeaderEntry("t", "uint8", (4 << 20,))]
+    )
+    jobs = [CopyJob(0, source, 0, 4 << 20, "uint8", "uint8")]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    cached = cached_fraction([(str(path), 0, 4 << 20)])
+    if cached is None or cached > 0.5:
+        pytest.skip("this kernel or file system cannot evict or count cached pages")
+    assert not fusable(jobs, writer)
+    path.read_bytes()
+    assert fusable(jobs, writer)
+    writer.abort()

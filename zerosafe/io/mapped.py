@@ -55,6 +55,11 @@ class MappedFile:
     def readinto_at(self, offset: int, buf: memoryview) -> None:
         self._source.readinto_at(offset, buf)
 
+    def prefetch(self, offset: int, nbytes: int) -> None:
+        prefetch = getattr(self._source, "prefetch", None)
+        if prefetch is not None:
+            prefetch(offset, nbytes)
+
     def view_range(self, offset: int, nbytes: int) -> memoryview:
         if nbytes == 0:
             return memoryview(bytearray(0))

@@ -30,7 +30,7 @@ from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, Storage, join_url
 from zerosafe.plan.model import ExtractPart, Plan, Slot
 from zerosafe.stages.results import ExtractResult, MergeResult
-from zerosafe.stages.streaming import CopyJob, copy_stream, local_copy
+from zerosafe.stages.streaming import CopyJob, copy_stream, fusable
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
 
 __all__ = [
@@ -417,7 +417,7 @@ def merge_shard(
     )  # fmt: skip
     jobs = list(_merge_jobs(plan, shard, locator))
     try:
-        if streams > 1 and hasattr(writer.sink, "write_at") and local_copy(jobs, writer):
+        if streams > 1 and hasattr(writer.sink, "write_at") and fusable(jobs, writer):
             bytes_read = _copy_in_streams(jobs, writer, streams, ledger, on_bytes)
         else:
             bytes_read = copy_stream(

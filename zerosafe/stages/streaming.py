@@ -34,15 +34,16 @@ from zerosafe.errors import ConfigError
 from zerosafe.formats.crc import CrcLedger
 from zerosafe.io.buffers import allocate_buffer, pin_mmap_threshold
 from zerosafe.io.coalesce import PlannedRead, Prefetcher, plan_requests
+from zerosafe.io.residency import cached_fraction
 from zerosafe.io.s3 import TransferSettings
-from zerosafe.io.storage import ByteSource, is_local
+from zerosafe.io.storage import ByteSource, is_local, local_path
 
 __all__ = [
     "CopyJob",
     "PrefetchLimits",
     "copy_mode",
     "copy_stream",
-    "local_copy",
+    "fusable",
     "prefetch_limits",
     "set_tasks_at_once",
     "TensorWriter",
@@ -69,6 +70,12 @@ FUSED_BLOCK_BYTES = 1 << 20
 """Source bytes per step when local files are copied block by block (`_copy_fused`): with
 its cast output a block stays in a core's L2 cache (2 MiB a core on the machines measured)."""
 _FUSED_OUT_BUFFERS = 4
+_PREFETCH_AHEAD = 64 * 2**20
+"""Source bytes the fused loop asks the kernel to read ahead of it (page cache, not the
+task's memory), in requests of `_PREFETCH_STEP`."""
+_PREFETCH_STEP = 8 * 2**20
+_WARM_FRACTION = 0.9
+"""Of the pages a copy reads, the fraction the page cache must hold for it to run fused."""
 """Cast blocks between the fused loop and its writer thread (one being filled, the queue, one
 being written)."""
 COPY_MODES = ("auto", "fused", "pipeline")
@@ -367,18 +374,33 @@ def _in_out_dtype(
     return out_buf, view
 
 
-def local_copy(jobs: Iterable[CopyJob], writer: TensorWriter) -> bool:
-    """Whether every source of `jobs` and the output are local files (a copy that may run
-    fused, `_copy_fused`)."""
+def fusable(jobs: Iterable[CopyJob], writer: TensorWriter) -> bool:
+    """Whether `jobs` may be copied block by block (`_copy_fused`): every source and the
+    output are local files, and the page cache holds the sources' ranges (at least
+    `_WARM_FRACTION` of their pages, `cachestat`; a kernel that cannot tell counts as warm).
+
+    From a cold disk the pipeline is faster: its reader threads map 64 MiB chunks while the
+    caller casts. At 7B (28 GB of masters, more than the 24 GB of RAM) on the 2-core machine
+    a whole command took 29.4 s with the pipeline, 39.7 s fused (35.9 s of system time for
+    `pread` into a reclaimed page cache), 33.7 s fused with the kernel asked to read ahead,
+    and 33.4 s fused through memory maps."""
     if not is_local(str(getattr(writer.sink, "url", ""))):
         return False  # an object store's sink sends its parts from `write`: keep it off-thread
-    return all(is_local(j.source.url) for j in jobs)
+    spans: dict[str, list[int]] = {}
+    for job in jobs:
+        if not is_local(job.source.url):
+            return False
+        span = spans.setdefault(local_path(job.source.url), [job.offset, job.offset])
+        span[0] = min(span[0], job.offset)
+        span[1] = max(span[1], job.offset + job.nbytes)
+    cached = cached_fraction((path, lo, hi - lo) for path, (lo, hi) in spans.items())
+    return cached is None or cached >= _WARM_FRACTION
 
 
 def _fused(jobs: list[CopyJob], writer: TensorWriter, fused: bool | None) -> bool:
     """Whether `copy_stream` copies `jobs` block by block: local files, and `fused` (None:
     `copy_mode`) says so."""
-    if not jobs or not local_copy(jobs, writer):
+    if not jobs or not fusable(jobs, writer):
         return False
     return copy_mode() == "fused" if fused is None else fused
 
@@ -401,6 +423,10 @@ def _copy_fused(
     write_thread = _Writer(writer, pool)
     write_thread.start()
     run: list[Any] = [None, 0, 0, 0]  # the CRC being run on: key, offset, length, crc
+    # The kernel reads ahead what the loop will read next (`prefetch`), so that a cold source
+    # is fetched while blocks are cast: the pipeline's reader threads did that.
+    ahead = _chunks(jobs, _PREFETCH_STEP)
+    advised = consumed = 0
 
     def flush_crc() -> None:
         if run[0] is not None and ledger is not None:
@@ -409,6 +435,17 @@ def _copy_fused(
 
     try:
         for job, pos, n in _chunks(jobs, block):
+            while advised < consumed + _PREFETCH_AHEAD:
+                item = next(ahead, None)
+                if item is None:
+                    advised = sum(j.nbytes for j in jobs)
+                    break
+                source, at, size = item[0].source, item[0].offset + item[1], item[2]
+                prefetch = getattr(source, "prefetch", None)
+                if prefetch is not None:
+                    prefetch(at, size)
+                advised += size
+            consumed += n
             data = memoryview(buf)[:n]
             job.source.readinto_at(job.offset + pos, data)
             if job.crc_key is not None and ledger is not None:
