@@ -4,6 +4,7 @@ read is in the CRC ledger, both as the threaded pipeline and fused block by bloc
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -84,10 +85,8 @@ def test_chunked_cast_equals_torch_to(tmp_path: Path, out_dtype: torch.dtype) ->
         assert_torch_cast(got, src, out_dtype)
 
 
-def test_ledger_gets_crc_of_every_range(tmp_path: Path) -> None:
-    import zlib
-
-    data = bytes(range(256)) * 100
+def _uint8_file(tmp_path: Path, data: bytes) -> tuple[Any, SafetensorsStreamWriter]:
+    """A source file of `data` and a writer of one uint8 tensor as long."""
     (tmp_path / "src.bin").write_bytes(data)
     storage = Storage()
     source = storage.open_source(str(tmp_path / "src.bin"))
@@ -95,6 +94,14 @@ def test_ledger_gets_crc_of_every_range(tmp_path: Path) -> None:
         storage.open_sink(str(tmp_path / "o.safetensors")),
         [HeaderEntry("t", "uint8", (len(data),))],
     )
+    return source, writer
+
+
+def test_ledger_gets_crc_of_every_range(tmp_path: Path) -> None:
+    import zlib
+
+    data = bytes(range(256)) * 100
+    source, writer = _uint8_file(tmp_path, data)
     ledger = CrcLedger()
     copy_stream(
         [CopyJob(0, source, 0, len(data), "uint8", "uint8", "rec", 0)],
@@ -125,13 +132,7 @@ def test_ledger_runs_records_across_jobs_in_any_order(tmp_path: Path) -> None:
     import zlib
 
     data = bytes((i * 7 + i // 251) % 256 for i in range(100_000))
-    (tmp_path / "src.bin").write_bytes(data)
-    storage = Storage()
-    source = storage.open_source(str(tmp_path / "src.bin"))
-    writer = SafetensorsStreamWriter(
-        storage.open_sink(str(tmp_path / "o.safetensors")),
-        [HeaderEntry("t", "uint8", (len(data),))],
-    )
+    source, writer = _uint8_file(tmp_path, data)
     ledger = CrcLedger()
     jobs = [
         CopyJob(0, source, 25_000, 20_000, "uint8", "uint8", "a", 25_000),
@@ -172,23 +173,14 @@ def test_a_cold_source_is_copied_by_the_pipeline(tmp_path: Path) -> None:
     """Fused only from the page cache: from a cold disk the pipeline's readers are faster."""
     import os
 
+    from bench._iolimit import drop_cache
     from zerosafe.io.residency import cached_fraction
     from zerosafe.stages.streaming import fusable
 
+    source, writer = _uint8_file(tmp_path, os.urandom(4 << 20))
     path = tmp_path / "src.bin"
-    path.write_bytes(os.urandom(4 << 20))
-    storage = Storage()
-    source = storage.open_source(str(path))
-    writer = SafetensorsStreamWriter(
-        storage.open_sink(str(tmp_path / "o.safetensors")), [HeaderEntry("t", "uint8", (4 << 20,))]
-    )
     jobs = [CopyJob(0, source, 0, 4 << 20, "uint8", "uint8")]
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cache([str(path)])
     cached = cached_fraction([(str(path), 0, 4 << 20)])
     if cached is None or cached > 0.5:
         pytest.skip("this kernel or file system cannot evict or count cached pages")
