@@ -6,6 +6,7 @@ The flows validate user input (CLI flags, YAML job files, Prefect parameters) in
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -18,6 +19,7 @@ __all__ = [
     "DEFAULT_MEMORY_BYTES",
     "ConvertOptions",
     "choose_mode",
+    "usable_cores",
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -245,3 +247,11 @@ class ConvertOptions:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

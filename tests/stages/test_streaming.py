@@ -151,9 +151,7 @@ def test_ledger_runs_records_across_jobs_in_any_order(tmp_path: Path) -> None:
 
 
 def test_copy_mode_follows_tasks_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    from zerosafe.stages import workers
-
-    monkeypatch.setattr(workers, "usable_cores", lambda: 16)
+    monkeypatch.setattr(streaming, "usable_cores", lambda: 16)
     monkeypatch.setattr(streaming, "_tasks_at_once", 1)
     monkeypatch.setenv("ZEROSAFE_COPY", "auto")
     assert copy_mode() == "pipeline"  # one unit on 16 cores: the pipeline's threads help
@@ -185,6 +183,9 @@ def test_a_cold_source_is_copied_by_the_pipeline(tmp_path: Path) -> None:
     if cached is None or cached > 0.5:
         pytest.skip("this kernel or file system cannot evict or count cached pages")
     assert not fusable(jobs, writer)
+    # A caller that chose fused (a merge's streams) is not overruled by a second look at the
+    # page cache, which may have changed: its buffers are sized for the fused loop only.
+    assert streaming._fused(jobs, writer, True) and not streaming._fused(jobs, writer, None)
     path.read_bytes()
     assert fusable(jobs, writer)
     writer.abort()

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from zerosafe.config import MIN_CHUNK_BYTES
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import IntegrityError
 from zerosafe.formats.crc import CrcLedger, LedgerCheck
@@ -341,6 +342,7 @@ def _copy_in_streams(
     streams: int,
     ledger: CrcLedger,
     on_bytes: Callable[[int], None] | None,
+    chunk_bytes: int,
 ) -> int:
     """Copy `jobs` (local files, in tensor order) in up to `streams` threads, each copying a
     run of whole tensors block by block (`copy_stream(fused=True)`: a few MiB per thread) into
@@ -360,8 +362,9 @@ def _copy_in_streams(
         if not groups[n]:  # a run of empty tensors: nothing to read
             return 0
         return copy_stream(
-            groups[n], parts[n], chunk_bytes=0, ledger=ledgers[n], on_bytes=on_bytes, fused=True
-        )
+            groups[n], parts[n], chunk_bytes=max(MIN_CHUNK_BYTES, chunk_bytes // len(parts)),
+            ledger=ledgers[n], on_bytes=on_bytes, fused=True,
+        )  # fmt: skip
 
     with ThreadPoolExecutor(len(parts), thread_name_prefix="zerosafe-stream") as pool:
         futures = [pool.submit(copy, n) for n in range(len(parts))]
@@ -418,7 +421,7 @@ def merge_shard(
     jobs = list(_merge_jobs(plan, shard, locator))
     try:
         if streams > 1 and hasattr(writer.sink, "write_at") and fusable(jobs, writer):
-            bytes_read = _copy_in_streams(jobs, writer, streams, ledger, on_bytes)
+            bytes_read = _copy_in_streams(jobs, writer, streams, ledger, on_bytes, chunk_bytes)
         else:
             bytes_read = copy_stream(
                 jobs, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from zerosafe.cast import TORCH_STEP, cast_into
-from zerosafe.config import PIPELINE_BUFFERS
+from zerosafe.config import PIPELINE_BUFFERS, usable_cores
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import ConfigError
 from zerosafe.formats.crc import CrcLedger
@@ -109,8 +109,6 @@ def copy_mode() -> str:
         )
     if mode != "auto":
         return mode
-    from zerosafe.stages.workers import usable_cores
-
     return "fused" if 2 * _tasks_at_once >= usable_cores() else "pipeline"
 
 
@@ -384,25 +382,37 @@ def fusable(jobs: Iterable[CopyJob], writer: TensorWriter) -> bool:
     a whole command took 29.4 s with the pipeline, 39.7 s fused (35.9 s of system time for
     `pread` into a reclaimed page cache), 33.7 s fused with the kernel asked to read ahead,
     and 33.4 s fused through memory maps."""
-    if not is_local(str(getattr(writer.sink, "url", ""))):
-        return False  # an object store's sink sends its parts from `write`: keep it off-thread
-    spans: dict[str, list[int]] = {}
-    for job in jobs:
-        if not is_local(job.source.url):
-            return False
-        span = spans.setdefault(local_path(job.source.url), [job.offset, job.offset])
-        span[0] = min(span[0], job.offset)
-        span[1] = max(span[1], job.offset + job.nbytes)
+    spans = _local_spans(jobs, writer)
+    if spans is None:
+        return False
     cached = cached_fraction((path, lo, hi - lo) for path, (lo, hi) in spans.items())
     return cached is None or cached >= _WARM_FRACTION
 
 
+def _local_spans(jobs: Iterable[CopyJob], writer: TensorWriter) -> dict[str, list[int]] | None:
+    """Per source file, the span `[first, end)` of `jobs`' bytes; None unless every source
+    and the output are local files."""
+    if not is_local(str(getattr(writer.sink, "url", ""))):
+        return None  # an object store's sink sends its parts from `write`: keep it off-thread
+    spans: dict[str, list[int]] = {}
+    for job in jobs:
+        if not is_local(job.source.url):
+            return None
+        span = spans.setdefault(local_path(job.source.url), [job.offset, job.offset])
+        span[0] = min(span[0], job.offset)
+        span[1] = max(span[1], job.offset + job.nbytes)
+    return spans
+
+
 def _fused(jobs: list[CopyJob], writer: TensorWriter, fused: bool | None) -> bool:
-    """Whether `copy_stream` copies `jobs` block by block: local files, and `fused` (None:
-    `copy_mode`) says so."""
-    if not jobs or not fusable(jobs, writer):
+    """Whether `copy_stream` copies `jobs` block by block: `fused` where given (for local
+    files: a caller that decided with `fusable`, whose answer a second look at the page
+    cache could change), else `copy_mode`, for a copy `fusable` allows."""
+    if not jobs:
         return False
-    return copy_mode() == "fused" if fused is None else fused
+    if fused is not None:
+        return fused and _local_spans(jobs, writer) is not None
+    return copy_mode() == "fused" and fusable(jobs, writer)
 
 
 def _copy_fused(

@@ -51,6 +51,7 @@ from zerosafe.config import (
     PIPELINE_BUFFERS,
     TASK_OVERHEAD_BYTES,
     ConvertOptions,
+    usable_cores,
 )
 from zerosafe.errors import ConfigError, ConversionError
 
@@ -105,14 +106,6 @@ def worker_mode(requested: str | None, default: str = "threads") -> str:
             "default"
         )
     return mode
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def prestart(mode: str, *, torch: bool = False) -> bool:
