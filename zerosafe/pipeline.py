@@ -72,6 +72,7 @@ from zerosafe.stages.shards import (
     read_intermediate_sums,
     shard_metadata,
 )
+from zerosafe.stages.streaming import FUSED_STREAM_BYTES
 from zerosafe.stages.unit_records import fingerprint
 from zerosafe.stages.workers import process_options
 from zerosafe.units import format_bytes
@@ -460,9 +461,6 @@ def merge_unit(
 
 
 MAX_MERGE_STREAMS = 8
-FUSED_STREAM_BYTES = 5 * 2**20
-"""What one stream of a merge holds (`zerosafe.stages.streaming._copy_fused`: a 1 MiB read
-block and four 1 MiB cast blocks)."""
 
 
 def merge_streams(position: int, total: int, at_once: int, options: ConvertOptions) -> int:

@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import json
 import struct
-
-try:  # the same CRC-32 (zip's), computed with SIMD; zlib gives identical values, slower
-    from zlib_ng.zlib_ng import crc32 as _crc32
-except ImportError:
-    from zlib import crc32 as _crc32
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError
+from zerosafe.formats.crc import crc32 as _crc32
 from zerosafe.io.storage import ByteSource, Sink
 from zerosafe.verify.checksum import new_digest
 

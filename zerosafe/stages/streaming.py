@@ -32,6 +32,7 @@ from zerosafe.config import PIPELINE_BUFFERS, usable_cores
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import ConfigError
 from zerosafe.formats.crc import CrcLedger
+from zerosafe.formats.crc import crc32 as _crc32
 from zerosafe.io.buffers import allocate_buffer, pin_mmap_threshold
 from zerosafe.io.coalesce import PlannedRead, Prefetcher, plan_requests
 from zerosafe.io.residency import cached_fraction
@@ -40,6 +41,7 @@ from zerosafe.io.storage import ByteSource, is_local, local_path
 
 __all__ = [
     "CopyJob",
+    "FUSED_STREAM_BYTES",
     "PrefetchLimits",
     "copy_mode",
     "copy_stream",
@@ -48,11 +50,6 @@ __all__ = [
     "set_tasks_at_once",
     "TensorWriter",
 ]
-
-try:  # the same CRC-32 (zip's), computed with SIMD: 5-6x zlib's speed on the benchmark machine
-    from zlib_ng.zlib_ng import crc32 as _crc32
-except ImportError:  # zlib-ng is optional; zlib gives identical values, slower
-    from zlib import crc32 as _crc32
 
 _READ_AHEAD = 3
 _CAST_STEP = TORCH_STEP
@@ -70,14 +67,16 @@ FUSED_BLOCK_BYTES = 1 << 20
 """Source bytes per step when local files are copied block by block (`_copy_fused`): with
 its cast output a block stays in a core's L2 cache (2 MiB a core on the machines measured)."""
 _FUSED_OUT_BUFFERS = 4
+"""Cast blocks between the fused loop and its writer thread (one being filled, the queue, one
+being written)."""
+FUSED_STREAM_BYTES = FUSED_BLOCK_BYTES * (1 + _FUSED_OUT_BUFFERS)
+"""What one fused copy holds: its read block and its cast blocks."""
 _PREFETCH_AHEAD = 64 * 2**20
 """Source bytes the fused loop asks the kernel to read ahead of it (page cache, not the
 task's memory), in requests of `_PREFETCH_STEP`."""
 _PREFETCH_STEP = 8 * 2**20
 _WARM_FRACTION = 0.9
 """Of the pages a copy reads, the fraction the page cache must hold for it to run fused."""
-"""Cast blocks between the fused loop and its writer thread (one being filled, the queue, one
-being written)."""
 COPY_MODES = ("auto", "fused", "pipeline")
 _tasks_at_once = 1
 
@@ -437,6 +436,7 @@ def _copy_fused(
     # is fetched while blocks are cast: the pipeline's reader threads did that.
     ahead = _chunks(jobs, _PREFETCH_STEP)
     advised = consumed = 0
+    total = sum(j.nbytes for j in jobs)
 
     def flush_crc() -> None:
         if run[0] is not None and ledger is not None:
@@ -448,7 +448,7 @@ def _copy_fused(
             while advised < consumed + _PREFETCH_AHEAD:
                 item = next(ahead, None)
                 if item is None:
-                    advised = sum(j.nbytes for j in jobs)
+                    advised = total
                     break
                 source, at, size = item[0].source, item[0].offset + item[1], item[2]
                 prefetch = getattr(source, "prefetch", None)
@@ -486,7 +486,7 @@ def _copy_fused(
         write_thread.join()
     if write_thread.error is not None:
         raise write_thread.error
-    return sum(j.nbytes for j in jobs)
+    return total
 
 
 def copy_stream(
