@@ -95,6 +95,7 @@ class StageScheduler:
         self._submit, self._on_done, self._limit = submit, on_done, limit
         self._serial_merges = serial_merges and limit is not None
         self._merges_in_flight = 0
+        self._merges_submitted = 0  # of the merges that read: the next one's `position`
         self._readiness = MergeReadiness(job.shards, direct=direct, reused=reused)
         self._ready: dict[str, deque[Callable[[], None]]] = {
             "verify": deque(), "merge": deque(), "extract": deque(),
@@ -197,9 +198,13 @@ class StageScheduler:
         waits = [
             self._futures[("extract", p)] for p in shard.parts if ("extract", p) in self._futures
         ]
+        position = None
+        if index not in self.reused:
+            position, self._merges_submitted = self._merges_submitted, self._merges_submitted + 1
         future = self._submit(
             merge, self.task_job, index, index + 1, len(self.job.shards),
-            fingerprint=key, refresh=fresh, wait_for=waits,
+            fingerprint=key, refresh=fresh, wait_for=waits, position=position,
+            merges=len(self.job.shards) - len(self.reused),
         )  # fmt: skip
         self._watch("merge", index, future)
 

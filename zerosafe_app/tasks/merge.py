@@ -21,13 +21,30 @@ from zerosafe_app.tasks.edge import stage_task
 
 
 @stage_task("merge", run_name="merge shard {number}/{count}", cache_key_fn=cache_key("merge"))
-def merge(job: Job, index: int, number: int, count: int, fingerprint: str = "") -> MergeResult:
+def merge(
+    job: Job,
+    index: int,
+    number: int,
+    count: int,
+    fingerprint: str = "",
+    position: int | None = None,
+    merges: int | None = None,
+) -> MergeResult:
     """Merge shard `index` (shown as `number`/`count`). `fingerprint` names the content of
-    the intermediates it reads, so a re-extracted identical file keeps this result cached."""
+    the intermediates it reads, so a re-extracted identical file keeps this result cached.
+
+    `position` is this merge's place in the order the scheduler submitted the run's `merges`
+    merges that read (staged merges become ready in the order their parts are extracted, not
+    in shard order; a shard a repair keeps has none): the last round's merges copy in streams
+    (`merge_streams`). Without them, shard order: `index` of `count`.
+    """
     meter = TaskMeter(job)
     plan, storage, options, work = context(job)
-    # The flow submits merges in shard order, so the last shards are the last round's.
-    streams = merge_streams(index, count, job.workers or options.parallel_tasks, options)
+    at_once = job.workers or options.parallel_tasks
+    if merges is None:
+        streams = merge_streams(index, count, at_once, options)
+    else:
+        streams = 1 if position is None else merge_streams(position, merges, at_once, options)
     result = run_unit(
         job, plan, merge_unit, index, storage, job.destination, work, options,
         on_bytes=lambda n: progress().advance(n, "merge"), streams=streams,

@@ -153,6 +153,7 @@ class _Pool:
         self.lock = threading.Lock()
         self.events: list[tuple[str, str, int, bool]] = []  # (what, stage, index, refresh)
         self.fingerprints: dict[tuple[str, int], str] = {}
+        self.kwargs: dict[tuple[str, int], dict[str, Any]] = {}
 
     def __call__(self, task: Any, *args: Any, refresh: bool = False, **kwargs: Any) -> Future[Any]:
         kwargs.pop("wait_for", None)
@@ -160,6 +161,7 @@ class _Pool:
         with self.lock:
             self.events.append(("submit", stage, index, refresh))
             self.fingerprints[(stage, index)] = kwargs.get("fingerprint", "")
+            self.kwargs[(stage, index)] = dict(kwargs)
 
         def run() -> Any:
             result = task.fn(*args, **kwargs)
@@ -237,6 +239,31 @@ def test_serial_merges_run_one_merge_at_a_time_with_a_verify_beside_it(
     submitted = [(stage, index) for what, stage, index, _ in pool.events if what == "submit"]
     assert (submitted[:2] == [("merge", 0), ("merge", 1)]) is not serial
     assert (_most_in_flight(pool.events, "merge") == 1) is serial
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_merges_learn_their_place_in_the_order_they_were_submitted(
+    tmp_path: Path, direct: bool
+) -> None:
+    """The last round's merges copy in streams (`merge_streams`); in staged mode merges become
+    ready as their parts are extracted, so their place is the submission order, not the
+    shard's index, and a shard a repair keeps takes none."""
+    options = ConvertOptions(max_shard_size=10_000, dtype="bf16", direct=direct)
+    job, task_job = _plan(tmp_path / "out", options)
+    pool = _Pool(workers=2)
+    # A shard kept by a repair (read directly, so its merge, unneeded, still has a source).
+    reused = {1} if direct else set()
+    done = StageScheduler(
+        job, task_job, parts=parts_to_extract(job, direct=direct, reused=reused),
+        direct=direct, reused=reused, submit=pool, limit=None,
+    ).run()  # fmt: skip
+    assert len(job.shards) > 2 and all(v.ok for v in done.verifies.values())
+    submitted = [i for what, stage, i, _ in pool.events if what == "submit" and stage == "merge"]
+    places = {i: pool.kwargs[("merge", i)]["position"] for i in submitted}
+    assert all(places[i] is None for i in reused)
+    to_merge = len(job.shards) - len(reused)
+    assert [places[i] for i in submitted if i not in reused] == list(range(to_merge))
+    assert {pool.kwargs[("merge", i)]["merges"] for i in submitted} == {to_merge}
 
 
 def test_what_is_on_disk_decides_which_caches_are_refreshed(tmp_path: Path) -> None:
