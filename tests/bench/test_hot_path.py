@@ -87,6 +87,54 @@ def test_nonfinite_counts_equal_torch(dtype: torch.dtype) -> None:
         assert verify._count_nonfinite(memoryview(raw), name) == want
 
 
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "float32", "float64"])
+def test_nonfinite_scan_agrees_with_numpy_on_every_kind_of_value(name: str) -> None:
+    """`_nonfinite_in` reads the bits as signed and as unsigned integers: every 16-bit
+    pattern, and for the wider floats the edges (signed zeros, largest finite, smallest
+    subnormals, infinities, quiet and signalling NaNs of either sign)."""
+    import ml_dtypes
+    import numpy as np
+
+    kind, exponent = verify._EXPONENT_BITS[name]
+    if name in ("bfloat16", "float16"):
+        bits = np.arange(2**16, dtype=np.uint16)
+        values = bits.view(ml_dtypes.bfloat16 if name == "bfloat16" else np.float16)
+        finite = np.isfinite(values.astype(np.float32))
+    else:
+        width = 32 if name == "float32" else 64
+        unsigned = np.dtype(kind).type
+        fraction = (1 << (width - 1)) - exponent - 1  # all fraction bits
+        sign = 1 << (width - 1)
+        plain = [0, 1, fraction, exponent - 1, exponent, exponent + 1, exponent | 1 << 2,
+                 exponent | fraction, exponent >> 1]  # fmt: skip
+        bits = np.array([v | s for v in plain for s in (0, sign)], dtype=unsigned)
+        finite = np.isfinite(bits.view(np.float32 if width == 32 else np.float64))
+    got = np.array([verify._nonfinite_in(bits[i : i + 1], exponent) for i in range(len(bits))])
+    assert np.array_equal(got, ~finite)
+    assert not verify._nonfinite_in(bits[:0], exponent)
+
+
+def test_hash_and_count_equals_hashing_whole_then_counting() -> None:
+    """Block by block (`_hash_and_count`), the digests and counts are the whole chunk's."""
+    import hashlib
+
+    n = 3 * (verify._MASK_BLOCK_BYTES // 2) + 7
+    t = (torch.rand(n, generator=torch.Generator().manual_seed(3)) - 0.5).to(torch.bfloat16)
+    for poison in ([], [n // 2], [n - 1, 5]):
+        u = t.clone()
+        for i, pos in enumerate(poison):
+            u[pos] = [float("-inf"), float("nan")][i % 2]
+        view = memoryview(bytearray(u.view(torch.int16).numpy().tobytes()))
+        digests = [verify.new_digest(verify.TENSOR_CHECKSUM), hashlib.sha256()]
+        counts = verify._hash_and_count(view, "bfloat16", digests)
+        whole = verify.new_digest(verify.TENSOR_CHECKSUM)
+        whole.update(view)
+        assert digests[0].hexdigest() == whole.hexdigest()
+        assert digests[1].hexdigest() == hashlib.sha256(view).hexdigest()
+        assert counts == verify._count_nonfinite(view, "bfloat16")
+        assert counts == (int(u.isnan().sum()), int(u.isposinf().sum()), int(u.isneginf().sum()))
+
+
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
 def test_mapped_source_copies_the_same_bytes(tmp_path: Path, out_dtype: str) -> None:
     from zerosafe.io.mapped import MappedFile, map_source
