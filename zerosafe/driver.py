@@ -367,12 +367,17 @@ class _UnitRunner:
         key = self._key("merge", shard, content)
         record = self.records.load("merge", shard, key)
         if record is not None and record.get("identity") == list(self._identity(shard) or ()):
+            with self._lock:  # one merge fewer to run: the last round is nearer
+                self._to_merge = max(1, self._to_merge - 1)
             self._count(self.kept, "merge")
             self.progress.advance(work.source_bytes, "merge")
             return MergeResult.from_json(record["result"])
-        with self._lock:
-            position, self._merges_started = self._merges_started, self._merges_started + 1
-        streams = merge_streams(position, self._to_merge, self._at_once, self.unit_options)
+        streams = 1  # a shard a repair keeps reads nothing: it takes no place in the run
+        if shard not in self.reused:
+            with self._lock:
+                position, self._merges_started = self._merges_started, self._merges_started + 1
+                total = self._to_merge
+            streams = merge_streams(position, total, self._at_once, self.unit_options)
         result = self._call(
             merge_unit, shard, self.storage, self.job.destination, self.work, self.unit_options,
             locator=locator, on_bytes=lambda n: self.progress.advance(n, "merge"),

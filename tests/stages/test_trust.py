@@ -251,6 +251,36 @@ def test_a_changed_output_is_repaired_not_called_complete(
     assert code == 0 and "nothing to do" in stdout
 
 
+def test_a_repairs_one_merge_is_its_run_and_the_kept_shards_take_no_place(
+    sample_ckpt: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Merges learn their place in the run (`merge_streams`) from the merges that read: in a
+    repair the one shard merged again is the whole run, and gets the idle task's core."""
+    from zerosafe import driver
+
+    places: list[tuple[int, int, int]] = []
+    real = driver.merge_streams
+
+    def merge_streams(position: int, total: int, at_once: int, options: ConvertOptions) -> int:
+        places.append((position, total, at_once))
+        return real(position, total, at_once, options)
+
+    monkeypatch.setattr(driver, "merge_streams", merge_streams)
+    out = tmp_path / "out"
+    args = ("convert", "--via", "local", str(sample_ckpt), str(out), "--max-shard-size", "12KB",
+            "--parallel", "2")  # fmt: skip
+    assert _run(capsys, *args)[0] == 0
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert sorted(places) == [(p, len(shards), 2) for p in range(len(shards))]
+    places.clear()
+    shards[1].unlink()
+    assert _run(capsys, *args)[0] == 0
+    assert places == [(0, 1, 2)] and real(0, 1, 2, ConvertOptions()) == 2
+
+
 # -- 5. verify --against another checkpoint --------------------------------------------------------
 
 
