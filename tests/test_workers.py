@@ -233,7 +233,7 @@ def test_start_brings_every_worker_up_before_the_units() -> None:
 
     with UnitPool(3) as pool:
         pool.start()
-        assert len(pool._executor._processes) == 3  # the stdlib's own count of its workers
+        assert len(pool.pids) == 3 and os.getpid() not in pool.pids
         barrier = threading.Barrier(3)
 
         def call(_: int) -> tuple[int, int]:
@@ -242,5 +242,5 @@ def test_start_brings_every_worker_up_before_the_units() -> None:
 
         with ThreadPoolExecutor(3) as callers:
             got = list(callers.map(call, range(3)))
-        assert len(pool._executor._processes) == 3  # no worker forked after start
+        assert {pid for pid, _ in got} <= pool.pids  # no worker forked after start
         assert {tasks for _, tasks in got} == {3}

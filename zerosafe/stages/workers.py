@@ -289,6 +289,8 @@ class UnitPool:
             workers, mp_context=ctx, initializer=_init_worker,
             initargs=(dict(shared or {}), self._reports, os.getpid(), self._started, workers),
         )  # fmt: skip
+        self.pids: frozenset[int] = frozenset()
+        """The workers' process ids, once `start` has brought them up."""
         self._lock = threading.Lock()
         self._callbacks: dict[int, Callable[[int], None]] = {}
         self._next_call = 0
@@ -318,6 +320,7 @@ class UnitPool:
                 f"{len(pids)} of {self.workers} worker processes started within {timeout} s; "
                 "run with ZEROSAFE_WORKERS=threads"
             )
+        self.pids = frozenset(pids)
 
     def run(
         self,
