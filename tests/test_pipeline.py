@@ -8,6 +8,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -300,11 +301,22 @@ def test_the_driver_summary_has_every_key_the_flow_summary_has(tmp_path: Path) -
     assert set(manifest["stats"]) >= old_flow_stats | old_driver_stats
 
 
-def test_a_merge_in_streams_writes_what_one_stream_writes(tmp_path: Path) -> None:
+def test_a_merge_in_streams_writes_what_one_stream_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Threads filling their own ranges of one shard give its bytes, digests and CRC ledger."""
     from zerosafe.pipeline import merge_streams
+    from zerosafe.stages import shards
     from zerosafe.stages.shards import _stream_bounds, check_integrity
 
+    split: list[int] = []
+    real = shards._copy_in_streams
+
+    def copy_in_streams(jobs: Any, writer: Any, streams: int, *args: Any) -> int:
+        split.append(streams)
+        return real(jobs, writer, streams, *args)
+
+    monkeypatch.setattr(shards, "_copy_in_streams", copy_in_streams)
     options = ConvertOptions(direct=True, dtype="bf16")
     storage, got = Storage(), {}
     for streams in (1, 3):
@@ -320,7 +332,7 @@ def test_a_merge_in_streams_writes_what_one_stream_writes(tmp_path: Path) -> Non
             assert sum(len(pieces) for pieces in merged.ledger.values()) > 0
         shard = next((tmp_path / f"out{streams}").rglob(merged.file))
         got[streams] = (shard.read_bytes(), merged.tensors, merged.bytes_read)
-    assert got[1] == got[3]
+    assert got[1] == got[3] and split == [3]  # the second merge did run in streams
     assert _stream_bounds([_Entry(n) for n in (10, 10, 10, 10)], 2) == [0, 2, 4]
     assert _stream_bounds([_Entry(n) for n in (100, 1, 1)], 3) == [0, 1, 2, 3]
     assert _stream_bounds([_Entry(n) for n in (5,)], 4) == [0, 1]

@@ -25,7 +25,7 @@ import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from zerosafe.errors import CheckpointFormatError, StorageError
 from zerosafe.io.s3 import (
@@ -41,6 +41,7 @@ __all__ = [
     "ByteSource",
     "FileIdentity",
     "IOCounter",
+    "PositionalSink",
     "Sink",
     "Storage",
     "is_local",
@@ -153,6 +154,14 @@ class Sink(Protocol):
     def commit(self) -> None: ...
 
     def abort(self) -> None: ...
+
+
+@runtime_checkable
+class PositionalSink(Sink, Protocol):
+    """A `Sink` that also writes at given offsets, from several threads at once (a local
+    file, with `pwrite`): a merge's streams each fill their own range of one file."""
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None: ...
 
 
 def _short_read(url: str, offset: int, want: int, got: int, size: int) -> CheckpointFormatError:

@@ -28,7 +28,7 @@ from zerosafe.errors import IntegrityError
 from zerosafe.formats.crc import CrcLedger, LedgerCheck
 from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, read_header
 from zerosafe.io.mapped import map_source
-from zerosafe.io.storage import ByteSource, Storage, join_url
+from zerosafe.io.storage import ByteSource, PositionalSink, Storage, join_url
 from zerosafe.plan.model import ExtractPart, Plan, Slot
 from zerosafe.stages.results import ExtractResult, MergeResult
 from zerosafe.stages.streaming import CopyJob, copy_stream, fusable
@@ -349,7 +349,8 @@ def _copy_in_streams(
     its own range of the file; the per-tensor digests and the CRC ledger are theirs, in order.
     One shard then uses as many cores as are idle, as when it is the last of a run."""
     bounds = _stream_bounds(writer.entries, streams)
-    parts = writer.ranges(bounds, writer.sink.write_at)  # type: ignore[attr-defined]
+    assert isinstance(writer.sink, PositionalSink)
+    parts = writer.ranges(bounds, writer.sink.write_at)
     ledgers = [CrcLedger() for _ in parts]
     owner = [0] * len(writer.entries)
     for n, (first, last) in enumerate(zip(bounds, bounds[1:], strict=False)):
@@ -420,7 +421,7 @@ def merge_shard(
     )  # fmt: skip
     jobs = list(_merge_jobs(plan, shard, locator))
     try:
-        if streams > 1 and hasattr(writer.sink, "write_at") and fusable(jobs, writer):
+        if streams > 1 and isinstance(writer.sink, PositionalSink) and fusable(jobs, writer):
             bytes_read = _copy_in_streams(jobs, writer, streams, ledger, on_bytes, chunk_bytes)
         else:
             bytes_read = copy_stream(
