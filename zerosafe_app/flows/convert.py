@@ -356,9 +356,19 @@ def _run_held(cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: fl
     with hold_work(storage, job) as work_lease:
         # Worker processes (ZEROSAFE_WORKERS) where the tasks run in this process; a Dask
         # cluster's workers are processes already.
+        # A repair keeps the published shards that are still intact: no extract or merge reads
+        # anything for them, and the choice of workers counts only what is left to do.
+        reused = reusable_shards(
+            Job(
+                cfg.source, cfg.destination, job.work_url, job.job_key, options,
+                cfg.storage_options, work_lease.run_id,
+            ).as_dict()
+        )  # fmt: skip
         unit_options = None
         if cfg.runner != "dask":
-            unit_options = unit_process_options(job, storage, options, mode=worker_mode(None))
+            unit_options = unit_process_options(
+                job, storage, options, mode=worker_mode(None), reused=reused
+            )
         task_job = Job(
             cfg.source, cfg.destination, job.work_url, job.job_key, unit_options or options,
             cfg.storage_options, work_lease.run_id,
@@ -367,7 +377,7 @@ def _run_held(cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: fl
         try:
             published, verifies = _run_stages(
                 cfg, options, job, task_job, storage, started=started,
-                leases=(out_lease, work_lease),
+                leases=(out_lease, work_lease), reused=reused,
             )  # fmt: skip
         finally:
             close_workers(task_job)
@@ -395,17 +405,16 @@ def _run_stages(
     *,
     started: float,
     leases: tuple[Lease, ...],
+    reused: set[int],
 ) -> tuple[PublishResult, list[VerifyResult]]:
-    """Schedule extract, merge and verify (`StageScheduler`), then publish."""
+    """Schedule extract, merge and verify (`StageScheduler`), then publish; `reused`: the
+    shards a repair keeps."""
     results = _result_storage(job.work_url, cfg.storage_options)
 
     def submit(task: Any, *args: Any, refresh: bool = False, **kwargs: Any) -> Any:
         run = task.with_options(result_storage=results, refresh_cache=refresh or None)
         return run.submit(*args, **kwargs)
 
-    # A repair keeps the published shards that are still intact: no extract or merge reads
-    # anything for them.
-    reused = reusable_shards(task_job)
     parts = parts_to_extract(job, direct=options.direct, reused=reused)
     slug = job_slug(cfg.destination)
     progress = _Progress(
