@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -112,6 +115,70 @@ def test_the_command_takes_processes_by_default_and_says_so(
     assert "worker processes" not in capsys.readouterr().out
     assert _weights(tmp_path / "threads") == _weights(tmp_path / "library")
     assert _weights(tmp_path / "command") == _weights(tmp_path / "library")
+
+
+def test_workers_started_inside_a_checkpoint_folder_import_nothing_from_it(
+    tmp_path: Path,
+) -> None:
+    """`zerosafe convert . out` run from inside the checkpoint's folder: the workers'
+    interpreters start with `python -c`, which would put that folder first on their module
+    path, so a `numpy/` (or `zerosafe/`) package in it would run in them; it must not."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(SAMPLE_CKPT, folder)
+    ran = tmp_path / "ran"
+    for name in ("numpy", "zerosafe", "multiprocessing"):
+        (folder / name).mkdir()
+        (folder / name / "__init__.py").write_text(
+            f"open({str(ran)!r}, 'a').write({name + ' '!r})\nraise ImportError('not this one')\n"
+        )
+    command = [str(Path(sys.executable).parent / "zerosafe"), "convert", ".", str(tmp_path / "out"),
+               "--dtype", "bf16", "--max-shard-size", "4096", "--mode", "direct", "--parallel", "2"]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=folder, env={**os.environ, "ZEROSAFE_WORKERS": "processes"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "units ran in 2 worker processes" in done.stdout
+    assert not ran.exists(), f"imported from the checkpoint's folder: {ran.read_text()}"
+    # A pool started with no prestart (the flow's tasks) starts the forkserver itself.
+    (tmp_path / "runner").mkdir()
+    (tmp_path / "runner" / "pool.py").write_text(
+        "import os\nfrom zerosafe.stages.workers import UnitPool\n"
+        "if __name__ == '__main__':\n    with UnitPool(2) as pool:\n        pool.start()\n"
+        "        assert pool.run(os.getpid) in pool.pids\n"
+        "        assert 'PYTHONSAFEPATH' not in os.environ\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "runner" / "pool.py")], cwd=folder,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not ran.exists(), f"imported from the checkpoint's folder: {ran.read_text()}"
+
+
+def test_on_python_3_10_a_folder_of_modules_keeps_the_units_in_threads(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Python 3.10 has no PYTHONSAFEPATH: there, a current folder holding modules keeps the
+    units in threads (`auto`), or is refused with the fix (`processes`)."""
+    from zerosafe.stages import workers
+
+    (tmp_path / "numpy").mkdir()
+    (tmp_path / "numpy" / "__init__.py").write_text("")
+    (tmp_path / "data").mkdir()  # a folder without __init__.py is no package
+    (tmp_path / "helper.py").write_text("")
+    (tmp_path / "weights.bin").write_text("")
+    assert workers.modules_in(str(tmp_path)) == ["helper.py", "numpy"]
+    monkeypatch.chdir(tmp_path)
+    options = ConvertOptions(max_parallel_tasks=4)
+    assert process_options(options, units=4, nbytes=PROCESS_MIN_BYTES, mode="auto") is not None
+    monkeypatch.setattr(workers.sys, "version_info", (3, 10, 14))
+    assert process_options(options, units=4, nbytes=PROCESS_MIN_BYTES, mode="auto") is None
+    with pytest.raises(ConfigError, match="helper.py, numpy.*run from another folder"):
+        process_options(options, units=4, nbytes=PROCESS_MIN_BYTES, mode="processes")
+    (tmp_path / "helper.py").unlink()
+    shutil.rmtree(tmp_path / "numpy")
+    assert process_options(options, units=4, nbytes=PROCESS_MIN_BYTES, mode="auto") is not None
 
 
 def test_parallel_defaults_to_half_the_cores(monkeypatch) -> None:

@@ -19,6 +19,11 @@ at 1.5x one task's speed. `UnitPool` runs the same unit functions (`zerosafe.pip
   worker's own byte counter starts at zero: a unit's bytes are in its result.
 - **Progress**: a unit's `on_bytes` is called in the calling process, from a thread that drains
   what the workers send (batched, so a small chunk is not a message).
+- **Imports**: a worker's interpreter starts as `python -c`, which puts the current folder
+  first on its module path; run from inside a checkpoint's folder (`zerosafe convert . out`),
+  a `numpy/` there would be imported, and run, by the workers. They start with
+  `PYTHONSAFEPATH` set (`_interpreters_without_current_folder`); on Python 3.10, which lacks
+  it, a current folder holding modules keeps the units in threads (`_folder_is_safe`).
 - **Failures**: a unit's exception is re-raised in the caller as it was (`ConversionError`s
   pickle with their message); a worker that dies (killed, out of memory) fails the call with
   a `ConversionError` naming it.
@@ -33,14 +38,16 @@ with the process that started it (`_die_with_caller`).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import resource
 import select
 import signal
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
@@ -108,6 +115,62 @@ def worker_mode(requested: str | None, default: str = "threads") -> str:
     return mode
 
 
+_START_LOCK = threading.Lock()
+_MODULE_SUFFIXES = (".py", ".pyc", ".so", ".pyd")
+
+
+@contextlib.contextmanager
+def _interpreters_without_current_folder() -> Iterator[None]:
+    """While worker interpreters start here: `PYTHONSAFEPATH=1` in the environment they
+    inherit, so that `python -c` leaves the current folder off their module path (Python 3.11+;
+    a checkpoint folder's `numpy/__init__.py` ran in the forkserver without it, checked). Set
+    only meanwhile, under a lock: it would also drop a script's own folder from the path of
+    any Python the caller starts later."""
+    with _START_LOCK:
+        before = os.environ.get("PYTHONSAFEPATH")
+        os.environ["PYTHONSAFEPATH"] = "1"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("PYTHONSAFEPATH", None)
+            else:
+                os.environ["PYTHONSAFEPATH"] = before
+
+
+def modules_in(folder: str) -> list[str]:
+    """What in `folder` a Python started there with `-c` would import before the installed
+    modules: modules (`.py`, `.pyc`, extensions) and packages (folders with `__init__.py`)."""
+    found = []
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.endswith(_MODULE_SUFFIXES) or (
+                entry.is_dir() and os.path.exists(os.path.join(entry.path, "__init__.py"))
+            ):
+                found.append(entry.name)
+    return sorted(found)
+
+
+def _folder_is_safe(mode: str) -> bool:
+    """Whether worker interpreters may start from the current folder: always on Python 3.11+
+    (`_interpreters_without_current_folder`); on 3.10 only where it holds no modules.
+
+    Raises:
+        ConfigError: If `mode` is `processes` and they may not.
+    """
+    if sys.version_info >= (3, 11):
+        return True
+    found = modules_in(os.getcwd())
+    if found and mode == "processes":
+        raise ConfigError(
+            f"ZEROSAFE_WORKERS=processes: the current folder {os.getcwd()} holds Python "
+            f"modules ({', '.join(found[:3])}) that worker processes would import on Python "
+            f"{'.'.join(map(str, sys.version_info[:2]))}; run from another folder, on Python "
+            "3.11+, or with ZEROSAFE_WORKERS=threads"
+        )
+    return not found
+
+
 def prestart(mode: str, *, torch: bool = False) -> bool:
     """Start the worker processes' forkserver now, where `mode` may use it, so that its
     interpreter start and its import of the engine and torch (about 2 s) run on a spare core
@@ -117,12 +180,24 @@ def prestart(mode: str, *, torch: bool = False) -> bool:
     caller."""
     if mode == "threads" or (mode == "auto" and usable_cores() <= 2):
         return False
-    if _context(torch=torch).get_start_method() != "forkserver":
+    if _context(torch=torch).get_start_method() != "forkserver" or not _folder_is_safe(mode):
         return False
-    from multiprocessing import forkserver
-
-    forkserver.ensure_running()
+    _start_servers(_context(torch=torch))
     return True
+
+
+def _start_servers(ctx: Any) -> None:
+    """Start the interpreters multiprocessing itself starts with `python -c`, without the
+    current folder on their path (`_interpreters_without_current_folder`): its resource
+    tracker (the pool's queue and barrier start it) and the forkserver the workers fork from."""
+    from multiprocessing import resource_tracker
+
+    with _interpreters_without_current_folder():
+        resource_tracker.ensure_running()
+        if ctx.get_start_method() == "forkserver":
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
 
 
 def process_options(
@@ -144,7 +219,7 @@ def process_options(
     if mode not in MODES:
         raise ConfigError(f"worker mode {mode!r}: expected one of {', '.join(MODES)}")
     tasks = options.parallel_tasks
-    if mode == "threads" or tasks < 2 or units < 2:
+    if mode == "threads" or tasks < 2 or units < 2 or not _folder_is_safe(mode):
         return None
     if mode == "auto" and nbytes < PROCESS_MIN_BYTES:
         return None
@@ -283,6 +358,7 @@ class UnitPool:
     ) -> None:
         self.workers = workers
         ctx = _context(torch=torch)
+        _start_servers(ctx)
         self._reports = ctx.SimpleQueue()
         self._started = ctx.Barrier(workers)
         self._executor = ProcessPoolExecutor(
@@ -307,7 +383,8 @@ class UnitPool:
         siblings' workers to fork while 15 others loaded the cores (bench/scaling.py's
         profile). Each worker runs `_rendezvous` and waits there for the others, so no
         worker is idle until all are up and every submit here starts a new one."""
-        waits = [self._executor.submit(_rendezvous, timeout) for _ in range(self.workers)]
+        with _interpreters_without_current_folder():  # the submits start the workers
+            waits = [self._executor.submit(_rendezvous, timeout) for _ in range(self.workers)]
         try:
             pids = {wait.result() for wait in waits}
         except Exception as e:  # a broken pool, or the barrier broken by its timeout
