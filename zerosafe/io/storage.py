@@ -402,6 +402,15 @@ class LocalSink:
                     self._counter.add_written(n)
         except OSError as e:  # not aborted here: other threads may be writing to the file
             raise self._write_error(e) from e
+        with self._count_lock:
+            due = self.bytes_written - self._flushed >= _WRITEBACK_BYTES
+            if due:
+                self._flushed = self.bytes_written
+        if due and _sync_file_range is not None:
+            # As `write` does, but for every range written so far (0, 0: the whole file):
+            # without it a merge in streams left its commit the whole file to write back
+            # (0.37 s for 1 GB on this disk, against under 0.05 s once started early).
+            _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
     def _write_error(self, e: OSError) -> StorageError:
         if e.errno == errno.ENOSPC:
