@@ -18,11 +18,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from zerosafe.config import MIN_CHUNK_BYTES
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import IntegrityError
 from zerosafe.formats.crc import CrcLedger, LedgerCheck
@@ -31,7 +29,7 @@ from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, PositionalSink, Storage, join_url
 from zerosafe.plan.model import ExtractPart, Plan, Slot
 from zerosafe.stages.results import ExtractResult, MergeResult
-from zerosafe.stages.streaming import CopyJob, copy_stream, fusable
+from zerosafe.stages.streaming import CopyJob, copy_in_streams, copy_stream, fusable
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
 
 __all__ = [
@@ -342,11 +340,10 @@ def _copy_in_streams(
     streams: int,
     ledger: CrcLedger,
     on_bytes: Callable[[int], None] | None,
-    chunk_bytes: int,
 ) -> int:
     """Copy `jobs` (local files, in tensor order) in up to `streams` threads, each copying a
-    run of whole tensors block by block (`copy_stream(fused=True)`: a few MiB per thread) into
-    its own range of the file; the per-tensor digests and the CRC ledger are theirs, in order.
+    run of whole tensors block by block (`copy_in_streams`: a few MiB per thread) into its
+    own range of the file; the per-tensor digests and the CRC ledger are theirs, in order.
     One shard then uses as many cores as are idle, as when it is the last of a run."""
     bounds = _stream_bounds(writer.entries, streams)
     assert isinstance(writer.sink, PositionalSink)
@@ -359,18 +356,7 @@ def _copy_in_streams(
     for job in jobs:
         groups[owner[job.tensor]].append(job)
 
-    def copy(n: int) -> int:
-        if not groups[n]:  # a run of empty tensors: nothing to read
-            return 0
-        return copy_stream(
-            groups[n], parts[n], chunk_bytes=max(MIN_CHUNK_BYTES, chunk_bytes // len(parts)),
-            ledger=ledgers[n], on_bytes=on_bytes, fused=True,
-        )  # fmt: skip
-
-    with ThreadPoolExecutor(len(parts), thread_name_prefix="zerosafe-stream") as pool:
-        futures = [pool.submit(copy, n) for n in range(len(parts))]
-        wait(futures)  # every thread stops before the file may be aborted
-    read = sum(f.result() for f in futures)
+    read = copy_in_streams(groups, list(parts), ledgers, on_bytes)
     writer.adopt(parts)
     for part_ledger in ledgers:
         ledger.update(part_ledger)
@@ -422,7 +408,7 @@ def merge_shard(
     jobs = list(_merge_jobs(plan, shard, locator))
     try:
         if streams > 1 and isinstance(writer.sink, PositionalSink) and fusable(jobs, writer):
-            bytes_read = _copy_in_streams(jobs, writer, streams, ledger, on_bytes, chunk_bytes)
+            bytes_read = _copy_in_streams(jobs, writer, streams, ledger, on_bytes)
         else:
             bytes_read = copy_stream(
                 jobs, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
