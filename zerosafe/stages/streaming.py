@@ -515,7 +515,7 @@ def copy_in_streams(
     file took as long as one thread (0.21-0.24 s against 0.20 on ext4, 0.35 against 0.33 on
     tmpfs) and 1.6-1.9x its CPU. One writer thread writes what the streams read, check and
     cast in parallel. (On 2 cores a 0.5B shard in 2 streams took as long either way, 0.83-0.84
-    s into tmpfs: the cores were busy; the spinning costs where streams exceed the cores.)
+    s into tmpfs; with more streams on more cores it is not measured.)
 
     Returns:
         Bytes read.
