@@ -143,9 +143,10 @@ def test_workers_started_inside_a_checkpoint_folder_import_nothing_from_it(
     # A pool started with no prestart (the flow's tasks) starts the forkserver itself.
     (tmp_path / "runner").mkdir()
     (tmp_path / "runner" / "pool.py").write_text(
-        "import os\nfrom zerosafe.stages.workers import UnitPool\n"
+        "import os, pkgutil, zerosafe\nfrom zerosafe.stages.workers import UnitPool\n"
         "if __name__ == '__main__':\n    with UnitPool(2) as pool:\n        pool.start()\n"
         "        assert pool.run(os.getpid) in pool.pids\n"
+        "        assert pool.run(pkgutil.resolve_name, 'zerosafe:__file__') == zerosafe.__file__\n"
         "        assert 'PYTHONSAFEPATH' not in os.environ\n"
     )
     done = subprocess.run(

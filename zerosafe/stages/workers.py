@@ -22,8 +22,9 @@ at 1.5x one task's speed. `UnitPool` runs the same unit functions (`zerosafe.pip
 - **Imports**: a worker's interpreter starts as `python -c`, which puts the current folder
   first on its module path; run from inside a checkpoint's folder (`zerosafe convert . out`),
   a `numpy/` there would be imported, and run, by the workers. They start with
-  `PYTHONSAFEPATH` set (`_interpreters_without_current_folder`); on Python 3.10, which lacks
-  it, a current folder holding modules keeps the units in threads (`_folder_is_safe`).
+  `PYTHONSAFEPATH` set, and the caller's own `zerosafe` first on their path
+  (`_interpreters_without_current_folder`); on Python 3.10, which lacks it, a current folder
+  holding modules keeps the units in threads (`_folder_is_safe`).
 - **Failures**: a unit's exception is re-raised in the caller as it was (`ConversionError`s
   pickle with their message); a worker that dies (killed, out of memory) fails the call with
   a `ConversionError` naming it.
@@ -123,19 +124,28 @@ _MODULE_SUFFIXES = (".py", ".pyc", ".so", ".pyd")
 def _interpreters_without_current_folder() -> Iterator[None]:
     """While worker interpreters start here: `PYTHONSAFEPATH=1` in the environment they
     inherit, so that `python -c` leaves the current folder off their module path (Python 3.11+;
-    a checkpoint folder's `numpy/__init__.py` ran in the forkserver without it, checked). Set
-    only meanwhile, under a lock: it would also drop a script's own folder from the path of
-    any Python the caller starts later."""
+    a checkpoint folder's `numpy/__init__.py` ran in the forkserver without it, checked), and
+    the folder this process imported `zerosafe` from first on `PYTHONPATH`, so that the
+    workers run the caller's engine wherever it came from (a checkout run from its own folder
+    had it from the current folder). Set only meanwhile, under a lock: `PYTHONSAFEPATH` would
+    also drop a script's own folder from the path of any Python the caller starts later."""
+    import zerosafe
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(zerosafe.__file__)))
     with _START_LOCK:
-        before = os.environ.get("PYTHONSAFEPATH")
+        before = {name: os.environ.get(name) for name in ("PYTHONSAFEPATH", "PYTHONPATH")}
         os.environ["PYTHONSAFEPATH"] = "1"
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [root, *([before["PYTHONPATH"]] if before["PYTHONPATH"] else [])]
+        )
         try:
             yield
         finally:
-            if before is None:
-                os.environ.pop("PYTHONSAFEPATH", None)
-            else:
-                os.environ["PYTHONSAFEPATH"] = before
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def modules_in(folder: str) -> list[str]:
