@@ -157,6 +157,26 @@ def test_workers_started_inside_a_checkpoint_folder_import_nothing_from_it(
     assert not ran.exists(), f"imported from the checkpoint's folder: {ran.read_text()}"
 
 
+def test_an_installed_engine_adds_nothing_to_the_workers_path(monkeypatch) -> None:
+    """Workers get the caller's engine folder first on their path only where the interpreter
+    would not search it anyway: put first, its own package folder could shadow the standard
+    library in them."""
+    import sysconfig
+
+    import zerosafe
+    from zerosafe.stages import workers
+
+    checkout = os.path.dirname(os.path.dirname(os.path.realpath(zerosafe.__file__)))
+    assert workers._engine_folder() == checkout  # this checkout, installed editable
+    purelib = sysconfig.get_path("purelib")
+    monkeypatch.setattr(zerosafe, "__file__", os.path.join(purelib, "zerosafe", "__init__.py"))
+    assert workers._engine_folder() is None
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    with workers._interpreters_without_current_folder():
+        assert os.environ["PYTHONSAFEPATH"] == "1" and "PYTHONPATH" not in os.environ
+    assert "PYTHONSAFEPATH" not in os.environ
+
+
 def test_on_python_3_10_a_folder_of_modules_keeps_the_units_in_threads(
     tmp_path: Path, monkeypatch
 ) -> None:

@@ -129,15 +129,14 @@ def _interpreters_without_current_folder() -> Iterator[None]:
     workers run the caller's engine wherever it came from (a checkout run from its own folder
     had it from the current folder). Set only meanwhile, under a lock: `PYTHONSAFEPATH` would
     also drop a script's own folder from the path of any Python the caller starts later."""
-    import zerosafe
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(zerosafe.__file__)))
     with _START_LOCK:
         before = {name: os.environ.get(name) for name in ("PYTHONSAFEPATH", "PYTHONPATH")}
         os.environ["PYTHONSAFEPATH"] = "1"
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [root, *([before["PYTHONPATH"]] if before["PYTHONPATH"] else [])]
-        )
+        root = _engine_folder()
+        if root is not None:
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                [root, *([before["PYTHONPATH"]] if before["PYTHONPATH"] else [])]
+            )
         try:
             yield
         finally:
@@ -146,6 +145,21 @@ def _interpreters_without_current_folder() -> Iterator[None]:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+
+
+def _engine_folder() -> str | None:
+    """The folder this process imported `zerosafe` from, unless it is one of the interpreter's
+    own package folders, which the workers search anyway (put first, a package there could
+    shadow the standard library in them)."""
+    import site
+    import sysconfig
+
+    import zerosafe
+
+    root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(zerosafe.__file__))))
+    own = {sysconfig.get_path(name) for name in ("purelib", "platlib")}
+    own.update(getattr(site, "getsitepackages", list)())
+    return None if root in {os.path.realpath(p) for p in own if p} else root
 
 
 def modules_in(folder: str) -> list[str]:
