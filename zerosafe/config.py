@@ -6,8 +6,10 @@ The flows validate user input (CLI flags, YAML job files, Prefect parameters) in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -19,6 +21,7 @@ __all__ = [
     "DEFAULT_MEMORY_BYTES",
     "ConvertOptions",
     "choose_mode",
+    "environ_during",
     "usable_cores",
 ]
 
@@ -247,6 +250,22 @@ class ConvertOptions:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@contextlib.contextmanager
+def environ_during(values: Mapping[str, str | None]) -> Iterator[None]:
+    """This process's environment with `values` set for the block's duration (a None leaves
+    that variable as it is), then every one of them as it was before, set or not."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update({name: value for name, value in values.items() if value is not None})
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def usable_cores() -> int:

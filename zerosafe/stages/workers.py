@@ -59,6 +59,7 @@ from zerosafe.config import (
     PIPELINE_BUFFERS,
     TASK_OVERHEAD_BYTES,
     ConvertOptions,
+    environ_during,
     usable_cores,
 )
 from zerosafe.errors import ConfigError, ConversionError
@@ -129,22 +130,11 @@ def _interpreters_without_current_folder() -> Iterator[None]:
     workers run the caller's engine wherever it came from (a checkout run from its own folder
     had it from the current folder). Set only meanwhile, under a lock: `PYTHONSAFEPATH` would
     also drop a script's own folder from the path of any Python the caller starts later."""
-    with _START_LOCK:
-        before = {name: os.environ.get(name) for name in ("PYTHONSAFEPATH", "PYTHONPATH")}
-        os.environ["PYTHONSAFEPATH"] = "1"
-        root = _engine_folder()
-        if root is not None:
-            os.environ["PYTHONPATH"] = os.pathsep.join(
-                [root, *([before["PYTHONPATH"]] if before["PYTHONPATH"] else [])]
-            )
-        try:
+    with _START_LOCK:  # another start's PYTHONPATH is not read as the caller's
+        root, path = _engine_folder(), os.environ.get("PYTHONPATH")
+        first = None if root is None else os.pathsep.join([root, *([path] if path else [])])
+        with environ_during({"PYTHONSAFEPATH": "1", "PYTHONPATH": first}):
             yield
-        finally:
-            for name, value in before.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
 
 
 def _engine_folder() -> str | None:
@@ -204,9 +194,10 @@ def prestart(mode: str, *, torch: bool = False) -> bool:
     caller."""
     if mode == "threads" or (mode == "auto" and usable_cores() <= 2):
         return False
-    if _context(torch=torch).get_start_method() != "forkserver" or not _folder_is_safe(mode):
+    ctx = _context(torch=torch)
+    if ctx.get_start_method() != "forkserver" or not _folder_is_safe(mode):
         return False
-    _start_servers(_context(torch=torch))
+    _start_servers(ctx)
     return True
 
 

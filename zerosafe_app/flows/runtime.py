@@ -34,6 +34,7 @@ from typing import Any
 
 import tomllib
 
+from zerosafe.config import environ_during
 from zerosafe.errors import ConversionError
 
 __all__ = [
@@ -246,18 +247,8 @@ def private_server(
 @contextlib.contextmanager
 def use_api(url: str, auth: str | None) -> Iterator[None]:
     """Point this process's Prefect at `url` (with `auth`) for the block's duration."""
-    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
-    os.environ["PREFECT_API_URL"] = url
-    if auth is not None:
-        os.environ["PREFECT_API_AUTH_STRING"] = auth
-    try:
+    with environ_during({"PREFECT_API_URL": url, "PREFECT_API_AUTH_STRING": auth}):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _stop(proc: subprocess.Popen[Any]) -> None:
