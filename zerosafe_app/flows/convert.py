@@ -16,6 +16,7 @@ import hashlib
 import json
 import re
 import socket
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.client.schemas.objects import State
+from prefect.context import FlowRunContext
 from prefect.runtime import deployment as deployment_run
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed
@@ -115,6 +117,39 @@ def _convert_run_name() -> str:
     return _run_name_of(dict(flow_run.parameters or {}))
 
 
+_RETURNED: dict[UUID, Any] = {}
+_RETURNED_KEPT = 64  # flow runs no caller here collects (a worker's top-level runs)
+_RETURNED_LOCK = threading.Lock()
+
+
+def _hand_back(value: Any) -> Any:
+    """Keep what this flow run returns in this process too, for `_result_of` (a flow run here
+    is a subflow, or the command's own run). Prefect hands a return value back through the
+    run's final state; when the server's answer to that state change is lost, the client sends
+    it again, the server refuses the repeat and answers with the state it stored, which holds
+    no data (flow results are not persisted), and reading it raises `MissingResult` after a
+    finished conversion."""
+    run_id = FlowRunContext.get().flow_run.id  # type: ignore[union-attr]  # inside a flow run
+    with _RETURNED_LOCK:
+        while len(_RETURNED) >= _RETURNED_KEPT:
+            del _RETURNED[next(iter(_RETURNED))]
+        _RETURNED[run_id] = value
+    return value
+
+
+def _result_of(state: State[Any], *, raise_on_failure: bool = True) -> Any:
+    """The result of the flow run that ended in `state`, from what it returned in this process
+    (`_hand_back`): its value, or the result of the state it returned (a Failed state's error,
+    raised unless `raise_on_failure` is false). A run that raised returned nothing: then
+    `state`'s own result, the error."""
+    run_id = state.state_details.flow_run_id
+    with _RETURNED_LOCK:
+        returned = _RETURNED.pop(run_id, state) if run_id is not None else state
+    if isinstance(returned, State):
+        return returned.result(raise_on_failure=raise_on_failure)
+    return returned
+
+
 def failure_message(e: ConversionError, cfg: JobConfig | None = None) -> str:
     """The one line a user needs for a permanent error: the error's own message (file,
     expected, found, fix), and, on a worker, where local paths were read."""
@@ -193,7 +228,7 @@ def convert(
         message = failure_message(e)
         log.error("%s", message)
         _announce_failure(message, destination or "")
-        return Failed(message=message, data=e)
+        return _hand_back(Failed(message=message, data=e))
     job_flow = run_job.with_options(
         task_runner=_task_runner(cfg, cfg.options()),
         timeout_seconds=cfg.timeout_seconds,
@@ -212,16 +247,18 @@ def convert(
             description=f"The `convert-job` subflow run that holds this job's task runs and artifacts (`{cfg.destination}`).",
         )
     if state.is_failed() or state.is_crashed() or state.is_cancelled():
-        error = state.result(raise_on_failure=False)
+        error = _result_of(state, raise_on_failure=False)
         if not isinstance(error, ConversionError):
-            return state  # an unexpected error: its traceback is in the subflow's logs
+            return _hand_back(state)  # an unexpected error: its traceback is in the subflow's logs
         message = state.message or failure_message(error, cfg)
         log.error("%s (%s)", message, where)
         _announce_failure(message, cfg.destination)
-        return Failed(message=f"{message} ({where})", data=error)
-    result = state.result()
+        return _hand_back(Failed(message=f"{message} ({where})", data=error))
+    result = _result_of(state)
     log.info("%s: %s (%s)", cfg.destination, result["status"], where)
-    return Completed(message=f"{result['status']}: {cfg.destination} ({where})", data=result)
+    return _hand_back(
+        Completed(message=f"{result['status']}: {cfg.destination} ({where})", data=result)
+    )
 
 
 def _announce_failure(message: str, destination: str) -> None:
@@ -306,7 +343,7 @@ def run_job(config: dict[str, Any]) -> Any:
     """
     cfg = JobConfig(**config)
     try:
-        return _run_job(cfg)
+        return _hand_back(_run_job(cfg))
     except ConversionError as e:
         message = failure_message(e, cfg)
         get_run_logger().error("%s", message)
@@ -318,7 +355,7 @@ def run_job(config: dict[str, Any]) -> Any:
                 key=f"zerosafe-{job_slug(cfg.destination)}-failure",
                 description="Why the conversion failed",
             )
-        return Failed(message=message, data=e)
+        return _hand_back(Failed(message=message, data=e))
 
 
 def _md(text: str) -> str:
@@ -569,16 +606,19 @@ def run_convert(
         # No heartbeats for a run the command itself watches: ending each of its two flow
         # runs would otherwise wait up to a second for the heartbeat thread.
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            result = cast(
-                "dict[str, Any]",
+            state = cast(
+                "State[Any]",
                 convert(
                     **flow_parameters(
                         ckpt_url, out_url, options, tag=tag, work_dir=work_url,
                         storage_options=storage_options,
                         mode=mode or ("direct" if options.direct else "staged"),
-                    )
+                    ),
+                    return_state=True,
                 ),
             )  # fmt: skip
+        # The summary; a ConversionError raises here (one line and exit 2), as any other error
+        result = cast("dict[str, Any]", _result_of(state))
     finally:
         set_progress(NullProgress())
         if show_progress:
