@@ -119,7 +119,14 @@ def main():
         os.makedirs(job["out"], exist_ok=True)
         run(job, rank)
         dist.barrier()
-    dist.destroy_process_group()
+    # Every rank has written everything (the barrier). Leave without torch's teardown
+    # (destroy_process_group, then the interpreter's exit): on two loaded cores it sometimes
+    # aborted rank 1 with "terminate called without an active exception" after both ranks
+    # had saved everything (once in a full test run, once in 270 runs of this script), and
+    # that teardown is not what these tests check.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
