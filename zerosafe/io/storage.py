@@ -377,14 +377,7 @@ class LocalSink:
 
     def write(self, data: bytes | memoryview) -> None:
         self._write(data)
-        if _sync_file_range is not None and self.bytes_written - self._flushed >= _WRITEBACK_BYTES:
-            _sync_file_range(
-                self._file.fileno(),
-                self._flushed,
-                self.bytes_written - self._flushed,
-                _SYNC_FILE_RANGE_WRITE,
-            )
-            self._flushed = self.bytes_written
+        self._start_writeback(whole_file=False)
 
     def write_at(self, offset: int, data: bytes | memoryview) -> None:
         """Write `data` at `offset` (`os.pwrite`, so several threads may each fill their own
@@ -402,15 +395,23 @@ class LocalSink:
                     self._counter.add_written(n)
         except OSError as e:  # not aborted here: other threads may be writing to the file
             raise self._write_error(e) from e
+        self._start_writeback(whole_file=True)
+
+    def _start_writeback(self, *, whole_file: bool) -> None:
+        """Once 64 MiB more are written, ask the kernel to start writing them back, without
+        waiting: the range appended since the last time, or, where threads fill ranges of the
+        file (`write_at`), every range written so far (0, 0: the whole file). Without it a
+        merge in streams left its commit the whole file to write back (0.37 s for 1 GB on this
+        disk, against under 0.05 s once started early)."""
+        if _sync_file_range is None:
+            return
         with self._count_lock:
-            due = self.bytes_written - self._flushed >= _WRITEBACK_BYTES
-            if due:
-                self._flushed = self.bytes_written
-        if due and _sync_file_range is not None:
-            # As `write` does, but for every range written so far (0, 0: the whole file):
-            # without it a merge in streams left its commit the whole file to write back
-            # (0.37 s for 1 GB on this disk, against under 0.05 s once started early).
-            _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+            start, end = self._flushed, self.bytes_written
+            if end - start < _WRITEBACK_BYTES:
+                return
+            self._flushed = end
+        offset, length = (0, 0) if whole_file else (start, end - start)
+        _sync_file_range(self._file.fileno(), offset, length, _SYNC_FILE_RANGE_WRITE)
 
     def _write_error(self, e: OSError) -> StorageError:
         if e.errno == errno.ENOSPC:
