@@ -5,6 +5,7 @@ one-line error too (`lossy_proxy`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,29 +18,33 @@ from tests.stages.test_trust import _holding_output
 pytestmark = pytest.mark.slow
 
 
-def test_a_lost_answer_to_the_final_state_keeps_the_summary(
-    prefect_env: dict[str, str], sample_ckpt: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "out"
-    proxy = LossyProxy(prefect_env["PREFECT_API_URL"], final_state_changes(("flow",)))
+@pytest.fixture
+def lossy(prefect_env: dict[str, str]) -> Iterator[tuple[dict[str, str], LossyProxy]]:
+    """An environment whose Prefect API is the test server behind a `LossyProxy` that loses
+    the answer to each flow run's first final state change; and that proxy."""
+    proxy = LossyProxy(prefect_env["PREFECT_API_URL"], final_state_changes())
     with proxy.running():
-        summary = convert_json(
-            {**prefect_env, "PREFECT_API_URL": proxy.url}, str(sample_ckpt), str(out)
-        )
+        yield {**prefect_env, "PREFECT_API_URL": proxy.url}, proxy
+
+
+def test_a_lost_answer_to_the_final_state_keeps_the_summary(
+    lossy: tuple[dict[str, str], LossyProxy], sample_ckpt: Path, tmp_path: Path
+) -> None:
+    env, proxy = lossy
+    out = tmp_path / "out"
+    summary = convert_json(env, str(sample_ckpt), str(out))
     assert proxy.lost == 2  # the answers to `convert-job`'s Completed, then `convert`'s
     assert summary["status"] == "converted"
     assert summary["num_tensors"] == len(load_output(out)[0])
 
 
 def test_a_lost_answer_to_a_failed_state_keeps_the_one_line_error(
-    prefect_env: dict[str, str], sample_ckpt: Path, tmp_path: Path
+    lossy: tuple[dict[str, str], LossyProxy], sample_ckpt: Path, tmp_path: Path
 ) -> None:
+    env, proxy = lossy
     out = tmp_path / "out"
-    proxy = LossyProxy(prefect_env["PREFECT_API_URL"], final_state_changes(("flow",)))
-    with proxy.running():
-        env = {**prefect_env, "PREFECT_API_URL": proxy.url}
-        with _holding_output(out):
-            proc = run_cli(env, "convert", str(sample_ckpt), str(out), check=False)
+    with _holding_output(out):
+        proc = run_cli(env, "convert", str(sample_ckpt), str(out), check=False)
     assert proxy.lost == 2  # the answers to `convert-job`'s Failed, then `convert`'s
     assert proc.returncode == 2, proc.stderr
     assert "another conversion into this output folder is running" in proc.stderr
