@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,11 +83,11 @@ def _convert(env: dict[str, str], ckpt: Path, out: Path, *args: str) -> dict[str
     return summary
 
 
-def _check_adapter(run: Path, out: Path, env: dict[str, str]) -> None:
+def _check_adapter(run: Path, out: Path, env: dict[str, str], *, ckpt: Path | None = None) -> None:
     """The output is the adapter PEFT saves from the live model, loads with
     `PeftModel.from_pretrained` onto the base model and computes the live model's logits, bit
     for bit; `verify` and `verify --against` pass."""
-    ckpt = run / "ckpt" / "checkpoint-4"
+    ckpt = ckpt or run / "ckpt" / "checkpoint-4"
     live = load_file(run / "live.safetensors")
     got = load_file(out / "adapter_model.safetensors")
     assert sorted(got) == sorted(live)  # PEFT's names, no base-model tensor
@@ -170,3 +171,61 @@ def test_a_lora_shape_the_config_does_not_imply_is_refused(
     (ckpt / "adapter_config.json").unlink()
     proc = _zerosafe(local_env, "convert", "--via", "local", "--adapter", str(ckpt), str(out))
     assert proc.returncode == 2 and "adapter_config.json: missing" in proc.stderr, proc.stderr
+
+
+def _copy_with_config(run: Path, dest: Path, **changes: Any) -> Path:
+    """The run's `checkpoint-4/` copied to `dest`, its adapter_config.json changed."""
+    ckpt = dest / "checkpoint-4"
+    shutil.copytree(run / "ckpt" / "checkpoint-4", ckpt)
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    (ckpt / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+    return ckpt
+
+
+@pytest.mark.parametrize(
+    ("changes", "refusal"),
+    [
+        # the run adapted q/v/o: PeftModel.from_pretrained would load this config and silently
+        # drop every v_proj matrix (other logits)
+        ({"target_modules": ["q_proj", "o_proj"]}, r"self_attn\.v_proj' matches no"),
+        # a module the model does not have
+        ({"target_modules": ["q_proj", "v_proj", "o_proj", "qkv_proj"]}, r"'qkv_proj' matches no"),
+        # layer 1's matrices are outside `layers_to_transform`
+        ({"layers_to_transform": [0]}, r"layers\.1\.self_attn\.\w_proj' is in layer 1, outside"),
+    ],
+)
+def test_target_modules_that_disagree_with_the_lora_tensors_are_refused(
+    peft_runs: dict[str, Path],
+    local_env: dict[str, str],
+    tmp_path: Path,
+    changes: dict[str, Any],
+    refusal: str,
+) -> None:
+    """Issue 37 item 3: a config whose `target_modules` (with its `layers_to_transform`) does
+    not name exactly the modules the LoRA tensors adapt is refused with one line, nothing
+    published."""
+    ckpt = _copy_with_config(peft_runs["llama-z3"], tmp_path, **changes)
+    out = tmp_path / "out"
+    proc = _zerosafe(local_env, "convert", "--via", "local", "--adapter", str(ckpt), str(out))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(refusal, lines[0]), proc.stderr
+    assert "adapter_config.json" in lines[0]
+    assert not (out / "adapter_model.safetensors").exists()
+
+
+def test_a_regex_target_with_exclude_modules_converts_and_loads(
+    peft_runs: dict[str, Path], local_env: dict[str, str], tmp_path: Path
+) -> None:
+    """`target_modules` as a regex (PEFT full-matches it) and `exclude_modules` removing the
+    projections the run did not adapt: the same modules as the run's list, so the adapter
+    converts and PEFT loads it to the live logits."""
+    run = peft_runs["llama-z3"]
+    ckpt = _copy_with_config(
+        run, tmp_path,
+        target_modules=r".*\.layers\.\d+\.(self_attn|mlp)\.\w+_proj",
+        exclude_modules=["k_proj", "gate_proj", "up_proj", "down_proj"],
+    )  # fmt: skip
+    out = tmp_path / "out"
+    _convert(local_env, ckpt, out, "--adapter", "--via", "local")
+    _check_adapter(run, out, local_env, ckpt=ckpt)

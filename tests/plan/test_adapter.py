@@ -7,6 +7,8 @@ output) is tests/app/test_peft_adapter.py.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from zerosafe.config import ConvertOptions
@@ -14,6 +16,7 @@ from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
 from zerosafe.formats.base import SourceDescription, SourceLayout, SourceTensor, StoredDetails
 from zerosafe.plan.adapter import (
     ADAPTER_WEIGHTS_NAME,
+    LoraTargets,
     adapter_layout,
     adapter_names,
     check_lora_shapes,
@@ -67,7 +70,7 @@ def test_trained_biases_keep_their_names() -> None:
         {"target_modules": ["conv", "proj"], "bias": "all", "lora_bias": True},
     ],
 )
-def test_names_are_the_ones_peft_itself_saves(options: dict) -> None:
+def test_names_are_the_ones_peft_itself_saves(options: dict[str, Any]) -> None:
     """Every name the real `get_peft_model_state_dict` returns is `adapter_names` of the
     `PeftModel`'s parameter it comes from: LoRA on linear layers, an embedding and a
     convolution, trained biases (`lora_only`, `all`), `lora_bias`, and a module to save."""
@@ -102,7 +105,7 @@ def _shapes(a: tuple[int, ...], b: tuple[int, ...]) -> dict[str, tuple[int, ...]
     }
 
 
-def _check(shapes: dict[str, tuple[int, ...]], config: dict = CONFIG) -> None:
+def _check(shapes: dict[str, tuple[int, ...]], config: dict[str, Any] = CONFIG) -> None:
     found = [adapter_names(n) for n in shapes]
     check_lora_shapes(shapes, [f for f in found if f is not None], config, where="ckpt")
 
@@ -184,7 +187,8 @@ def test_adapter_layout_keeps_the_adapter_only_under_peft_names() -> None:
             "base_model.model.lm_head.modules_to_save.default.weight": ((53, 24), "param"),
         }
     )
-    out = adapter_layout(layout, CONFIG, config_url="folder")
+    config = {**CONFIG, "target_modules": ["q_proj"], "modules_to_save": ["lm_head"]}
+    out = adapter_layout(layout, config, config_url="folder")
     assert list(out.tensors) == out.order == [
         f"{P}.q_proj.lora_A.weight", f"{P}.q_proj.lora_B.weight", "base_model.model.lm_head.weight"
     ]  # fmt: skip
@@ -236,3 +240,165 @@ def test_two_adapters_are_refused() -> None:
     )
     with pytest.raises(CheckpointFormatError, match="adapters default, other"):
         adapter_layout(layout, CONFIG, config_url="folder")
+
+
+# Issue 37 item 3: `target_modules` checked against the LoRA tensors, by PEFT's own rule.
+Q0, V0, Q1 = (
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.self_attn.v_proj",
+    "model.h.1.q_proj",
+)
+
+
+@pytest.mark.parametrize(
+    ("config", "module", "entries"),
+    [
+        ({"target_modules": ["q_proj"]}, Q0, ("q_proj",)),  # a `.`-suffix
+        ({"target_modules": ["proj"]}, Q0, ()),  # not any suffix: a whole name segment
+        ({"target_modules": ["self_attn.q_proj", "q_proj"]}, Q0, ("self_attn.q_proj", "q_proj")),
+        ({"target_modules": [Q0]}, Q0, (Q0,)),  # the whole name
+        ({"target_modules": r".*\.(q|v)_proj"}, V0, (r".*\.(q|v)_proj",)),  # a regex
+        ({"target_modules": "q_proj"}, Q0, ()),  # a regex full-matches the whole name
+        ({"target_modules": ["q_proj"], "exclude_modules": ["self_attn.q_proj"]}, Q0, ()),
+        ({"target_modules": ["q_proj"], "exclude_modules": r".*layers\.0\..*"}, Q0, ()),
+        ({"target_modules": ["q_proj"], "exclude_modules": r"layers\.0.*"}, Q0, ("q_proj",)),
+        ({"target_modules": ["q_proj"], "modules_to_save": ["self_attn"]}, Q0, ()),
+        ({"target_modules": ["q_proj"], "layers_to_transform": 0}, Q0, ("q_proj",)),
+        ({"target_modules": ["q_proj"], "layers_to_transform": [1, 2]}, Q0, ()),
+        ({"target_modules": ["q_proj"], "layers_to_transform": [1]}, Q1, ("q_proj",)),
+        ({"target_modules": ["q_proj"], "layers_to_transform": []}, Q0, ("q_proj",)),  # all
+        # the whole name is not restricted by layer (as in peft); a regex never is
+        ({"target_modules": [Q0], "layers_to_transform": [1]}, Q0, (Q0,)),
+        ({"target_modules": ".*q_proj", "layers_to_transform": [1]}, Q0, (".*q_proj",)),
+        # `layers_pattern` names the list before the index
+        ({"target_modules": ["q_proj"], "layers_to_transform": [1], "layers_pattern": "h"},
+         Q1, ("q_proj",)),
+        ({"target_modules": ["q_proj"], "layers_to_transform": [1], "layers_pattern": ["x"]},
+         Q1, ()),
+    ],
+)  # fmt: skip
+def test_target_rule_on_plain_names(
+    config: dict[str, Any], module: str, entries: tuple[str, ...]
+) -> None:
+    assert LoraTargets.from_config(config).matched_by(module) == entries
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"target_modules": ["q_proj", "v_proj"]},
+        {"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [0, 2]},
+        {"target_modules": ["proj"], "layers_to_transform": 1, "layers_pattern": "blocks"},
+        {"target_modules": r".*\.(q|v|k)_proj", "exclude_modules": ["k_proj"]},
+        {"target_modules": ["q_proj", "head"], "exclude_modules": r".*\.1\..*"},
+        {"target_modules": ["q_proj", "v_proj", "proj"], "modules_to_save": ["blocks.2"]},
+        {"target_modules": ["model.blocks.0.attn.q_proj", "v_proj"], "layers_to_transform": [2]},
+        {
+            "target_modules": ["attn.q_proj"],
+            "layers_to_transform": [1],
+            "layers_pattern": ["x", "blocks"],
+        },
+    ],
+)
+def test_target_rule_agrees_with_peft(config: dict[str, Any]) -> None:
+    """The modules `LoraTargets` matches are the ones the real `get_peft_model` adapts."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention()
+            self.proj = torch.nn.Linear(4, 4)
+
+    class Body(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+
+    class Tiny(torch.nn.Module):  # model.blocks.<i>.attn.q_proj: peft finds the index so
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = Body()
+            self.head = torch.nn.Linear(4, 2)
+
+    model = Tiny()
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    peft_model = get_peft_model(model, LoraConfig(r=2, **config))
+    adapted = {
+        n.removeprefix("base_model.model.").removesuffix(".lora_A")
+        for n, _ in peft_model.named_modules()
+        if n.endswith(".lora_A")
+    }
+    targets = LoraTargets.from_config(config)
+    assert adapted and {n for n in names if targets.matched_by(n)} == adapted
+
+
+def _lora_layout(*modules: str) -> SourceLayout:
+    roles: dict[str, tuple[tuple[int, ...], str]] = {}
+    for module in modules:
+        roles[f"base_model.model.{module}.lora_A.default.weight"] = ((4, 24), "param")
+        roles[f"base_model.model.{module}.lora_B.default.weight"] = ((12, 4), "param")
+    roles["base_model.model.lm_head.modules_to_save.default.weight"] = ((53, 24), "param")
+    return _layout(roles)
+
+
+@pytest.mark.parametrize(
+    ("changes", "refusal"),
+    [
+        # the config leaves out v_proj: PEFT would load the adapter and drop v_proj's matrices
+        ({"target_modules": ["q_proj"]},
+         "LoRA module '" + V0 + r"' matches no `target_modules` entry \[\"q_proj\"\]"),
+        ({"target_modules": ["q_proj", "v_proj", "qkv"]}, r"entry 'qkv' matches no module"),
+        # an entry every module of is excluded is not this checkpoint's either
+        ({"target_modules": ["q_proj", "v_proj", "k_proj"], "exclude_modules": ["k_proj"]},
+         r"entry 'k_proj' matches no module"),
+        ({"target_modules": r".*\.q_proj"}, rf"'{V0}' matches no `target_modules` entry"),
+        ({"target_modules": ["q_proj", "v_proj"], "exclude_modules": ["v_proj"]},
+         "'" + V0 + r"' is excluded by `exclude_modules` \[.v_proj.\]"),
+        ({"target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head", "v_proj"]},
+         rf"'{V0}' is under `modules_to_save`"),
+        ({"target_modules": ["q_proj", "v_proj"], "layers_to_transform": [1]},
+         rf"'{Q0}' is in layer 0, outside `layers_to_transform` \[1\]"),
+        ({"target_modules": 7}, r"`target_modules` is 7, expected a string \(a regex\), a list"),
+        ({"target_modules": "(q_proj"}, r"`target_modules` '\(q_proj' is not a valid regular"),
+        ({"layers_to_transform": ["0"]}, r"`layers_to_transform` is \[.0.\], expected an"),
+    ],
+)  # fmt: skip
+def test_targets_that_disagree_with_the_lora_tensors_are_refused(
+    changes: dict[str, Any], refusal: str
+) -> None:
+    config = {**CONFIG, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}
+    with pytest.raises(CheckpointFormatError, match=refusal) as e:
+        adapter_layout(_lora_layout(Q0, V0), {**config, **changes}, config_url="folder")
+    assert str(e.value).startswith("folder/adapter_config.json: ")
+    assert "correct adapter_config.json" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"target_modules": r"model\.layers\.0\.self_attn\.(q|v)_proj"},
+        {"target_modules": ["self_attn.q_proj", "v_proj"], "exclude_modules": r".*\.k_proj"},
+        {"layers_to_transform": [0]},
+    ],
+)
+def test_targets_that_match_the_lora_tensors_pass(changes: dict[str, Any]) -> None:
+    config = {**CONFIG, "target_modules": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]}
+    out = adapter_layout(_lora_layout(Q0, V0), {**config, **changes}, config_url="folder")
+    assert len(out.tensors) == 5 and not any("not checked" in n for n in out.notes)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "ALL-LINEAR", None])
+def test_targets_that_need_the_base_model_pass_with_a_note(targets: str | None) -> None:
+    """'all-linear' (and null, PEFT's default for the architecture) are resolved from the base
+    model, which a checkpoint does not hold: accepted, and the note says it is not checked."""
+    config = {**CONFIG, "target_modules": targets, "modules_to_save": ["lm_head"]}
+    out = adapter_layout(_lora_layout(Q0, V0), config, config_url="folder")
+    assert any(f"`target_modules` {targets!r} is not checked" in n for n in out.notes)

@@ -20,6 +20,12 @@ features where the checkpoint holds the base weight). A matrix that disagrees is
 rank-0-only save looks like (the Trainer's own `adapter_model.safetensors` under ZeRO-3 holds
 0-element tensors), so it is refused, never written. The tensors themselves are gathered from
 every rank by the reader's fragments, as for any conversion.
+
+The config's `target_modules` must name exactly the modules the LoRA tensors adapt, by PEFT's
+own matching rule (`LoraTargets`, after peft `tuners/tuners_utils.py`
+`check_target_module_exists`): `PeftModel.from_pretrained` puts LoRA layers where the config
+says and loads the saved matrices into them without checking, so a module the config leaves
+out loses its matrices silently, and one it names beyond them gets an untrained layer.
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ __all__ = [
     "ADAPTER_CONFIG_NAME",
     "ADAPTER_WEIGHTS_NAME",
     "AdapterTensor",
+    "LoraTargets",
     "adapter_layout",
     "adapter_names",
     "check_lora_shapes",
+    "check_lora_targets",
     "looks_like_adapter",
     "read_adapter_config",
 ]
@@ -152,6 +160,205 @@ def read_adapter_config(storage: Storage, folder: str) -> dict[str, Any]:
     return config
 
 
+def _bad_field(url: str, key: str, value: Any, allowed: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"{url}: `{key}` is {json.dumps(value)}, expected {allowed} (as PEFT's LoraConfig takes "
+        "it); correct adapter_config.json"
+    )
+
+
+def _config_names(
+    config: dict[str, Any], key: str, url: str, *, string: bool, entries_regex: bool
+) -> str | tuple[str, ...]:
+    """Config field `key`: a string (a regex, where `string` allows one) or a list of strings
+    (regexes too where `entries_regex`), () for null; every regex checked to compile.
+
+    Raises:
+        CheckpointFormatError: If it is of another type, or a regex does not compile.
+    """
+    value = config.get(key)
+    if value is None:
+        return ()
+    names: str | tuple[str, ...]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        regexes, names = (value if entries_regex else []), tuple(value)
+    elif string and isinstance(value, str):
+        regexes, names = [value], value
+    else:
+        kinds = "a string (a regex), a list of module names" if string else "a list of names"
+        raise _bad_field(url, key, value, f"{kinds} or null")
+    for pattern in regexes:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise CheckpointFormatError(
+                f"{url}: `{key}` '{pattern}' is not a valid regular expression ({e}); PEFT "
+                "cannot load this adapter either: correct adapter_config.json"
+            ) from e
+    return names
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraTargets:
+    """The modules PEFT puts a LoRA layer on, as adapter_config.json says, by peft's
+    `check_target_module_exists` (`tuners/tuners_utils.py`), on a module's name inside the base
+    model (`model.layers.0.self_attn.q_proj`, no `base_model.model.`): a module matched by
+    `exclude_modules` (a string: a full-match regex; a list: a name or a `.`-suffix) or by a
+    `modules_to_save` entry is never adapted; a string `target_modules` is a full-match regex;
+    a list matches a name exactly or as a `.`-suffix, and a suffix match counts only in the
+    layers `layers_to_transform` lists (the index after `layers_pattern`, or after the second
+    name segment without one).
+
+    >>> t = LoraTargets.from_config({"target_modules": ["q_proj"], "layers_to_transform": 1})
+    >>> t.matched_by("model.layers.1.self_attn.q_proj"), t.matched_by("model.layers.0.q_proj")
+    (('q_proj',), ())
+    """
+
+    target_modules: str | tuple[str, ...] | None
+    """The config's `target_modules`; None where it cannot be checked from tensors alone:
+    'all-linear' (every linear layer of the base model but the output layer) or null (PEFT's
+    default for the base model's architecture)."""
+    exclude_modules: str | tuple[str, ...]
+    """The config's `exclude_modules` (empty: none)."""
+    modules_to_save: tuple[str, ...]
+    """The config's `modules_to_save`, which PEFT never adapts with LoRA."""
+    layers_to_transform: tuple[int, ...] | None
+    """The layer indexes a suffix match must be in; None: every layer."""
+    layers_pattern: tuple[str, ...]
+    """The regexes of the module list before the layer index (empty: any name)."""
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], *, url: str = ADAPTER_CONFIG_NAME) -> LoraTargets:
+        """The targets of a PEFT config (adapter_config.json at `url`, for messages).
+
+        Raises:
+            CheckpointFormatError: If a field has a type PEFT does not accept, or a pattern is
+                not a valid regex.
+        """
+        layers = config.get("layers_to_transform")
+        layers = [layers] if type(layers) is int else layers
+        if not (
+            layers is None or (isinstance(layers, list) and all(type(i) is int for i in layers))
+        ):
+            raise _bad_field(
+                url, "layers_to_transform", layers, "an integer, a list of integers or null"
+            )
+        targets: str | tuple[str, ...] | None = _config_names(
+            config, "target_modules", url, string=True, entries_regex=False
+        )
+        pattern = _config_names(config, "layers_pattern", url, string=True, entries_regex=True)
+        if config.get("target_modules") is None or (
+            isinstance(targets, str) and targets.lower() == "all-linear"
+        ):
+            targets = None
+        return cls(
+            target_modules=targets,
+            exclude_modules=_config_names(
+                config, "exclude_modules", url, string=True, entries_regex=False
+            ),
+            modules_to_save=tuple(
+                _config_names(config, "modules_to_save", url, string=False, entries_regex=True)
+            ),
+            layers_to_transform=tuple(layers) if layers else None,
+            layers_pattern=(pattern,) if isinstance(pattern, str) and pattern else tuple(pattern),
+        )
+
+    def matched_by(self, module: str) -> tuple[str, ...]:
+        """The `target_modules` entries that make PEFT adapt `module` (its name inside the base
+        model), empty if PEFT does not adapt it; all of `target_modules` for a regex."""
+        return self._match(module)[0]
+
+    def why_not(self, module: str) -> str:
+        """Why PEFT does not adapt `module`, for a message ('' if it does)."""
+        return self._match(module)[1]
+
+    def _match(self, module: str) -> tuple[tuple[str, ...], str]:
+        exclude, targets = self.exclude_modules, self.target_modules
+        assert targets is not None, "'all-linear' and null targets cannot be matched"
+        if (isinstance(exclude, str) and exclude and re.fullmatch(exclude, module)) or (
+            isinstance(exclude, tuple) and _listed(module, exclude)
+        ):
+            return (), f"is excluded by `exclude_modules` {_shown(exclude)}"
+        if any(re.match(rf"(^|.*\.){m}($|\..*)", module) for m in self.modules_to_save):
+            return (), (
+                f"is under `modules_to_save` {_shown(self.modules_to_save)}, which PEFT never "
+                "adapts with LoRA"
+            )
+        if isinstance(targets, str):
+            found: tuple[str, ...] = (targets,) if re.fullmatch(targets, module) else ()
+        else:
+            found = tuple(t for t in targets if _listed(module, (t,)))
+            if found and module not in targets and self.layers_to_transform is not None:
+                index = self._layer_index(module)
+                if index not in self.layers_to_transform:
+                    where = "has no layer index" if index is None else f"is in layer {index}"
+                    return (), (
+                        f"{where}, outside `layers_to_transform` {_shown(self.layers_to_transform)}"
+                    )
+        return found, "" if found else f"matches no `target_modules` entry {_shown(targets)}"
+
+    def _layer_index(self, module: str) -> int | None:
+        """The layer index PEFT reads from `module` (its first numbered segment after a
+        `layers_pattern` match, or after the second segment without a pattern)."""
+        if not self.layers_pattern:
+            m = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+        else:
+            for pattern in self.layers_pattern:
+                m = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+                if m is not None:
+                    break
+        return None if m is None else int(m["idx"])
+
+
+def _listed(module: str, names: tuple[str, ...]) -> bool:
+    """PEFT's list rule: `module` is one of `names` or ends with `.<name>`."""
+    return module in names or any(module.endswith(f".{n}") for n in names)
+
+
+def _shown(value: str | tuple[str, ...] | tuple[int, ...]) -> str:
+    """A config value as adapter_config.json writes it, for a message."""
+    return json.dumps(value if isinstance(value, str) else list(value))
+
+
+def check_lora_targets(
+    adapter: list[AdapterTensor], targets: LoraTargets, *, where: str, url: str
+) -> None:
+    """Refuse a config (adapter_config.json at `url`) that does not describe the LoRA
+    tensors: every LoRA module (of `adapter`, the checkpoint's at `where`) must be one PEFT
+    adapts under `targets`, and every `target_modules` entry of a list must match one of them
+    (a regex matches them all, or the first rule refuses). 'all-linear' and null
+    `target_modules` are not checked: they need the base model.
+
+    Raises:
+        CheckpointFormatError: Naming the module or the entry, the config's value, and the fix.
+    """
+    fix = "correct adapter_config.json to name the modules the run adapted"
+    first: dict[str, str] = {}  # LoRA module -> its first tensor, in the checkpoint's order
+    for t in adapter:
+        if t.kind.startswith("lora_"):
+            first.setdefault(t.module, t.name)
+    lora = list(first)
+    for module in lora if targets.target_modules is not None else []:
+        inner = module.removeprefix(PEFT_PREFIX)
+        why = targets.why_not(inner)
+        if why:
+            raise CheckpointFormatError(
+                f"{url}: LoRA module '{inner}' {why}, so PeftModel.from_pretrained would "
+                f"silently drop its matrices ('{first[module]}' in {where}); {fix}"
+            )
+    if isinstance(targets.target_modules, tuple):
+        used = {e for m in lora for e in targets.matched_by(m.removeprefix(PEFT_PREFIX))}
+        for entry in targets.target_modules:
+            if entry not in used:
+                raise CheckpointFormatError(
+                    f"{url}: `target_modules` entry '{entry}' matches no module the LoRA "
+                    f"tensors in {where} adapt ({len(lora)} modules, such as "
+                    f"'{lora[0].removeprefix(PEFT_PREFIX) if lora else 'none'}'), so the config "
+                    f"is not this checkpoint's; {fix} (drop an entry the base model has no "
+                    "module for)"
+                )
+
+
 def _rank_of(module: str, config: dict[str, Any]) -> int:
     """The LoRA rank PEFT gives `module`: `rank_pattern`'s first key matching its name (as
     peft's `get_pattern_key` matches, on the name inside the base model), else `r`."""
@@ -257,6 +464,8 @@ def adapter_layout(
             drop it), or the checkpoint holds more than one adapter, or none.
         LayoutMismatchError: If a LoRA matrix has another shape than the config implies
             (`check_lora_shapes`).
+        CheckpointFormatError: If the config's `target_modules` (or `modules_to_save`) does
+            not name the modules the tensors adapt (`check_lora_targets`).
     """
     bias = str(config.get("bias") or "none")
     adapter: list[AdapterTensor] = []
@@ -288,6 +497,10 @@ def adapter_layout(
             f"{'adapters ' + ', '.join(sorted(names)) if names else 'none'}; "
             + ("convert without `--adapter`" if not names else "not supported yet")
         )
+    targets = LoraTargets.from_config(config, url=join_url(config_url, ADAPTER_CONFIG_NAME))
+    check_lora_targets(
+        adapter, targets, where=layout.where, url=join_url(config_url, ADAPTER_CONFIG_NAME)
+    )
     shapes = {n: t.shape for n, t in layout.tensors.items()}
     check_lora_shapes(shapes, adapter, config, where=layout.where)
     saved = {t.name: t.saved_name for t in adapter}
@@ -304,4 +517,9 @@ def adapter_layout(
         f"({left_out} in the checkpoint left out): load it with "
         "PeftModel.from_pretrained(base_model, OUT)"
     )
+    if targets.target_modules is None:
+        note += (
+            f"; `target_modules` {config.get('target_modules')!r} is not checked against the "
+            "LoRA tensors (PEFT resolves it from the base model when loading)"
+        )
     return replace(layout, tensors=tensors, order=order, aliases={}, notes=[*layout.notes, note])
