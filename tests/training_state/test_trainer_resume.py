@@ -106,3 +106,18 @@ def test_trainer_resumes_at_another_world_size(
     assert sorted(begin) == sorted(live)
     for name, value in live.items():
         assert begin[name].tobytes() == value.tobytes(), name
+
+
+def test_to_dcp_carries_them_too(trained: Path, tmp_path: Path) -> None:
+    from zerosafe.training_state import convert_to_dcp
+    from zerosafe.training_state.dcp import verify_dcp_output
+
+    out = tmp_path / "dcp"
+    summary = convert_to_dcp(str(trained), str(out), layout="accelerate")
+    assert "carried `trainer_state.json`" in "\n".join(summary.notes)
+    for name in ("trainer_state.json", "training_args.bin", "config.json"):
+        assert (out / name).read_bytes() == (trained / name).read_bytes(), name
+    assert verify_dcp_output(str(out))["ok"]
+    (out / "training_args.bin").write_bytes(b"changed")
+    found = verify_dcp_output(str(out))
+    assert [f["file"] for f in found["failures"]] == ["training_args.bin"]

@@ -18,11 +18,23 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
-from zerosafe.io.storage import Storage, is_local
-from zerosafe.stages.model_files import list_model_files, not_copied_because
+from zerosafe.io.storage import Storage, is_local, join_url
+from zerosafe.stages.model_files import (
+    copy_model_files,
+    list_model_files,
+    not_copied_because,
+    sha256_of,
+)
 
-__all__ = ["CLIENT_FILES", "ClientFile", "find_client_files"]
+__all__ = [
+    "CLIENT_FILES",
+    "ClientFile",
+    "carry_client_files",
+    "check_carried",
+    "find_client_files",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -122,3 +134,37 @@ def find_client_files(storage: Storage, folder: str) -> tuple[list[str], list[st
 def _copy_order(name: str) -> tuple[int, str]:
     kind = _kind_of(name)
     return (CLIENT_FILES.index(kind) if kind is not None else len(CLIENT_FILES), name)
+
+
+def carry_client_files(
+    storage: Storage, folder: str, names: list[str], out_url: str, *, chunk_bytes: int
+) -> list[dict[str, Any]]:
+    """Copy `names` from `folder` into `out_url`, byte for byte and unread.
+
+    Returns:
+        Per file: `file` (relative to both folders), `size_bytes` and `sha256`.
+    """
+    entries = copy_model_files(storage, folder, names, out_url, chunk_bytes=chunk_bytes)
+    return [{k: e[k] for k in ("file", "size_bytes", "sha256")} for e in entries]
+
+
+def check_carried(
+    storage: Storage, out_url: str, entries: list[dict[str, Any]]
+) -> list[dict[str, str]]:
+    """What differs in the carried files from what was copied (`verify`'s check): per file
+    that differs, `file` and `error`."""
+    problems = []
+    for e in entries:
+        url = join_url(out_url, e["file"])
+        try:
+            size, digest = sha256_of(storage, url)
+        except OSError as missing:
+            problems.append({"file": e["file"], "error": str(missing)})
+            continue
+        if (size, digest) != (e["size_bytes"], e["sha256"]):
+            problems.append({
+                "file": e["file"],
+                "error": f"{url}: {size} bytes with SHA-256 {digest}; copied as "
+                f"{e['size_bytes']} bytes with {e['sha256']}",
+            })  # fmt: skip
+    return problems
