@@ -70,7 +70,7 @@ def build_tokenizer():
 def main():
     spec = json.load(open(sys.argv[1]))
     ckpt_dir, live_file = sys.argv[2], sys.argv[3]
-    if "lora" in spec:
+    if "lora" in spec or spec.get("trainer"):
         return main_peft_trainer(spec, ckpt_dir, live_file)
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ.get("RANK", 0))
@@ -153,14 +153,32 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": tokens, "labels": tokens}
 
 
+def trainer_ds_config(stage):
+    """The DeepSpeed config the HF Trainer runs with here ("auto" values filled by it)."""
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
+    }
+
+
 def main_peft_trainer(spec, ckpt_dir, live_file):
-    """A PEFT LoRA model trained and saved by the HF Trainer itself under DeepSpeed ZeRO."""
+    """A model trained and saved by the HF Trainer itself under DeepSpeed ZeRO: a PEFT LoRA
+    model with `lora` in SPEC, else the whole model (`trainer`: true; logged every step, at a
+    constant learning rate, so a resumed run's steps and losses can be compared)."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from transformers import Trainer, TrainingArguments
 
     torch.manual_seed(spec.get("seed", 11))
     model = build_model(spec["arch"])
     rank = int(os.environ.get("RANK", 0))
+    if "lora" not in spec:
+        return _main_trainer(spec, model, ckpt_dir, live_file)
     if rank == 0:  # the base model the user fine-tunes, as it was before training
         model.save_pretrained(str(Path(live_file).with_name("base")))
     peft_model = get_peft_model(model, LoraConfig(**spec["lora"]))
@@ -207,6 +225,33 @@ def main_peft_trainer(spec, ckpt_dir, live_file):
             {"logits": logits.contiguous(), "input_ids": input_ids.contiguous()},
             str(Path(live_file).with_name("live-logits.safetensors")),
         )
+    torch.distributed.barrier()
+
+
+def _main_trainer(spec, model, ckpt_dir, live_file):
+    from transformers import Trainer, TrainingArguments
+
+    steps = spec.get("steps", 2)
+    args = TrainingArguments(
+        output_dir=ckpt_dir, per_device_train_batch_size=2, max_steps=steps, save_steps=steps,
+        save_strategy="steps", learning_rate=2e-2, lr_scheduler_type="constant",
+        deepspeed=trainer_ds_config(spec["stage"]), report_to=[], logging_steps=1,
+        disable_tqdm=True, seed=spec.get("seed", 11),
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=_Tokens())
+    trainer.train()
+    params = list(model.parameters())
+    gather = (
+        deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        if spec["stage"] == 3
+        else contextlib.nullcontext()
+    )
+    with gather:
+        state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if int(os.environ.get("RANK", 0)) == 0:
+        from safetensors.torch import save_file
+
+        save_file(state, live_file)
     torch.distributed.barrier()
 
 

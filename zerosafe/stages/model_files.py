@@ -55,6 +55,7 @@ __all__ = [
     "list_model_files",
     "model_files_folder",
     "model_files_report",
+    "not_copied_because",
 ]
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ def list_model_files(
         ]
     kept, warnings = [], []
     for name in found:
-        why = _not_copied_because(folder, name) if is_local(folder) else None
+        why = not_copied_because(folder, name) if is_local(folder) else None
         if why is None:
             kept.append(name)
         else:
@@ -194,7 +195,7 @@ def _not_a_transformers_config(storage: Storage, folder: str) -> str | None:
     )
 
 
-def _not_copied_because(folder: str, name: str) -> str | None:
+def not_copied_because(folder: str, name: str) -> str | None:
     """Why the local model file `folder/name` is not copied, or None when it is a regular
     file (or a link to one) inside `folder`. Decided from `lstat`/`stat`, never by opening
     it: opening a FIFO blocks until a writer comes."""
@@ -279,7 +280,7 @@ def copy_model_files(
         src = join_url(folder, name)
         max_mode = None
         if is_local(folder):
-            why = _not_copied_because(folder, name)
+            why = not_copied_because(folder, name)
             if why is not None:
                 log.warning("%s", why)
                 continue

@@ -45,6 +45,7 @@ from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import work_lease
 from zerosafe.io.storage import ByteSource, Sink, Storage, is_local, join_url, normalize_url
 from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
+from zerosafe.training_state.client_files import carry_client_files, check_carried
 from zerosafe.training_state.dcp_plan import DcpItem, DcpPlan, plan_dcp
 from zerosafe.training_state.streams import (
     Sources,
@@ -371,9 +372,15 @@ def convert_to_dcp(
             files = _run_units(job, UnitRecords(storage, work_url), unit_bytes, summary)
         finally:
             job.sources.close()
+        carried = carry_client_files(
+            storage, u.ckpt.ckpt_url, u.client_files, out_url, chunk_bytes=chunk_bytes
+        )
         verify_written(storage, out_url, plan, files, chunk_bytes=chunk_bytes)
+        if problems := check_carried(storage, out_url, carried):
+            raise VerificationError(problems[0]["error"])
         manifest = {"format": "torch-dcp", "layout": plan.layout, "folders": plan.folders,
-                    "job_key": plan.job_key, "files": files}  # fmt: skip
+                    "job_key": plan.job_key, "files": files,
+                    "client_files": carried}  # fmt: skip
         for folder in plan.folders:
             where = join_url(out_url, folder) if folder else out_url
             storage.write_bytes(
@@ -513,6 +520,7 @@ def verify_dcp_output(out_url: str, *, storage: Storage | None = None) -> dict[s
             failures.append({"file": f["path"], "error": str(err)})
         finally:
             source.close()
+    failures += check_carried(storage, out_url, marker.get("client_files", []))
     return {
         "ok": not failures, "output": out_url, "num_files": len(marker["files"]),
         "num_items": items, "failures": failures,

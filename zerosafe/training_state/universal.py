@@ -39,6 +39,7 @@ from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import work_lease
 from zerosafe.io.storage import Storage, is_local, join_url, normalize_url
+from zerosafe.stages.model_files import copy_model_files, sha256_of
 from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
 from zerosafe.training_state.streams import (
     Sources,
@@ -246,6 +247,20 @@ class _Job:
             out.append(_Written(path=rel, size_bytes=size, crcs={}, expect={"kind": "copy"}))
         return out
 
+    def copy_client_files(self) -> list[_Written]:
+        """The training client's files, byte for byte, into the output's top folder (where
+        `Trainer.train(resume_from_checkpoint=OUT)` reads them); verify compares SHA-256s."""
+        entries = copy_model_files(
+            self.storage, self.plan.ckpt.ckpt_url, self.plan.client_files, self.out_url,
+            chunk_bytes=self.chunk_bytes,
+        )  # fmt: skip
+        out = []
+        for e in entries:
+            self.bytes_written += e["size_bytes"]
+            expect = {"kind": "client", "sha256": e["sha256"]}
+            out.append(_Written(path=e["file"], size_bytes=e["size_bytes"], crcs={}, expect=expect))
+        return out
+
 
 def _replace_records(obj: Any, outs: dict[int, TensorOut]) -> Any:
     """`obj` with each small `TensorRecord` replaced by the `TensorOut` written for it."""
@@ -270,6 +285,7 @@ def _units(plan: UniversalPlan, unit_bytes: int) -> list[tuple[str, list[int]]]:
     """`(kind, param indices)`: the optimizer state, the model states copies, then params in
     order, each unit about `unit_bytes` of masters + moments (a larger param alone)."""
     units: list[tuple[str, list[int]]] = [("optimizer_state", []), ("model_states", [])]
+    # the client's files go last, so the units before keep the indices they had before
     current: list[int] = []
     filled = 0
     for i, p in enumerate(plan.params):
@@ -281,6 +297,8 @@ def _units(plan: UniversalPlan, unit_bytes: int) -> list[tuple[str, list[int]]]:
         filled += size
     if current:
         units.append(("params", current))
+    if plan.client_files:
+        units.append(("client_files", []))
     return units
 
 
@@ -298,6 +316,13 @@ def verify_file(
     try:
         if source.size_bytes != w["size_bytes"]:
             raise VerificationError(f"{url}: {source.size_bytes} bytes, {w['size_bytes']} written")
+        if expect["kind"] == "client":  # a client's file, copied unread: its SHA-256
+            _, digest = sha256_of(storage, url, chunk_bytes=chunk_bytes)
+            if digest != expect["sha256"]:
+                raise VerificationError(
+                    f"{url}: SHA-256 {digest}, {expect['sha256']} when it was copied"
+                )
+            return
         if expect["kind"] == "copy":  # a model states file: every record against its CRC-32
             copied = open_torch_file(source)  # legacy (non-zip) files have no CRCs to check
             for record in copied.records.values():
@@ -436,6 +461,8 @@ def _output_folders(storage: Storage, plan: UniversalPlan, out_url: str) -> list
     folder = join_url(out_url, plan.folder)
     names = [p.name for p in plan.params] + [c.name for c in plan.module_copies]
     candidates = [folder, join_url(folder, "zero"), *(join_url(folder, "zero", n) for n in names)]
+    if plan.client_files:
+        candidates.append(out_url)
     return [url for url in candidates if storage.isdir(url)]
 
 
@@ -463,6 +490,8 @@ def _run_units(
             files = job.write_optimizer_state()
         elif kind == "model_states":
             files = job.copy_model_states()
+        elif kind == "client_files":
+            files = job.copy_client_files()
         else:
             files = [w for i in members for w in job.write_param(plan.params[i])]
         files_json = [w.to_json() for w in files]

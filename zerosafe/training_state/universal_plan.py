@@ -50,6 +50,7 @@ from zerosafe.formats.deepspeed.checkpoint import LoadedFile, ZeroCheckpoint, op
 from zerosafe.formats.deepspeed.reader import zero_layout
 from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 from zerosafe.io.storage import Storage, normalize_url
+from zerosafe.training_state.client_files import find_client_files
 
 __all__ = [
     "MOMENTS",
@@ -145,6 +146,10 @@ class UniversalPlan:
     """ZeRO-1/2: each param group's `step` (an int or a scalar `TensorRecord`)."""
     ckpt: ZeroCheckpoint
     notes: list[str] = field(default_factory=list)
+    client_files: list[str] = field(default_factory=list)
+    """The training client's files (and model files) in the checkpoint folder, carried into
+    the output unread (`zerosafe.training_state.client_files`), relative to
+    `ckpt.ckpt_url`."""
 
     @property
     def masters_bytes(self) -> int:
@@ -175,6 +180,7 @@ class UniversalPlan:
             "output_bytes": 3 * self.masters_bytes
             + model_bytes
             + 4 * sum(c.run.numel for c in self.module_copies),
+            "client_files": self.client_files,
             "notes": self.notes,
         }
 
@@ -272,12 +278,14 @@ def _plan(storage: Storage, ckpt_url: str, *, tag: str | None) -> UniversalPlan:
             "optimizer_state.pt leaves out rank 0's fp32_flat_groups and moments, which "
             "DeepSpeed's ds_to_universal copies there and its loader never reads"
         )
+    client_files, client_notes = find_client_files(storage, ckpt.ckpt_url)
+    notes += client_notes
     return UniversalPlan(
         job_key=hashlib.sha256(blob.encode()).hexdigest(), tag=ckpt.tag,
         folder=f"{ckpt.tag}_universal", stage=ckpt.stage, world_size=ckpt.world_size,
         urls=urls, params=params, module_copies=copies,
         model_files=[f.url for f in ckpt.model_files], optimizer_state=optimizer_state, steps=steps, records=records.records,
-        ckpt=ckpt, notes=notes,
+        ckpt=ckpt, notes=notes, client_files=client_files,
     )  # fmt: skip
 
 
