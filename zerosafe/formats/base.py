@@ -343,6 +343,15 @@ class FormatReader(Protocol):
     selects: bool
     """Whether the format takes `ConvertOptions.select` and `strip_prefix` (DCP: a
     checkpoint holds more than one state dict); other readers refuse them."""
+    parts_below: tuple[str, ...]
+    """The formats (`name`) whose saves one level down go with a save of this format rather
+    than beside it: its own (DeepSpeed's tag folders; a DCP folder's subfolders are none of
+    its save) and, for DeepSpeed ZeRO and universal, each other (the universal folder
+    ds_to_universal.py made of a tag). A save of any other format one level down is a second
+    save, and the folder is refused (`zerosafe.formats.nested.refuse_saves_beside`)."""
+    tag_folders: bool
+    """Whether `--tag` picks a folder inside a save of this format (DeepSpeed's
+    `global_stepN/`): how to convert it when a save of another format lies beside it."""
 
     def detect(self, storage: Storage, url: str) -> bool:
         """Whether `url` holds this format, from a listing (no file is opened)."""

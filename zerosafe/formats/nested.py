@@ -6,7 +6,10 @@ checkpoint": the HF Trainer with accelerate FSDP2 writes `checkpoint-N/pytorch_m
 `stepN/model_and_optim/`; verl `global_step_N/actor/`. When no reader claims the folder given,
 each reader's `detect` is asked about its immediate subfolders: exactly one save there is
 converted (and named in a note), several are refused with their list, and a folder holding
-DCP chunk files without the global `.metadata` is refused saying what is missing.
+DCP chunk files without the global `.metadata` is refused saying what is missing. When a
+reader does claim the folder, its subfolders are still asked about saves of the other formats
+(`refuse_saves_beside`): a Trainer's `checkpoint-4/` holding DeepSpeed's `latest` and tag and
+also `pytorch_model_fsdp_0/` is two saves, refused with their list.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = [
     "find_nested",
     "refuse_optimizer_only",
     "refuse_partial_dcp",
+    "refuse_saves_beside",
 ]
 
 IGNORED_SUBFOLDER = re.compile(r"^(optimizer(_\d+)?|\..*)$")
@@ -111,6 +115,43 @@ def find_nested(storage: Storage, url: str, readers: Sequence[FormatReader]) -> 
         _refuse_partial_dcp_below(storage, url, ignored)
         return None
     return found[0]
+
+
+def refuse_saves_beside(storage: Storage, found: Found, readers: Sequence[FormatReader]) -> None:
+    """Refuse a folder a reader claims that also holds, one level down, a save of a format
+    that is no part of the claimed save (`FormatReader.parts_below`).
+
+    Only the readers of those other formats are asked, from listings: a DeepSpeed folder's
+    tag folders cost one listing per other reader, and nothing is read below them.
+
+    Raises:
+        CheckpointFormatError: Listing each save with its format, and how to pick one.
+    """
+    claimed = found.reader
+    others = [r for r in readers if r.name not in claimed.parts_below]
+    beside: list[Found] = []
+    for name in _subfolders(storage, found.url):
+        if IGNORED_SUBFOLDER.match(name):
+            continue
+        sub = join_url(found.url, name)
+        reader = next((r for r in others if r.detect(storage, sub)), None)
+        if reader is not None:
+            beside.append(Found(reader=reader, url=sub, given=found.url))
+    if not beside:
+        return
+    names = [f"{f.url.rsplit('/', 1)[-1]}/" for f in beside]
+    saves = [f"{found.url} itself ({claimed.title})"]
+    saves += [f"{n} ({f.reader.title})" for n, f in zip(names, beside, strict=True)]
+    itself = f"the {claimed.title} save in {found.url} itself"
+    if claimed.tag_folders:
+        pick = f", or, for {itself}, `--tag` naming its tag folder"
+    else:  # nothing picks it but the folder alone
+        pick = f"; to convert {itself}, move {', '.join(names)} out of it"
+    raise CheckpointFormatError(
+        f"{found.url}: holds {len(saves)} saves: {', '.join(saves[:-1])} and {saves[-1]}; "
+        "zerosafe converts one save at a time: pass the folder of the one to convert "
+        f"(e.g. {beside[0].url}){pick}"
+    )
 
 
 def refuse_partial_dcp(storage: Storage, url: str) -> None:

@@ -17,7 +17,12 @@ from zerosafe.formats.base import FormatReader, ReadsLowpCopies, SourceLayout
 from zerosafe.formats.dcp.reader import DcpReader
 from zerosafe.formats.deepspeed.reader import DeepSpeedReader
 from zerosafe.formats.deepspeed.universal import UniversalReader
-from zerosafe.formats.nested import Found, find_nested, refuse_optimizer_only
+from zerosafe.formats.nested import (
+    Found,
+    find_nested,
+    refuse_optimizer_only,
+    refuse_saves_beside,
+)
 from zerosafe.formats.verl.reader import VerlReader
 from zerosafe.io.storage import Storage, join_url, normalize_url
 
@@ -84,14 +89,15 @@ def find_save(storage: Storage, url: str, tag: str | None = None) -> Found:
 
     With a `tag` that names a folder of `url`, that folder decides (a DeepSpeed checkpoint
     folder may hold both a ZeRO tag and the universal folder ds_to_universal.py made of it).
-    Else a reader that claims `url` reads it; else the one save one level down
+    Else a reader that claims `url` reads it, unless a save of another format lies one level
+    down beside its own (`refuse_saves_beside`); else the one save one level down
     (`zerosafe.formats.nested`: `checkpoint-4/pytorch_model_fsdp_0` for `checkpoint-4`).
     A folder no reader claims goes to DeepSpeed's, the original format, whose errors say
     precisely what the folder lacks (and list the formats).
 
     Raises:
-        CheckpointFormatError: If several subfolders hold a save, or DCP chunks lack their
-            `.metadata`.
+        CheckpointFormatError: If several subfolders hold a save, or one holds a save of
+            another format than the folder's own, or DCP chunks lack their `.metadata`.
     """
     url = normalize_url(url)
     if tag and "/" not in tag and tag not in (".", ".."):
@@ -102,7 +108,10 @@ def find_save(storage: Storage, url: str, tag: str | None = None) -> Found:
                     return Found(reader=reader, url=url, given=url)
     for reader in READERS:
         if reader.detect(storage, url):
-            return Found(reader=reader, url=url, given=url)
+            found = Found(reader=reader, url=url, given=url)
+            if tag is None:  # a `--tag` picks the claimed save
+                refuse_saves_beside(storage, found, READERS)
+            return found
     if tag is None:
         nested = find_nested(storage, url, READERS)
         if nested is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+from tests.conftest import SAMPLE_LIVE
 from zerosafe.config import ConvertOptions
 from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import CheckpointFormatError
@@ -79,3 +82,85 @@ def test_a_save_claimed_at_the_top_is_never_searched_below(tmp_path: Path) -> No
     _dcp(top / "inner", seed=1)
     found = find_save(Storage(), str(top))
     assert not found.nested and found.url == str(top) and found.note == ""
+
+
+def _two_saves(sample_ckpt: Path, tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A Trainer's `checkpoint-4/` holding a DeepSpeed save (`latest` + `global_step2/`, the
+    shipped ZeRO-3 sample) and a DCP save in `pytorch_model_fsdp_0/` (accelerate FSDP2's
+    folder; `optimizer_0/` beside it is never a candidate)."""
+    ckpt = tmp_path / "checkpoint-4"
+    shutil.copytree(sample_ckpt, ckpt)
+    weights = _dcp(ckpt / "pytorch_model_fsdp_0")
+    _dcp(ckpt / "optimizer_0", seed=1)
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "toy"}))
+    return ckpt, weights
+
+
+def _two_saves_line(ckpt: Path) -> str:
+    return (
+        f"{ckpt}: holds 2 saves: {ckpt} itself (DeepSpeed ZeRO) and pytorch_model_fsdp_0/ "
+        "(PyTorch DCP); zerosafe converts one save at a time: pass the folder of the one to "
+        f"convert (e.g. {ckpt}/pytorch_model_fsdp_0), or, for the DeepSpeed ZeRO save in "
+        f"{ckpt} itself, `--tag` naming its tag folder"
+    )
+
+
+def test_a_save_beside_the_one_claimed_is_listed(sample_ckpt: Path, tmp_path: Path) -> None:
+    """Issue 37 item 7: the DeepSpeed reader claimed `checkpoint-4/` and the DCP save in
+    `pytorch_model_fsdp_0/` was never mentioned."""
+    ckpt, _ = _two_saves(sample_ckpt, tmp_path)
+    storage = Storage()
+    with pytest.raises(CheckpointFormatError) as e:
+        find_save(storage, str(ckpt))
+    assert str(e.value) == _two_saves_line(ckpt)
+    with pytest.raises(CheckpointFormatError, match="holds 2 saves"):
+        quick_identities(storage, str(ckpt), None)
+    found = find_save(storage, str(ckpt), tag="global_step2")  # `--tag` picks the DeepSpeed one
+    assert found.reader.name == "deepspeed" and not found.nested
+    convert_checkpoint(str(ckpt), str(tmp_path / "out"), tag="global_step2")
+    got, live = load_file(tmp_path / "out" / "model.safetensors"), load_file(SAMPLE_LIVE)
+    assert sorted(got) == sorted(live)  # fp32 masters, the bf16 live weights when cast
+    assert all(torch.equal(got[k].to(v.dtype), v) for k, v in live.items())
+    found = find_save(storage, f"{ckpt}/pytorch_model_fsdp_0")
+    assert found.reader.name == "dcp" and not found.nested
+
+
+def test_a_tag_folder_and_its_universal_folder_are_one_save(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """A DeepSpeed folder's tag folders and the universal folder ds_to_universal.py made of one
+    are parts of its save; a folder no reader claims (logs) is no save."""
+    universal = sample_ckpt / "global_step2_universal"
+    (universal / "zero" / "w").mkdir(parents=True)
+    (universal / "zero" / "w" / "fp32.pt").write_bytes(b"")
+    (sample_ckpt / "global_step1").mkdir()
+    (sample_ckpt / "runs").mkdir()
+    found = find_save(Storage(), str(sample_ckpt))
+    assert found.reader.name == "deepspeed" and not found.nested
+
+
+def test_a_dcp_save_beside_a_deepspeed_one_is_not_converted(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """The command refuses (exit 2, one line) for `convert` and `inspect`; the subfolder passed
+    itself converts."""
+    ckpt, weights = _two_saves(sample_ckpt, tmp_path)
+    out = tmp_path / "out"
+    for args in (["convert", str(ckpt), str(out), "--via", "local"], ["inspect", str(ckpt)]):
+        proc = _cli(*args)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and _two_saves_line(ckpt) in lines[0], proc.stderr
+        assert not out.exists()
+    proc = _cli("convert", f"{ckpt}/pytorch_model_fsdp_0", str(out), "--via", "local")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(weights)
+    assert all(torch.equal(got[k], v) for k, v in weights.items())
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "zerosafe_app.cli", *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip

@@ -131,3 +131,31 @@ def test_the_optimizer_folder_passed_itself_is_refused_by_default(
         None, optim, tmp_path / "state", "--via", "local", "--select", "optimizer.state"
     )
     assert summary["status"] == "converted" and summary["num_tensors"] == 63
+
+
+def test_a_deepspeed_save_beside_the_fsdp2_one_is_refused(
+    trainer_fsdp2: Path, sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """Issue 37 item 7: `checkpoint-4/` holding DeepSpeed's `latest` and tag folder (the
+    shipped ZeRO-3 sample) beside accelerate's `pytorch_model_fsdp_0/` is two saves; the
+    DeepSpeed reader claimed the folder and the DCP save was never mentioned."""
+    ckpt = tmp_path / "checkpoint-4"
+    shutil.copytree(trainer_fsdp2 / "checkpoint-4", ckpt)
+    shutil.copytree(sample_ckpt, ckpt, dirs_exist_ok=True)  # `latest`, `global_step2/`
+    out = tmp_path / "out"
+    for args in (["convert", str(ckpt), str(out), "--via", "local"], ["inspect", str(ckpt)]):
+        proc = _cli(None, *args)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert lines[0].startswith(
+            f"zerosafe: error: {ckpt}: holds 2 saves: {ckpt} itself (DeepSpeed ZeRO) and pytorch_model_fsdp_0/ "
+            "(PyTorch DCP); "
+        )
+        assert f"(e.g. {ckpt}/pytorch_model_fsdp_0), or, for the DeepSpeed ZeRO" in lines[0]
+        assert "`--tag` naming its tag folder" in lines[0]
+        assert not out.exists()
+    summary = _convert(None, ckpt / "pytorch_model_fsdp_0", out, "--via", "local")
+    assert summary["status"] == "converted"
+    live, got = load_file(trainer_fsdp2 / "live.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(live) and all(torch.equal(got[k], v) for k, v in live.items())

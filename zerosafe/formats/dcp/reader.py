@@ -57,6 +57,8 @@ class DcpReader:
     title = FORMAT_NAME
     looks_like = "a folder holding `.metadata` and `__R_S.distcp` files"
     selects = True
+    parts_below: tuple[str, ...] = ("dcp",)
+    tag_folders = False
 
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)

@@ -45,6 +45,7 @@ from zerosafe.formats.deepspeed.slots import (
     zero12_fragments,
 )
 from zerosafe.formats.deepspeed.types import PipelineCheckpoint, ZeroCheckpoint
+from zerosafe.formats.deepspeed.universal import FORMAT_NAME as UNIVERSAL
 from zerosafe.io.storage import Storage, join_url, normalize_url
 
 __all__ = ["DeepSpeedReader", "content_fingerprint", "open_tag", "tag_identities", "zero_layout"]
@@ -57,6 +58,8 @@ class DeepSpeedReader:
     title = "DeepSpeed ZeRO"
     looks_like = "a folder holding `latest`, or a tag folder holding `*_model_states.pt`"
     selects = False
+    parts_below: tuple[str, ...] = ("deepspeed", UNIVERSAL)
+    tag_folders = True
 
     def __init__(
         self, errors: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext

@@ -120,6 +120,8 @@ class UniversalReader:
         "holding `zero/<param>/fp32.pt` and `*_model_states.pt` (ds_to_universal.py's output)"
     )
     selects = False
+    parts_below: tuple[str, ...] = (FORMAT_NAME, "deepspeed")
+    tag_folders = True
 
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)

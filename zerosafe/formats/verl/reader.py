@@ -60,6 +60,8 @@ class VerlReader:
         "`fsdp_config.json` and `huggingface/`"
     )
     selects = False
+    parts_below: tuple[str, ...] = ("verl",)
+    tag_folders = False
 
     def detect(self, storage: Storage, url: str) -> bool:
         url = normalize_url(url)
