@@ -150,12 +150,12 @@ def check_output_kind(storage: Storage, out_url: str, kind: KindName, *, overwri
     Raises:
         OutputExistsError: If another kind's marker is there and `overwrite` is off.
     """
-    names = set(storage.listdir(out_url))
     own = next(k for k in OUTPUT_KINDS if k.name == kind)
     for other in OUTPUT_KINDS:
-        if other.name == kind or other.marker_name not in names:
-            continue
         marker_url = join_url(out_url, other.marker_name)
+        # `exists`, not a listing: an output that is a file is left to the first write to refuse
+        if other.name == kind or not storage.exists(marker_url):
+            continue
         if not overwrite:
             raise OutputExistsError(
                 f"{marker_url}: expected no other kind of output in a folder for {own.label}, "
