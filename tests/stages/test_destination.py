@@ -17,8 +17,9 @@ import pytest
 
 from zerosafe.config import ConvertOptions
 from zerosafe.driver import convert_checkpoint
-from zerosafe.errors import ConfigError
+from zerosafe.errors import ConfigError, OutputExistsError
 from zerosafe.io.storage import Storage
+from zerosafe.pipeline import hold_destination, plan_job
 from zerosafe.stages.destination import OUTPUT_KINDS, check_output_apart
 from zerosafe.training_state import convert_to_universal
 from zerosafe.training_state.dcp import convert_to_dcp
@@ -72,9 +73,12 @@ def test_output_in_the_checkpoint_is_refused(
 
 def test_library_entry_points_refuse_too(sample_ckpt: Path) -> None:
     """Each target's own entry point checks, not only the command: the in-process driver
-    (weights and adapters), `--to universal` and `--to dcp`."""
+    (weights and adapters), the lease the flow takes first, `--to universal` and `--to dcp`."""
     before = _listing(sample_ckpt)
     inside = str(sample_ckpt / TAG)
+    with pytest.raises(ConfigError, match="inside the checkpoint folder"):
+        with hold_destination(Storage(), str(sample_ckpt), inside):
+            pass
     with pytest.raises(ConfigError, match="inside the checkpoint folder"):
         convert_checkpoint(str(sample_ckpt), inside, ConvertOptions())
     with pytest.raises(ConfigError, match="inside the checkpoint folder"):
@@ -128,6 +132,8 @@ def test_outputs_of_different_kinds_do_not_pile_up(
         assert f"{out}/zerosafe-dcp-complete.json" in err and "--to dcp" in err, err
         assert "--overwrite" in err, err
         assert _kinds_in(out) == {"dcp"}
+    with pytest.raises(OutputExistsError, match="zerosafe-dcp-complete.json"):
+        plan_job(Storage(), ckpt, str(out), ConvertOptions())  # the lifecycle, as the flow runs it
     dcp_files = {".metadata", "__0_0.distcp"}
     assert dcp_files <= set(os.listdir(out))
 
