@@ -37,6 +37,7 @@ from zerosafe.io.residency import serial_merge_reason
 from zerosafe.io.storage import Storage, is_local, join_url, local_path
 from zerosafe.plan.build import plan_checkpoint
 from zerosafe.plan.model import Plan, save_plan
+from zerosafe.stages.destination import check_output_apart, check_output_kind
 from zerosafe.stages.model_files import model_files_folder
 from zerosafe.stages.output import (
     default_work_url,
@@ -144,8 +145,10 @@ def hold_destination(storage: Storage, source: str, destination: str) -> Iterato
     publishing).
 
     Raises:
+        ConfigError: If `destination` is the checkpoint folder, inside it or holds it.
         LeaseHeldError: If another live run converts into `destination`.
     """
+    check_output_apart(storage, source, destination)  # before the lease, the first write
     job = f"{source} -> {destination}"
     with destination_lease(storage, destination, job=job, clean=[destination]) as lease:
         yield lease
@@ -241,7 +244,8 @@ def plan_job(
 
     Raises:
         ConversionError: For an unreadable checkpoint, an output holding another conversion
-            (without `overwrite`), or too little free space.
+            or another kind of output (`--to universal|dcp`; without `overwrite`), or too
+            little free space.
     """
     job, _ = plan_job_and_load(storage, source, destination, options, tag=tag, work_url=work_url)
     return job
@@ -257,6 +261,7 @@ def plan_job_and_load(
     work_url: str | None = None,
 ) -> tuple[JobPlan, Plan | None]:
     """`plan_job`, also returning the `Plan` itself (None when there is nothing to do)."""
+    check_output_kind(storage, destination, "weights", overwrite=options.overwrite)
     done = quick_done(storage, source, tag, destination, options)
     if done is not None:  # this very conversion is complete: no checkpoint byte is read
         return JobPlan(state="done", job_key=done, destination=destination), None

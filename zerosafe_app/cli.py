@@ -511,21 +511,23 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _check_before_starting(args: argparse.Namespace, options: ConvertOptions) -> str | None:
     """Refuse what is plainly wrong in well under a second, before the flow (and the embedded
     Prefect server, seconds to start) begins: a folder that holds no checkpoint, a tag that is
-    not there, an output that cannot be written. The flow checks everything again.
+    not there, an output inside the checkpoint (or holding it), an output holding another kind
+    of output, an output that cannot be written. The flow checks everything again.
 
     Returns:
         The job key when the output already holds this very conversion, intact (the same
         stat-only check the flow's inspect makes first): then there is nothing to run.
     """
-    from zerosafe.errors import ConfigError
     from zerosafe.formats.registry import check_options, find_save
     from zerosafe.io.storage import normalize_url
+    from zerosafe.stages.destination import check_output_apart, check_output_kind
     from zerosafe.stages.output import quick_done
 
     source, output = normalize_url(args.checkpoint), normalize_url(args.output)
-    if source == output:
-        raise ConfigError(f"{output}: the output folder must differ from the checkpoint folder")
     storage = _storage(args)
+    check_output_apart(storage, source, output)
+    if not options.overwrite:  # with it, the lifecycle replaces another kind's output
+        check_output_kind(storage, output, "weights", overwrite=False)
     found = find_save(storage, source, args.tag)  # the save one level down, where nested
     check_options(found.reader, found.url, options)
     found.reader.quick_identities(storage, found.url, args.tag)

@@ -547,6 +547,16 @@ class Storage:
         """The fsspec filesystem behind a non-local `url`, and the path within it."""
         return self._fs(url)
 
+    def canonical_url(self, url: str) -> str:
+        """One spelling per location, for comparing two of them: a local path absolute with
+        links resolved (`normalize_url`), a URL as its filesystem names it (`s3a://b//k/`
+        and `s3://b/k` are one key)."""
+        if is_local(url):
+            return normalize_url(url)
+        fs, path = self._fs(url)
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        return f"{protocol}://{posixpath.normpath(path)}"
+
     def _require_bucket(self, fs: Any, url: str) -> None:
         """On S3 a missing bucket looks like an empty folder or a missing file: say so."""
         if not _is_s3(url):

@@ -161,20 +161,10 @@ def open_pt(storage: Storage, source: str) -> ByteSource:
     return storage.open_source(source)
 
 
-def _canonical(storage: Storage, url: str) -> str:
-    """One spelling per file: local paths absolute with links resolved, URLs as the
-    filesystem names them (`s3a://b//k` and `s3://b/k` are one key)."""
-    if is_local(url):
-        return os.path.realpath(local_path(url))
-    fs, path = storage.filesystem(url)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return f"{protocol}://{posixpath.normpath(path)}"
-
-
 def _check_not_source(storage: Storage, source: str, destination: str) -> None:
     """Refuse an output that is the input, however spelled (`x.pt`, `./x.pt`, a symbolic or
     hard link): writing it would replace the file being read."""
-    same = _canonical(storage, source) == _canonical(storage, destination)
+    same = storage.canonical_url(source) == storage.canonical_url(destination)
     if not same and is_local(source) and is_local(destination):
         with contextlib.suppress(OSError):
             same = os.path.samefile(local_path(source), local_path(destination))

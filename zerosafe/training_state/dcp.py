@@ -44,6 +44,9 @@ from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import work_lease
 from zerosafe.io.storage import ByteSource, Sink, Storage, is_local, join_url, normalize_url
+from zerosafe.stages.destination import DCP_MARKER_NAME as MARKER_NAME
+from zerosafe.stages.destination import DCP_METADATA_NAME as METADATA_NAME
+from zerosafe.stages.destination import check_output_apart, check_output_kind, clear_dcp_output
 from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
 from zerosafe.training_state.client_files import carry_client_files, check_carried
 from zerosafe.training_state.dcp_plan import DcpItem, DcpPlan, plan_dcp
@@ -59,8 +62,6 @@ from zerosafe.training_state.torch_save import TensorOut, TorchZipWriter, pickle
 
 __all__ = ["MARKER_NAME", "DcpSummary", "convert_to_dcp", "is_dcp_output", "verify_dcp_output"]
 
-MARKER_NAME = "zerosafe-dcp-complete.json"
-METADATA_NAME = ".metadata"
 WORK_DIR_NAME = ".zerosafe-work"
 DCP_VERSION = "1.0.0"
 DEFAULT_UNIT_BYTES = 256 << 20
@@ -342,12 +343,16 @@ def convert_to_dcp(
 
     Raises:
         UnsupportedCheckpointError: What is not converted yet, named in one line.
-        OutputExistsError: `out_url` holds another DCP checkpoint.
+        ConfigError: `out_url` is the checkpoint folder, inside it or holds it.
+        OutputExistsError: `out_url` holds another DCP checkpoint, or another kind's output
+            (`zerosafe.stages.destination`), and `overwrite` is not set.
         VerificationError: A written item failed its check.
     """
     started = time.monotonic()
     storage = storage or Storage()
+    check_output_apart(storage, ckpt_url, out_url)
     out_url = normalize_url(out_url)
+    check_output_kind(storage, out_url, "dcp", overwrite=overwrite)
     plan = plan_dcp(storage, ckpt_url, tag=tag, layout=layout)
     u = plan.universal
     summary = DcpSummary(
@@ -421,15 +426,7 @@ def _prepare_output(storage: Storage, out_url: str, plan: DcpPlan, overwrite: bo
                 f"({done.get('source', {}).get('checkpoint')}); choose another output folder "
                 "or pass --overwrite"
             )
-        storage.remove(marker_url)
-        for folder in done.get("folders", [""]):
-            if "/" not in folder and ".." not in folder:
-                storage.remove(join_url(out_url, folder, METADATA_NAME) if folder
-                               else join_url(out_url, METADATA_NAME))  # fmt: skip
-        for f in done.get("files", []):
-            path = str(f["path"])
-            if ".." not in path and path.rsplit("/", 1)[-1].endswith(".distcp"):
-                storage.remove(join_url(out_url, path))
+        clear_dcp_output(storage, out_url)
     elif not storage.exists(join_url(out_url, WORK_DIR_NAME)):
         found = [u for u in metadata_urls if storage.exists(u)]
         if found and not overwrite:

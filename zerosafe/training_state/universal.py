@@ -39,6 +39,9 @@ from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import work_lease
 from zerosafe.io.storage import Storage, is_local, join_url, normalize_url
+from zerosafe.stages.destination import LATEST_UNIVERSAL, check_output_apart, check_output_kind
+from zerosafe.stages.destination import UNIVERSAL_MARKER_NAME as MARKER_NAME
+from zerosafe.stages.destination import clear_universal_output as _clear_universal_output
 from zerosafe.stages.model_files import copy_model_files, sha256_of
 from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
 from zerosafe.training_state.streams import (
@@ -71,8 +74,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-LATEST_UNIVERSAL = "latest_universal"
-MARKER_NAME = "zerosafe-universal-complete.json"
 MANIFEST_NAME = "zerosafe-manifest.json"
 WORK_DIR_NAME = ".zerosafe-work"
 DEFAULT_UNIT_BYTES = 256 << 20
@@ -394,7 +395,8 @@ def convert_to_universal(
         tag: The tag to convert; by default the one `latest` names.
         unit_bytes: Masters + moments bytes per unit of work (the granularity of resume).
         chunk_bytes: Bytes read and written at a time: the memory a unit holds.
-        overwrite: Replace a complete universal checkpoint of another source in `out_url`.
+        overwrite: Replace a complete universal checkpoint of another source in `out_url`,
+            or another kind's output there (`zerosafe.stages.destination`).
         keep_work: Keep the unit records after publishing.
 
     Returns:
@@ -402,12 +404,16 @@ def convert_to_universal(
 
     Raises:
         UnsupportedCheckpointError: What is not converted yet, named in one line.
-        OutputExistsError: `out_url` holds a complete conversion of another checkpoint.
+        ConfigError: `out_url` is the checkpoint folder, inside it or holds it.
+        OutputExistsError: `out_url` holds a complete conversion of another checkpoint, or
+            another kind's output (without `overwrite`).
         VerificationError: A written file failed its check.
     """
     started = time.monotonic()
     storage = storage or Storage()
+    check_output_apart(storage, ckpt_url, out_url)
     out_url = normalize_url(out_url)
+    check_output_kind(storage, out_url, "universal", overwrite=overwrite)
     plan = plan_universal(storage, ckpt_url, tag=tag)
     marker_url = join_url(out_url, MARKER_NAME)
     summary = UniversalSummary(
@@ -427,11 +433,7 @@ def convert_to_universal(
                 f"{out_url}: holds a complete universal checkpoint of another source "
                 f"({done.get('source')}); choose another output folder or pass --overwrite"
             )
-        # the other conversion's files go first: none of them may outlive its marker
-        storage.remove(marker_url)
-        storage.remove(join_url(out_url, LATEST_UNIVERSAL))
-        if isinstance(done.get("folder"), str) and "/" not in done["folder"]:
-            storage.remove_tree(join_url(out_url, done["folder"]))
+        _clear_universal_output(storage, out_url)
     work_url = join_url(out_url, WORK_DIR_NAME, plan.job_key[:16])
     job = _Job(
         storage=storage, plan=plan, out_url=out_url, chunk_bytes=chunk_bytes,
