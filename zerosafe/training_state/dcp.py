@@ -467,7 +467,9 @@ def _run_units(
         files.append((index, written))
         summary.units_run += 1
         summary.files_written += 1
-    summary.source_records_checked = check_source_records(job.sources, plan.records, ledger)
+    summary.source_records_checked = check_source_records(
+        job.sources, plan.records, ledger, units=records
+    )
     return files
 
 

@@ -152,9 +152,13 @@ def read_runs(
             yield data, crc
 
 
-def check_source_records(sources: Sources, records: list[SourceRecord], ledger: CrcLedger) -> int:
+def check_source_records(
+    sources: Sources, records: list[SourceRecord], ledger: CrcLedger, *, units: UnitRecords
+) -> int:
     """Every source record read, its pieces' CRC-32s combined (padding read in), against the
-    CRC-32 its zip directory records; returns how many were checked.
+    CRC-32 its zip directory records; returns how many were checked. On a mismatch every unit
+    of `units` is dropped: a kept unit would keep the bytes and CRC-32s it read from the bad
+    file, and fail every later run the same way, the file fixed or not.
 
     Raises:
         IntegrityError: If one differs: the checkpoint is corrupt or changed during the run.
@@ -171,11 +175,12 @@ def check_source_records(sources: Sources, records: list[SourceRecord], ledger: 
     gap: Callable[[str, int, int], bytes] = read_gap
     result = ledger.check(expected, gap)
     if result.failed:
+        units.clear()
         detail = "; ".join(f"{k}: {w}" for k, w in result.failed[:5])
         raise IntegrityError(
             f"{len(result.failed)} record(s) of the checkpoint do not match their recorded "
-            f"CRC-32 ({detail}). The files are corrupt or changed during the run; copy them "
-            "again and re-run (the units already written are checked again then)."
+            f"CRC-32 ({detail}). The files are corrupt or changed during the run; every unit "
+            "of work was dropped: copy them again and run the command again."
         )
     for key, why in result.skipped:
         log.info("%s: not checked against its CRC-32 (%s)", key, why)

@@ -487,12 +487,10 @@ def _run_units(
         written.append((index, files_json))
         summary.units_run += 1
         summary.files_written += len(files)
-    summary.source_records_checked = _check_sources(job, ledger)
+    summary.source_records_checked = check_source_records(
+        job.sources, plan.records, ledger, units=records
+    )
     return written
-
-
-def _check_sources(job: _Job, ledger: CrcLedger) -> int:
-    return check_source_records(job.sources, job.plan.records, ledger)
 
 
 def _publish(
