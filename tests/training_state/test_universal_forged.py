@@ -6,6 +6,7 @@ memory. The real-DeepSpeed checks are in test_to_universal.py."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 import tracemalloc
 from pathlib import Path
@@ -113,10 +114,17 @@ def test_a_corrupt_moment_in_the_checkpoint_is_caught(tmp_path: Path) -> None:
     zf = TorchZipFile(Storage().open_source(str(optim)))
     moment = zf.load()["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg_sq"]
     at = zf.tensor_offset(moment) + 13
-    raw = bytearray(optim.read_bytes())
+    good, stat = optim.read_bytes(), optim.stat()
+    raw = bytearray(good)
     raw[at] ^= 0x10
     optim.write_bytes(bytes(raw))
-    with pytest.raises(IntegrityError, match="do not match their recorded CRC-32"):
+    os.utime(optim, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # one job: the same size and mtime
+    with pytest.raises(IntegrityError, match="do not match their recorded CRC-32.*dropped"):
         convert_to_universal(str(tmp_path / "ckpt"), str(tmp_path / "out"))
     assert not (tmp_path / "out" / "latest_universal").exists()
     assert not (tmp_path / "out" / "zerosafe-universal-complete.json").exists()
+    # a good copy with the same size and mtime (`cp -p`) converts: no unit kept what it read
+    optim.write_bytes(good)
+    os.utime(optim, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    summary = convert_to_universal(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert summary.status == "converted" and summary.units_kept == 0

@@ -12,6 +12,9 @@ it reads, and the few options that change its result.
 A record is used only when its key matches this run's and what it describes is still on disk
 as it was: an intermediate with the recorded content hash, a shard with the recorded size and
 version (mtime or ETag). Anything else, including an unreadable record, runs the unit again.
+Neither size nor version sees a file damaged in place (a zero-filled page after a crash, bit
+rot on NFS), so a unit whose output fails its final check is dropped (`drop`): kept, it
+would fail every later run the same way.
 """
 
 from __future__ import annotations
@@ -103,3 +106,11 @@ class UnitRecords:
         """Record that unit (`stage`, `index`) finished with `result` (its `to_json()`)."""
         body = {"key": key, "result": dict(result), **extra}
         self._storage.write_bytes(self._url(stage, index), json.dumps(body).encode())
+
+    def drop(self, stage: Stage, index: int) -> None:
+        """Forget unit (`stage`, `index`): the next run runs it again."""
+        self._storage.remove(self._url(stage, index))
+
+    def clear(self) -> None:
+        """Forget every unit (`--overwrite`): the next run starts clean."""
+        self._storage.remove_tree(self._folder)

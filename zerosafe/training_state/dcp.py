@@ -18,10 +18,11 @@ What torch 2.13's `FileSystemWriter` writes (`torch/distributed/checkpoint/files
 
 The lifecycle: plan (`zerosafe.training_state.dcp_plan`); remove any `.metadata` (so a rerun
 never shows an old index beside new files); units, each recorded with what it wrote and kept
-on a rerun when its file is intact; verify (every source record read against its zip CRC-32;
-every item re-read from the written file with zerosafe's restricted reader: its pickle must be
-the expected tensor or value, its data record's CRC-32 the one recorded while writing); then
-`.metadata`, then `OUT/zerosafe-dcp-complete.json`, last.
+on a rerun when its file is intact (with `--overwrite`, none is); verify (every source record
+read against its zip CRC-32; every item re-read from the written file with zerosafe's
+restricted reader: its pickle must be the expected tensor or value, its data record's CRC-32
+the one recorded while writing; a unit whose file fails is dropped, so the next run redoes
+it); then `.metadata`, then `OUT/zerosafe-dcp-complete.json`, last.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import pickle
 import resource
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,7 @@ from zerosafe.training_state.dcp_plan import DcpItem, DcpPlan, plan_dcp
 from zerosafe.training_state.streams import (
     Sources,
     check_source_records,
+    check_units,
     files_intact,
     read_runs,
     record_crc,
@@ -224,34 +226,28 @@ def _units(plan: DcpPlan, unit_bytes: int) -> list[list[DcpItem]]:
     return units
 
 
-def verify_written(
+def _verify_file(
     storage: Storage,
     out_url: str,
-    plan: DcpPlan,
-    files: list[dict[str, Any]],
+    by_fqn: dict[str, DcpItem],
+    f: Mapping[str, Any],
     *,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> None:
-    """Re-read every item from the written files (module docstring).
+    """Re-read every item of one written file (module docstring).
 
     Raises:
         VerificationError: Naming the file, the item and what differs.
     """
-    by_fqn = {i.fqn: i for i in plan.items}
-    for f in files:
-        url = join_url(out_url, f["path"])
-        source = storage.open_source(url)
-        try:
-            if source.size_bytes != f["size_bytes"]:
-                raise VerificationError(
-                    f"{url}: {source.size_bytes} bytes, {f['size_bytes']} written"
-                )
-            for e in f["items"]:
-                _verify_item(
-                    _Slice(source, e["offset"], e["length"]), by_fqn[e["fqn"]], e, chunk_bytes
-                )
-        finally:
-            source.close()
+    url = join_url(out_url, f["path"])
+    source = storage.open_source(url)
+    try:
+        if source.size_bytes != f["size_bytes"]:
+            raise VerificationError(f"{url}: {source.size_bytes} bytes, {f['size_bytes']} written")
+        for e in f["items"]:
+            _verify_item(_Slice(source, e["offset"], e["length"]), by_fqn[e["fqn"]], e, chunk_bytes)
+    finally:
+        source.close()
 
 
 def _verify_item(source: _Slice, item: DcpItem, entry: dict[str, Any], chunk_bytes: int) -> None:
@@ -346,7 +342,8 @@ def convert_to_dcp(
         ConfigError: `out_url` is the checkpoint folder, inside it or holds it.
         OutputExistsError: `out_url` holds another DCP checkpoint, or another kind's output
             (`zerosafe.stages.destination`), and `overwrite` is not set.
-        VerificationError: A written item failed its check.
+        VerificationError: A written item failed its check; its unit was dropped, so the
+            next run redoes it.
     """
     started = time.monotonic()
     storage = storage or Storage()
@@ -373,14 +370,22 @@ def convert_to_dcp(
     folders = [join_url(out_url, f) if f else out_url for f in plan.folders]
     clean = [f for f in folders if is_local(f) and storage.isdir(f)]
     with work_lease(storage, work_url, clean=clean):
+        records = UnitRecords(storage, work_url)
+        if overwrite:  # a killed attempt's units are not kept either: start clean
+            records.clear()
         try:
-            files = _run_units(job, UnitRecords(storage, work_url), unit_bytes, summary)
+            units = _run_units(job, records, unit_bytes, summary)
         finally:
             job.sources.close()
         carried = carry_client_files(
             storage, u.ckpt.ckpt_url, u.client_files, out_url, chunk_bytes=chunk_bytes
         )
-        verify_written(storage, out_url, plan, files, chunk_bytes=chunk_bytes)
+        by_fqn = {i.fqn: i for i in plan.items}
+        check_units(
+            storage, out_url, records, "dcp", [(index, [f]) for index, f in units],
+            lambda f: _verify_file(storage, out_url, by_fqn, f, chunk_bytes=chunk_bytes),
+        )  # fmt: skip
+        files = [f for _, f in units]
         if problems := check_carried(storage, out_url, carried):
             raise VerificationError(problems[0]["error"])
         manifest = {"format": "torch-dcp", "layout": plan.layout, "folders": plan.folders,
@@ -442,10 +447,11 @@ def _prepare_output(storage: Storage, out_url: str, plan: DcpPlan, overwrite: bo
 
 def _run_units(
     job: _Job, records: UnitRecords, unit_bytes: int, summary: DcpSummary
-) -> list[dict[str, Any]]:
-    """Run every unit not recorded with its file intact; returns what all units wrote."""
+) -> list[tuple[int, dict[str, Any]]]:
+    """Run every unit not recorded with its file intact; returns the file each unit wrote,
+    by unit index."""
     plan, storage = job.plan, job.storage
-    files: list[dict[str, Any]] = []
+    files: list[tuple[int, dict[str, Any]]] = []
     ledger = CrcLedger()
     for index, items in enumerate(_units(plan, unit_bytes)):
         key = unit_key(
@@ -454,7 +460,7 @@ def _run_units(
         )  # fmt: skip
         record = records.load("dcp", index, key)
         if record is not None and files_intact(storage, job.out_url, [record["result"]["file"]]):
-            files.append(record["result"]["file"])
+            files.append((index, record["result"]["file"]))
             ledger.update(CrcLedger.from_json(record["result"].get("ledger", {})))
             summary.units_kept += 1
             continue
@@ -462,10 +468,12 @@ def _run_units(
         written = job.write_unit(index, items)
         records.save("dcp", index, key, {"file": written, "ledger": job.ledger.to_json()})
         ledger.update(job.ledger)
-        files.append(written)
+        files.append((index, written))
         summary.units_run += 1
         summary.files_written += 1
-    summary.source_records_checked = check_source_records(job.sources, plan.records, ledger)
+    summary.source_records_checked = check_source_records(
+        job.sources, plan.records, ledger, units=records
+    )
     return files
 
 

@@ -1,24 +1,27 @@
 """Reading the byte runs a training-state plan names: open sources counted, chunks with their
 CRC-32s entered in a ledger, and the source records checked against their zip CRC-32s at the
-end. Shared by `--to universal` and `--to dcp`."""
+end; the written units checked last, a failing one dropped so the next run redoes it. Shared
+by `--to universal` and `--to dcp`."""
 
 from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from zerosafe.errors import IntegrityError
+from zerosafe.errors import IntegrityError, VerificationError
 from zerosafe.formats.crc import CrcLedger
 from zerosafe.io.storage import ByteSource, Storage, join_url
+from zerosafe.stages.unit_records import Stage, UnitRecords
 from zerosafe.training_state.universal_plan import Run, SourceRecord
 
 __all__ = [
     "Sources",
     "check_source_records",
+    "check_units",
     "files_intact",
     "read_runs",
     "record_crc",
@@ -50,6 +53,46 @@ def files_intact(storage: Storage, out_url: str, written: Iterable[Mapping[str, 
         except Exception:  # noqa: BLE001 - any storage error: the unit runs again
             return False
     return True
+
+
+def check_units(
+    storage: Storage,
+    out_url: str,
+    records: UnitRecords,
+    stage: Stage,
+    units: Sequence[tuple[int, Sequence[Mapping[str, Any]]]],
+    check: Callable[[Mapping[str, Any]], None],
+) -> None:
+    """Check every file of every unit (`(index, files written)`) with `check`, the final
+    re-read. A unit with a file that fails is dropped, its record and its files, whether it
+    ran now or was kept: a file damaged at its recorded size (a zero-filled block after a
+    crash, bit rot on NFS) passes `files_intact`, and kept it would fail every later run.
+
+    Raises:
+        VerificationError: Naming the first failure and the units dropped; the next run of
+            the command redoes them.
+    """
+    failed: dict[int, Exception] = {}
+    for index, files in units:
+        for w in files:
+            try:
+                check(w)
+            except (VerificationError, ValueError) as e:  # damaged: its CRC, zip or pickle
+                failed[index] = e
+                break
+    if not failed:
+        return
+    for index, files in units:
+        if index in failed:
+            records.drop(stage, index)
+            for w in files:
+                storage.remove(join_url(out_url, w["path"]))
+    first = next(iter(failed.values()))
+    raise VerificationError(
+        f"{first}. {len(failed)} unit(s) of work failed this final check ({stage} "
+        f"{', '.join(map(str, failed))}) and were dropped, their files removed: run the "
+        "command again to redo them (the other units are kept)."
+    ) from first
 
 
 log = logging.getLogger(__name__)
@@ -109,9 +152,13 @@ def read_runs(
             yield data, crc
 
 
-def check_source_records(sources: Sources, records: list[SourceRecord], ledger: CrcLedger) -> int:
+def check_source_records(
+    sources: Sources, records: list[SourceRecord], ledger: CrcLedger, *, units: UnitRecords
+) -> int:
     """Every source record read, its pieces' CRC-32s combined (padding read in), against the
-    CRC-32 its zip directory records; returns how many were checked.
+    CRC-32 its zip directory records; returns how many were checked. On a mismatch every unit
+    of `units` is dropped: a kept unit would keep the bytes and CRC-32s it read from the bad
+    file, and fail every later run the same way, the file fixed or not.
 
     Raises:
         IntegrityError: If one differs: the checkpoint is corrupt or changed during the run.
@@ -128,11 +175,12 @@ def check_source_records(sources: Sources, records: list[SourceRecord], ledger: 
     gap: Callable[[str, int, int], bytes] = read_gap
     result = ledger.check(expected, gap)
     if result.failed:
+        units.clear()
         detail = "; ".join(f"{k}: {w}" for k, w in result.failed[:5])
         raise IntegrityError(
             f"{len(result.failed)} record(s) of the checkpoint do not match their recorded "
-            f"CRC-32 ({detail}). The files are corrupt or changed during the run; copy them "
-            "again and re-run (the units already written are checked again then)."
+            f"CRC-32 ({detail}). The files are corrupt or changed during the run; every unit "
+            "of work was dropped: copy them again and run the command again."
         )
     for key, why in result.skipped:
         log.info("%s: not checked against its CRC-32 (%s)", key, why)

@@ -10,11 +10,13 @@ The lifecycle, in this process (`convert_to_universal`):
    chunks of `chunk_bytes`, never whole in memory, whatever its size. Each finished unit is
    recorded with what it wrote (`zerosafe.stages.unit_records`); a rerun keeps every recorded
    unit whose files are all there with their recorded sizes, and redoes the rest.
+   `--overwrite` keeps none.
 3. verify: every source record read (masters, moments, module copies) is checked against its
    zip CRC-32, from the CRC-32s of the chunks read (kept in the unit records, so resumed units
    count); every written `.pt` is reopened with zerosafe's restricted reader: its pickle must
    describe the expected tensor (dtype, shape, `requires_grad`) and its data record's CRC-32
-   must match the zip directory and the CRC recorded while writing.
+   must match the zip directory and the CRC recorded while writing. A unit with a file that
+   fails (damaged at its recorded size, so kept) is dropped: the next run redoes it.
 4. publish: `OUT/<tag>_universal/zerosafe-manifest.json`, then `OUT/latest_universal` (what
    `engine.load_checkpoint(OUT)` reads with `"checkpoint": {"load_universal": true}`), then the
    marker `OUT/zerosafe-universal-complete.json`, last.
@@ -27,7 +29,7 @@ import logging
 import resource
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,7 @@ from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
 from zerosafe.training_state.streams import (
     Sources,
     check_source_records,
+    check_units,
     files_intact,
     read_runs,
     record_crc,
@@ -304,7 +307,11 @@ def _units(plan: UniversalPlan, unit_bytes: int) -> list[tuple[str, list[int]]]:
 
 
 def verify_file(
-    storage: Storage, out_url: str, w: dict[str, Any], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    storage: Storage,
+    out_url: str,
+    w: Mapping[str, Any],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> None:
     """Reopen one written file with the restricted reader and check it (module docstring).
 
@@ -396,7 +403,8 @@ def convert_to_universal(
         unit_bytes: Masters + moments bytes per unit of work (the granularity of resume).
         chunk_bytes: Bytes read and written at a time: the memory a unit holds.
         overwrite: Replace a complete universal checkpoint of another source in `out_url`,
-            or another kind's output there (`zerosafe.stages.destination`).
+            or another kind's output there (`zerosafe.stages.destination`), and redo every
+            unit an unfinished run left.
         keep_work: Keep the unit records after publishing.
 
     Returns:
@@ -407,7 +415,8 @@ def convert_to_universal(
         ConfigError: `out_url` is the checkpoint folder, inside it or holds it.
         OutputExistsError: `out_url` holds a complete conversion of another checkpoint, or
             another kind's output (without `overwrite`).
-        VerificationError: A written file failed its check.
+        VerificationError: A written file failed its check; its unit was dropped, so the
+            next run redoes it.
     """
     started = time.monotonic()
     storage = storage or Storage()
@@ -440,13 +449,18 @@ def convert_to_universal(
         sources=Sources(storage, plan.urls),
     )  # fmt: skip
     with work_lease(storage, work_url, clean=_output_folders(storage, plan, out_url)):
+        records = UnitRecords(storage, work_url)
+        if overwrite:  # a killed attempt's units are not kept either: start clean
+            records.clear()
         try:
-            written = _run_units(job, UnitRecords(storage, work_url), unit_bytes, summary)
+            units = _run_units(job, records, unit_bytes, summary)
         finally:
             job.sources.close()
-        for w in written:
-            verify_file(storage, out_url, w, chunk_bytes=chunk_bytes)
-        _publish(storage, plan, out_url, written)
+        check_units(
+            storage, out_url, records, "universal", units,
+            lambda w: verify_file(storage, out_url, w, chunk_bytes=chunk_bytes),
+        )  # fmt: skip
+        _publish(storage, plan, out_url, [w for _, files in units for w in files])
     if not keep_work:
         storage.remove_tree(join_url(out_url, WORK_DIR_NAME))
     summary.bytes_read = job.sources.bytes_read
@@ -470,10 +484,11 @@ def _output_folders(storage: Storage, plan: UniversalPlan, out_url: str) -> list
 
 def _run_units(
     job: _Job, records: UnitRecords, unit_bytes: int, summary: UniversalSummary
-) -> list[dict[str, Any]]:
-    """Run every unit not recorded with its files intact; returns what all units wrote."""
+) -> list[tuple[int, list[dict[str, Any]]]]:
+    """Run every unit not recorded with its files intact; returns what each unit wrote, by
+    unit index."""
     plan, storage = job.plan, job.storage
-    written: list[dict[str, Any]] = []
+    written: list[tuple[int, list[dict[str, Any]]]] = []
     ledger = CrcLedger()
     for index, (kind, members) in enumerate(_units(plan, unit_bytes)):
         names = [plan.params[i].name for i in members]
@@ -483,7 +498,7 @@ def _run_units(
         )  # fmt: skip
         record = records.load("universal", index, key)
         if record is not None and files_intact(storage, job.out_url, record["result"]["files"]):
-            written += record["result"]["files"]
+            written.append((index, record["result"]["files"]))
             ledger.update(CrcLedger.from_json(record["result"].get("ledger", {})))
             summary.units_kept += 1
             continue
@@ -500,15 +515,13 @@ def _run_units(
         result = {"kind": kind, "files": files_json, "ledger": job.ledger.to_json()}
         records.save("universal", index, key, result)
         ledger.update(job.ledger)
-        written += files_json
+        written.append((index, files_json))
         summary.units_run += 1
         summary.files_written += len(files)
-    summary.source_records_checked = _check_sources(job, ledger)
+    summary.source_records_checked = check_source_records(
+        job.sources, plan.records, ledger, units=records
+    )
     return written
-
-
-def _check_sources(job: _Job, ledger: CrcLedger) -> int:
-    return check_source_records(job.sources, job.plan.records, ledger)
 
 
 def _publish(
