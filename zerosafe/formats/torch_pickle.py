@@ -6,8 +6,9 @@ numel)` (https://pytorch.org/docs/stable/notes/serialization.html, torch/seriali
 The restricted unpickler here maps those calls to `TensorRecord`s (no bytes are read), maps the
 bookkeeping classes real checkpoints contain to inert records, and refuses every other global
 by name, so nothing in a checkpoint ever runs. `ALLOWED_GLOBALS` is the visible table of what
-is allowed; docs/formats.md lists where each entry was seen. The zip container around the
-pickle is `zerosafe.formats.torch_zip`.
+is allowed; docs/formats.md lists where each entry was seen. Every value in it is sealed
+(`zerosafe.formats.pickle_guard`), so no file can change how a later one is read. The zip
+container around the pickle is `zerosafe.formats.torch_zip`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,20 @@ from __future__ import annotations
 import collections
 import io
 import math
-import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from zerosafe.dtypes import DTYPES, dtype_info
 from zerosafe.errors import CheckpointFormatError, UnsafePickleError
+from zerosafe.formats.pickle_guard import (
+    GuardedUnpickler,
+    SealedClass,
+    SealedFunction,
+    SealedStr,
+    SealedToken,
+    seal_table,
+)
 
 __all__ = [
     "ALLOWED_GLOBALS",
@@ -35,6 +43,7 @@ __all__ = [
     "TorchDevice",
     "TorchSize",
     "contiguous_stride",
+    "inert_class",
 ]
 
 
@@ -83,11 +92,12 @@ class TensorRecord:
         return True
 
 
-class InertObject:
+class InertObject(metaclass=SealedClass):
     """Stands in for a bookkeeping object (a loss scaler, an enum): keeps its data, runs nothing.
 
     `args` are the constructor arguments the pickle passed and `state` what it would have set
-    with `__setstate__`; `get` reads a field from either.
+    with `__setstate__`; `get` reads a field from either. Instances are fresh per load; the
+    class, shared, cannot be changed (`SealedClass`).
     """
 
     qualname: ClassVar[str] = "?"
@@ -127,19 +137,27 @@ class InertObject:
         return f"<inert {self.qualname} args={self.args!r} state={self.state!r}>"
 
 
-def _inert(qualname: str) -> type[InertObject]:
+def inert_class(qualname: str) -> type[InertObject]:
+    """The inert record class for the global `qualname`, for an allowlist table."""
+    # a subclass of InertObject: its metaclass is `SealedClass` too
     return type(qualname.rsplit(".", 1)[-1], (InertObject,), {"qualname": qualname})
 
 
-class _StorageType:
+class _StorageType(SealedToken):
     """The global a persistent id names as the storage's type (`torch.FloatStorage`)."""
 
-    def __init__(self, dtype: str) -> None:
-        self.dtype = dtype
+    __slots__ = ("dtype",)
+    dtype: str
 
 
-class _DTypeToken(str):
+class _DTypeToken(SealedStr):
     """A torch dtype named in a pickle (`torch.float16`), kept as its name."""
+
+    __slots__ = ()
+
+    @property
+    def qualname(self) -> str:
+        return f"torch.{self}"
 
 
 DTypeToken = _DTypeToken
@@ -240,29 +258,30 @@ def _rebuild_parameter_with_state(
     return _rebuild_parameter(data, requires_grad, backward_hooks)
 
 
-class _TensorClass:
+class _TensorClass(SealedToken):
     """`torch.Tensor` / `torch.nn.Parameter` as named by `_rebuild_from_type_v2`."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    __slots__ = ()
 
 
 def _rebuild_from_type_v2(
     func: Callable[..., Any], new_type: Any, args: tuple[Any, ...], state: Any
 ) -> Any:
-    # Only our own rebuild functions can arrive here (the allowlist resolved `func`).
-    if isinstance(new_type, _WrapperSubclass) and func is _rebuild_wrapper_subclass:
+    # Only our own rebuild functions can arrive here (the allowlist resolved `func`, sealed).
+    rebuilds_wrapper = (
+        isinstance(func, SealedFunction) and func.function is _rebuild_wrapper_subclass
+    )
+    if isinstance(new_type, _WrapperSubclass) and rebuilds_wrapper:
         return _dtensor_record(func(*args), state)
     if not isinstance(new_type, _TensorClass):
         raise UnsafePickleError(f"tensor subclass {new_type!r} is not supported")
     return func(*args)
 
 
-class _WrapperSubclass:
+class _WrapperSubclass(SealedToken):
     """A tensor subclass `torch._utils._rebuild_wrapper_subclass` may name: `DTensor` only."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    __slots__ = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -445,41 +464,41 @@ ALLOWED_GLOBALS: dict[str, Any] = {
     "torch.nn.parameter.Parameter": _TensorClass("torch.nn.parameter.Parameter"),
     "torch.Size": _torch_size,
     "torch.device": _torch_device,
-    **{f"torch.{name}": _StorageType(dtype) for name, dtype in _STORAGE_TYPES.items()},
-    "torch.storage.UntypedStorage": _StorageType("uint8"),
+    **{
+        f"torch.{name}": _StorageType(f"torch.{name}", dtype=dtype)
+        for name, dtype in _STORAGE_TYPES.items()
+    },
+    "torch.storage.UntypedStorage": _StorageType("torch.storage.UntypedStorage", dtype="uint8"),
     **{f"torch.{name}": _DTypeToken(name) for name in DTYPES},
-    **{name: _inert(name) for name in _INERT_GLOBALS},
+    **{name: inert_class(name) for name in _INERT_GLOBALS},
     # DTensors: `_rebuild_from_type_v2(_rebuild_wrapper_subclass, DTensor, args, state)`
     "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
     "torch.distributed.tensor.DTensor": _WrapperSubclass("torch.distributed.tensor.DTensor"),
     "torch.serialization._get_layout": _get_layout,
-    **{name: _inert(name) for name in DTENSOR_GLOBALS},
+    **{name: inert_class(name) for name in DTENSOR_GLOBALS},
 }
-"""Every global a checkpoint pickle may name, and what it becomes. Anything else is refused."""
+"""Every global a checkpoint pickle may name, and what it becomes. Anything else is refused.
+Sealed below: plain functions become `SealedFunction`s (compare `.function` for identity).
+"""
+seal_table(ALLOWED_GLOBALS)
 
 
-class RestrictedUnpickler(pickle.Unpickler):
+class RestrictedUnpickler(GuardedUnpickler):
     """Unpickles `data` with `ALLOWED_GLOBALS` only; `storages` collects the storages named."""
 
+    table = ALLOWED_GLOBALS
+
     def __init__(self, data: bytes | io.BytesIO, url: str) -> None:
-        super().__init__(io.BytesIO(data) if isinstance(data, bytes) else data)
-        self._url = url
-        self.globals_found: set[str] = set()
+        super().__init__(data, url)
         self.storages: dict[str, StorageRef] = {}
 
-    def find_class(self, module: str, name: str) -> Any:
-        qualname = f"{module}.{name}"
-        try:
-            target = ALLOWED_GLOBALS[qualname]
-        except KeyError:
-            raise UnsafePickleError(
-                f"{self._url}: the pickle names the global '{qualname}', which is not on "
-                "zerosafe's allowlist, so the file was not loaded (loading it could run code). "
-                "If this is a legitimate checkpoint, report the global so it can be added to "
-                "ALLOWED_GLOBALS in zerosafe/formats/torch_pickle.py."
-            ) from None
-        self.globals_found.add(qualname)
-        return target
+    def unknown_global(self, qualname: str) -> UnsafePickleError:
+        return UnsafePickleError(
+            f"{self._url}: the pickle names the global '{qualname}', which is not on "
+            "zerosafe's allowlist, so the file was not loaded (loading it could run code). "
+            "If this is a legitimate checkpoint, report the global so it can be added to "
+            "ALLOWED_GLOBALS in zerosafe/formats/torch_pickle.py."
+        )
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):

@@ -11,7 +11,8 @@
 
 The unpickler here knows exactly the globals that file needs (`ALLOWED_GLOBALS`, a table of
 its own: DeepSpeed's are in `zerosafe.torch_zip`), turns DCP's classes into inert records and
-then into the frozen dataclasses below; any other global is refused, naming it.
+then into the frozen dataclasses below; any other global is refused, naming it. The table's
+values are sealed (`zerosafe.formats.pickle_guard`): no file changes how a later one is read.
 
 Other writers of the same format. OLMo-core's `RemoteFileSystemWriter`
 (olmo_core/distributed/checkpoint/filesystem.py, ai2-olmo-core 3.0.0; what
@@ -48,9 +49,7 @@ length, a `version` other than 1.x) are refused, naming them, rather than ignore
 
 from __future__ import annotations
 
-import io
 import ntpath
-import pickle
 import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,6 +57,8 @@ from typing import Any
 
 from zerosafe.dtypes import DTYPES
 from zerosafe.errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError
+from zerosafe.formats.pickle_guard import GuardedUnpickler, seal_table
+from zerosafe.formats.torch_pickle import inert_class
 from zerosafe.formats.torch_zip import DTypeToken, InertObject, TorchSize
 
 __all__ = [
@@ -72,10 +73,6 @@ __all__ = [
 _METADATA = "torch.distributed.checkpoint.metadata"
 _SHARDED = "torch.distributed._shard.sharded_tensor.metadata"
 _TENSOR_PROPERTIES = (f"{_METADATA}.TensorProperties", f"{_SHARDED}.TensorProperties")
-
-
-def _inert(qualname: str) -> type[InertObject]:
-    return type(qualname.rsplit(".", 1)[-1], (InertObject,), {"qualname": qualname})
 
 
 def _torch_size(*args: Any) -> TorchSize:
@@ -127,7 +124,7 @@ _INERT_CLASSES = (
 )
 
 ALLOWED_GLOBALS: dict[str, Any] = {
-    **{name: _inert(name) for name in _INERT_CLASSES},
+    **{name: inert_class(name) for name in _INERT_CLASSES},
     "torch.Size": _torch_size,
     "torch.serialization._get_layout": _layout,
     "pathlib.PosixPath": _posix_path,
@@ -145,6 +142,7 @@ ALLOWED_GLOBALS: dict[str, Any] = {
 refused. Seen in torch 2.13's and OLMo-core 3.0.0's files: the DCP classes, `torch.Size`,
 dtypes, `torch.serialization._get_layout`, `pathlib.PosixPath` and OLMo-core's
 `_StorageInfo`; the older and newer forms of the module docstring's drift list."""
+seal_table(ALLOWED_GLOBALS)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -191,25 +189,16 @@ class DcpMetadata:
         return any(w.startswith("OLMo-core") for w in self.writers)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, url: str) -> None:
-        super().__init__(io.BytesIO(data))
-        self._url = url
-        self.globals_found: set[str] = set()
+class _MetadataUnpickler(GuardedUnpickler):
+    table = ALLOWED_GLOBALS
 
-    def find_class(self, module: str, name: str) -> Any:
-        qualname = f"{module}.{name}"
-        try:
-            target = ALLOWED_GLOBALS[qualname]
-        except KeyError:
-            raise UnsafePickleError(
-                f"{self._url}: the DCP metadata pickle names the global '{qualname}', which is "
-                "not on zerosafe's allowlist for DCP metadata, so the file was not loaded "
-                "(loading it could run code). If this is a legitimate checkpoint, report the "
-                "global so it can be added to ALLOWED_GLOBALS in zerosafe/formats/dcp/metadata.py."
-            ) from None
-        self.globals_found.add(qualname)
-        return target
+    def unknown_global(self, qualname: str) -> UnsafePickleError:
+        return UnsafePickleError(
+            f"{self._url}: the DCP metadata pickle names the global '{qualname}', which is "
+            "not on zerosafe's allowlist for DCP metadata, so the file was not loaded "
+            "(loading it could run code). If this is a legitimate checkpoint, report the "
+            "global so it can be added to ALLOWED_GLOBALS in zerosafe/formats/dcp/metadata.py."
+        )
 
     def persistent_load(self, pid: Any) -> Any:
         raise CheckpointFormatError(
