@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError
 from zerosafe.formats.base import FormatReader, SourceLayout
+from zerosafe.formats.optimizer_state import is_optimizer_state
 from zerosafe.io.storage import Storage, join_url
 
 __all__ = [
@@ -39,12 +40,6 @@ optimizer state as its own DCP folder, `optimizer_N` (`OPTIMIZER_NAME`), beside 
 `optimizer.param_groups.*`), so it is no candidate. Hidden folders neither. A folder of
 optimizer state under another name is a second candidate, so it is listed, never converted
 silently."""
-_OPTIMIZER_STATE = re.compile(
-    r"^((optimizer|optim)\.)?state\..+\.(exp_avg|exp_avg_sq|max_exp_avg_sq|step|"
-    r"momentum_buffer|sum|square_avg|acc_delta)$"
-)
-"""A tensor of optimizer state as `get_optimizer_state_dict` names it (`state.<param>.<key>`
-for torch's optimizers), under accelerate's `optimizer.` or torchtitan's `optim.` key."""
 _PER_RANK = re.compile(r"(^|[_-])rank[_-]?\d+$")
 _DISTCP = re.compile(r"^__\d+_\d+\.distcp$")
 _DCP_METADATA = ".metadata"
@@ -205,7 +200,7 @@ def refuse_optimizer_only(layout: SourceLayout, options: ConvertOptions) -> None
         CheckpointFormatError: Naming the state found and the fixes.
     """
     names = [t.name for t in layout.tensors.values()]
-    if options.select or not names or not all(_OPTIMIZER_STATE.match(n) for n in names):
+    if options.select or not names or not all(is_optimizer_state(n) for n in names):
         return
     top = sorted(
         {n.split(".state.", 1)[0] + ".state" if ".state." in n else "state" for n in names}

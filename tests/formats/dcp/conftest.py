@@ -39,7 +39,8 @@ def dcp_checkpoint(dcp_root: Path) -> Callable[[str], Path]:
     test, saying why, instead of skipping what would then look tested."""
 
     def get(name: str) -> Path:
-        job = {"safetensors": "flat"}.get(name, name)  # one job writes both
+        # a job may write two checkpoints
+        job = {"safetensors": "flat", "app_two_models": "app"}.get(name, name)
         status = dcp_status(dcp_root).get(job, "not generated")
         if status != "ok":
             pytest.fail(f"torch could not write the '{name}' DCP checkpoint here: {status}")

@@ -11,6 +11,11 @@ Makes, under OUT_DIR:
   as `get_state_dict(model, optim)` under `model` and `optim`; its embedding and head are tied.
 - `flat/` (2 ranks): no top-level `model` key.
 - `safetensors/` (2 ranks): `flat`'s state saved with `SerializationFormat.SAFETENSORS`.
+- `app/` (2 ranks): PyTorch's own recipe (the DCP and async-checkpoint tutorials): an FSDP2
+  model and an AdamW that took one step, saved as `{"app": AppState(model, optim)}`, a
+  `Stateful` whose state dict is `{"model", "optim"}` from `get_state_dict`, so no top-level
+  `model` key; `app.live.safetensors`, the live model's full state dict, beside it.
+- `app_two_models/` (2 ranks): the same, plus a second model's weights under `ref.model`.
 - `status.json`: which ones were written and why any was not.
 """
 
@@ -22,12 +27,14 @@ import socket
 import sys
 import traceback
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 
 
 def _free_port() -> int:
@@ -148,7 +155,64 @@ def _flat_worker(rank: int, world_size: int, out: str, port: int) -> None:
     dist.destroy_process_group()
 
 
-_JOBS = {"dtensor": (_dtensor_worker, 4), "fsdp2": (_fsdp2_worker, 2), "flat": (_flat_worker, 2)}
+class AppState(Stateful):
+    """The `Stateful` wrapper of PyTorch's DCP recipe: DCP calls `state_dict` on save and
+    `load_state_dict` on load, and the state dict is `get_state_dict`'s `{"model", "optim"}`."""
+
+    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optim = optim
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            self.model, self.optim,
+            model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"],
+        )  # fmt: skip
+
+
+def _app_worker(rank: int, world_size: int, out: str, port: int) -> None:
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, world_size, port)
+    model = nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3))
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 6)).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+    dcp.save({"app": AppState(model, optim)}, checkpoint_id=os.path.join(out, "app"))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if rank == 0:
+        save_file(
+            {k: v.contiguous() for k, v in full.items()}, os.path.join(out, "app.live.safetensors")
+        )
+    ref = {"model": get_model_state_dict(model)}
+    dcp.save(
+        {"app": AppState(model, optim), "ref": ref},
+        checkpoint_id=os.path.join(out, "app_two_models"),
+    )
+    dist.destroy_process_group()
+
+
+_JOBS = {
+    "dtensor": (_dtensor_worker, 4),
+    "fsdp2": (_fsdp2_worker, 2),
+    "flat": (_flat_worker, 2),
+    "app": (_app_worker, 2),
+}
 
 
 def main(out: str) -> None:

@@ -52,6 +52,17 @@ def _selection_text(selected: Selected) -> str:
     return f"under {prefixes}{strip}"
 
 
+def _subtree_text(selected: Selected) -> str:
+    """Why the default selection took a subtree other than `model`; "" where it did not."""
+    if selected.model_subtree is None:
+        return ""
+    return (
+        f"no top-level `model` key: converting '{selected.model_subtree}', the only subtree "
+        "named `model` beside the optimizer state (which is never converted as weights), "
+        f"named without '{selected.model_subtree}.'; --select PREFIX picks another"
+    )
+
+
 def _not_selected(meta: DcpMetadata, selected: Selected) -> list[str]:
     picked = {fqn for fqn, _ in selected.pairs}
     return [k for k in meta.tensors if k not in picked]
@@ -110,6 +121,7 @@ def dcp_facts(
         "tensors_selected": len(chosen),
         "select": list(selected.select),
         "strip_prefix": selected.strip_prefix,
+        "model_subtree": selected.model_subtree,
         "not_selected": len(left),
         "non_tensor_entries": list(meta.byte_entries),
         "chunks": len(slots),
@@ -129,7 +141,7 @@ def dcp_facts(
 
 
 def dcp_notes(meta: DcpMetadata, selected: Selected, located: _Located) -> list[str]:
-    notes = []
+    notes = [_subtree_text(selected)] if selected.model_subtree is not None else []
     left = _not_selected(meta, selected)
     if left:
         tops = sorted({k.split(".", 1)[0] for k in left})

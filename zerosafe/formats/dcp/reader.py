@@ -27,6 +27,7 @@ from zerosafe.formats.dcp.chunks import ChunkBox, ChunkRuns, check_chunk_cover
 from zerosafe.formats.dcp.facts import dcp_facts, dcp_notes, dcp_source_block
 from zerosafe.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorMeta, parse_metadata
 from zerosafe.formats.dcp.stored import StoredChunk, locate_chunk
+from zerosafe.formats.optimizer_state import is_optimizer_state
 from zerosafe.io.storage import ByteSource, FileIdentity, Storage, join_url, normalize_url
 from zerosafe.plan.model import Slot, SourceFile
 
@@ -106,8 +107,10 @@ class DcpSelection:
     """Which tensors of a DCP checkpoint to convert, and how to name them.
 
     With neither field set: the tensors under the top-level `model` key, `model.` stripped
-    (the layout of torchtitan, Lightning and `get_state_dict`), or every tensor if there is
-    no `model` key.
+    (the layout of torchtitan, Lightning and `get_state_dict`). Without one, where the save
+    holds optimizer state beside the weights: the one subtree named `model` (`app.model` in
+    PyTorch's `{"app": AppState(model, optim)}` recipe), its prefix stripped; several, or
+    none, are refused (`_default_selection`). A save of weights only: every tensor.
     """
 
     select: tuple[str, ...] = ()
@@ -124,6 +127,9 @@ class Selected:
     pairs: list[tuple[str, str]]
     select: tuple[str, ...]
     strip_prefix: str | None
+    model_subtree: str | None = None
+    """The subtree the default selection took for the model's where the save has no
+    top-level `model` key (`app.model`); None otherwise."""
 
 
 def is_dcp_checkpoint(url: str, storage: Storage) -> bool:
@@ -141,14 +147,16 @@ def select_tensors(keys: Sequence[str], selection: DcpSelection, *, where: str =
 
     Raises:
         ConfigError: If the selection matches nothing, or two keys get the same output name.
+        CheckpointFormatError: If, by default, the model's tensors cannot be told from the
+            rest (`_default_selection`).
     """
     select = selection.select
     strip = selection.strip_prefix
+    subtree = None
     if not select:
-        has_model = any(_matches(k, "model") and k != "model" for k in keys)
-        select = ("model",) if has_model else ("",)
-        if strip is None and has_model:
-            strip = "model"
+        select, default_strip, subtree = _default_selection(keys, where)
+        if strip is None:
+            strip = default_strip
     chosen = [k for k in keys if any(_matches(k, p) for p in select)]
     if not chosen:
         tops = sorted({k.split(".", 1)[0] for k in keys})
@@ -169,7 +177,71 @@ def select_tensors(keys: Sequence[str], selection: DcpSelection, *, where: str =
             )
         seen[name] = fqn
         out.append((fqn, name))
-    return Selected(pairs=out, select=tuple(select), strip_prefix=strip)
+    return Selected(pairs=out, select=tuple(select), strip_prefix=strip, model_subtree=subtree)
+
+
+def _default_selection(
+    keys: Sequence[str], where: str
+) -> tuple[tuple[str, ...], str | None, str | None]:
+    """`(select, strip_prefix, model_subtree)` when the user chose none.
+
+    The top-level `model` key if there is one. Otherwise, a save of weights only (a plain
+    `dcp.save(model.state_dict())`, or optimizer state only, which `refuse_optimizer_only`
+    refuses) is converted whole; where optimizer state sits beside the weights, the one
+    subtree named `model` is the model (`app.model`), and anything else is refused: never
+    write the moments as weights.
+
+    Raises:
+        CheckpointFormatError: Optimizer state beside several subtrees named `model`, or
+            beside weights in none; each choice is listed with the options that pick it.
+    """
+    if any(_matches(k, "model") and k != "model" for k in keys):
+        return ("model",), "model", None
+    optim = [k for k in keys if is_optimizer_state(k)]
+    weights = [k for k in keys if not is_optimizer_state(k)]
+    if not optim or not weights:
+        return ("",), None, None
+    candidates = sorted({c for k in weights if (c := _model_subtree(k))})
+    if len(candidates) == 1:
+        return (candidates[0],), candidates[0], candidates[0]
+    if candidates:
+        found = f"{len(candidates)} subtrees named `model`"
+        choices = candidates
+    else:
+        found = "no subtree named `model`"
+        choices = list(dict.fromkeys(_weight_subtree(k, optim) for k in weights))
+    shown = ", ".join(_choice(c, weights) for c in choices[:6])
+    raise CheckpointFormatError(
+        f"{where}: no top-level `model` key, {found}, and optimizer state beside the weights "
+        f"({len(optim)} tensors, e.g. '{optim[0]}'), which is never converted as weights; "
+        f"pick the model's tensors: {shown}{' ...' if len(choices) > 6 else ''}"
+    )
+
+
+def _model_subtree(key: str) -> str | None:
+    """`app.model` for `app.model.layers.0.weight`: the key's path up to its first component
+    named `model` (not the last, which is a tensor's own name)."""
+    parts = key.split(".")
+    if "model" not in parts[:-1]:
+        return None
+    return ".".join(parts[: parts.index("model") + 1])
+
+
+def _weight_subtree(key: str, optim: Sequence[str]) -> str:
+    """The shortest path above `key` that holds no optimizer state (`net` for `net.w`
+    beside `opt.state.w.exp_avg`; `app.net` beside `app.optim...`)."""
+    parts = key.split(".")
+    for n in range(1, len(parts)):
+        prefix = ".".join(parts[:n])
+        if not any(_matches(k, prefix) for k in optim):
+            return prefix
+    return key
+
+
+def _choice(prefix: str, weights: Sequence[str]) -> str:
+    if prefix in weights:  # a tensor of its own at that level: nothing to strip
+        return f"'{prefix}' (`--select {prefix}`)"
+    return f"'{prefix}' (`--select {prefix} --strip-prefix {prefix}.`)"
 
 
 def _storage_of(meta: DcpMetadata, tensor: TensorMeta, offsets: tuple[int, ...]) -> StorageInfo:
@@ -312,7 +384,8 @@ def read_dcp_layout(
 
     Raises:
         CheckpointFormatError: If `.metadata` or a `.distcp` file is missing, truncated or
-            disagrees with the metadata, or chunks overlap or leave gaps.
+            disagrees with the metadata, or chunks overlap or leave gaps, or the default
+            selection cannot tell the model's tensors from optimizer state.
         UnsafePickleError: If `.metadata` names a global outside the DCP allowlist.
         UnsupportedCheckpointError: If a chunk was saved through a stream transform.
         ConfigError: If the selection matches no tensor.
