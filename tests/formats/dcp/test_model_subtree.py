@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from tests.formats.dcp.helpers import same_bits
 from tests.formats.dcp.test_convert import convert, load_output, run
-from zerosafe.errors import CheckpointFormatError
+from zerosafe.errors import CheckpointFormatError, ConfigError
 from zerosafe.formats.dcp.reader import DcpSelection, select_tensors
 from zerosafe.formats.optimizer_state import is_optimizer_state
 
@@ -119,3 +119,16 @@ def test_default_selection_refuses_what_it_cannot_tell() -> None:
 )
 def test_optimizer_state_names(name: str, optimizer_state: bool) -> None:
     assert is_optimizer_state(name) == optimizer_state
+
+
+def test_an_explicit_select_never_mixes_moments_with_weights() -> None:
+    keys = [
+        "app.model.0.weight",
+        "app.optim.state.0.weight.exp_avg",
+        "app.optim.state.0.weight.step",
+    ]
+    with pytest.raises(ConfigError, match="optimizer state .* together with weights"):
+        select_tensors(keys, DcpSelection(select=("app",), strip_prefix="app."))
+    # the optimizer state alone stays selectable, as documented (`--select optim.state`)
+    picked = select_tensors(keys, DcpSelection(select=("app.optim",), strip_prefix=None))
+    assert [fqn for fqn, _ in picked.pairs] == keys[1:]

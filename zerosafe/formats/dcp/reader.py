@@ -146,7 +146,8 @@ def select_tensors(keys: Sequence[str], selection: DcpSelection, *, where: str =
     """The keys to convert, in the order given, with their output names.
 
     Raises:
-        ConfigError: If the selection matches nothing, or two keys get the same output name.
+        ConfigError: If the selection matches nothing, takes optimizer state together with
+            weights, or two keys get the same output name.
         CheckpointFormatError: If, by default, the model's tensors cannot be told from the
             rest (`_default_selection`).
     """
@@ -163,6 +164,15 @@ def select_tensors(keys: Sequence[str], selection: DcpSelection, *, where: str =
         raise ConfigError(
             f"{where}: no tensor matches `select` {list(select)}; the checkpoint's top-level "
             f"keys are {tops[:20]}. Pass --select with one of them."
+        )
+    optim = next((k for k in chosen if is_optimizer_state(k)), None)
+    weight = next((k for k in chosen if not is_optimizer_state(k)), None)
+    if optim is not None and weight is not None:
+        # all weights, or all optimizer state (`--select optim.state`), never the two mixed
+        raise ConfigError(
+            f"{where}: `select` {list(select)} takes optimizer state ('{optim}') together with "
+            f"weights ('{weight}'), which would write the moments as if they were trained "
+            "tensors; select the model's subtree alone (or the optimizer state alone)"
         )
     out: list[tuple[str, str]] = []
     seen: dict[str, str] = {}
