@@ -55,6 +55,23 @@ def test_parent_of_sharded_converts_the_consolidated_files(
     _assert_live(out, hf_storage_live, torch.float32)
 
 
+def test_output_inside_the_folder_given_is_no_second_save(
+    hf_storage_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`convert parent parent/hf` finds the save one level down; run again, `parent/hf` (now
+    a zerosafe output, which a reader claims) must not count as a second save."""
+    parent = tmp_path / "parent"
+    shutil.copytree(hf_storage_root / "plain", parent / "step4")
+    first = convert(capsys, parent, parent / "hf")
+    assert any(f"converting {parent}/step4" in n for n in first["notes"])
+    again = convert(capsys, parent, parent / "hf")
+    assert again["status"] == "already-complete", again
+    (parent / "hf" / "zerosafe-complete.json").unlink()  # as if being written again
+    (parent / "hf" / ".zerosafe-work").mkdir()
+    code, _, err = run(capsys, "inspect", str(parent))
+    assert code == 0, err
+
+
 def _refused(capsys: pytest.CaptureFixture[str], src: Path, out: Path, *match: str) -> None:
     code, _, err = run(capsys, "convert", str(src), str(out), "--via", "local")
     assert code == 2, err

@@ -144,14 +144,14 @@ def test_truncated_file_and_same_folder_refused(
 
 
 def test_detection(hf_folder: Folder, tmp_path: Path) -> None:
-    from zerosafe.formats.hf import reader as hf_reader
+    from zerosafe.formats import nested
 
     storage = Storage()
     assert detect_format(storage, str(hf_folder("sharded"))).name == "safetensors"
     assert detect_format(storage, str(hf_folder("tied"))).name == "safetensors"
     # a zerosafe output being written (work folder, no completion marker) is not a source
-    assert hf_reader.OUTPUT_WORK_DIR == stages_output.WORK_DIR_NAME
-    assert hf_reader.OUTPUT_MARKER == stages_output.MARKER_NAME
+    assert nested.OUTPUT_WORK_DIR == stages_output.WORK_DIR_NAME
+    assert nested.OUTPUT_MARKER == stages_output.MARKER_NAME
     half = copy_folder(hf_folder("tied"), tmp_path / "half")
     (half / stages_output.WORK_DIR_NAME).mkdir()
     assert detect_format(storage, str(half)).name != "safetensors"

@@ -24,16 +24,12 @@ from zerosafe.formats.hf.facts import Described, describe
 from zerosafe.formats.hf.folder import INDEX_NAME, SINGLE_NAME, SUFFIX, read_folder, weight_files
 from zerosafe.formats.hf.headers import SafetensorsHeader, read_checked_header
 from zerosafe.formats.hf.sharded import RANK_FILE, rank_files, reassemble
+from zerosafe.formats.nested import OUTPUT_MARKER, OUTPUT_WORK_DIR
 from zerosafe.io.storage import Storage, join_url, normalize_url
 from zerosafe.plan.model import Slot, SourceFile
 
-__all__ = ["OUTPUT_MARKER", "OUTPUT_WORK_DIR", "HfShardedReader", "SafetensorsReader"]
+__all__ = ["HfShardedReader", "SafetensorsReader"]
 
-OUTPUT_WORK_DIR = ".zerosafe-work"
-"""`zerosafe.stages.output.WORK_DIR_NAME` (the engine's stages import the formats, not the
-other way round; tests/formats/safetensors_in checks the two agree)."""
-OUTPUT_MARKER = "zerosafe-complete.json"
-"""`zerosafe.stages.output.MARKER_NAME`: written last into a finished output."""
 SHARDED_DIR = "sharded"
 """Where `HuggingFaceStorageWriter(enable_consolidation=True)` puts the rank files."""
 
