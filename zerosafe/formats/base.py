@@ -317,6 +317,11 @@ class SourceLayout:
     """Why this checkpoint keeps no 16-bit copy of its trained weights for `check_lowp` to
     compare with (`ZeRO-3 saves no 16-bit copy...`), or None where it keeps one; the
     option is refused at plan time where it is set (`zerosafe.formats.registry.read_source`)."""
+    ties_by_config: bool = False
+    """Whether the checkpoint leaves a tied weight out and lets the model's config tie it
+    again (`save_pretrained` stores a tied head once, the config says
+    `tie_word_embeddings: true`): that config then agrees with a checkpoint that records no
+    alias, and no warning says otherwise."""
     checks: tuple[Callable[[Plan], None], ...] = ()
     """Format checks that need the finished plan (run by `plan_layout`, before it returns)."""
     native: object = None

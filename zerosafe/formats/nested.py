@@ -26,8 +26,11 @@ from zerosafe.io.storage import Storage, join_url
 
 __all__ = [
     "IGNORED_SUBFOLDER",
+    "OUTPUT_MARKER",
+    "OUTPUT_WORK_DIR",
     "Found",
     "find_nested",
+    "is_zerosafe_output",
     "refuse_optimizer_only",
     "refuse_partial_dcp",
     "refuse_saves_beside",
@@ -40,6 +43,11 @@ optimizer state as its own DCP folder, `optimizer_N` (`OPTIMIZER_NAME`), beside 
 `optimizer.param_groups.*`), so it is no candidate. Hidden folders neither. A folder of
 optimizer state under another name is a second candidate, so it is listed, never converted
 silently."""
+OUTPUT_WORK_DIR = ".zerosafe-work"
+"""`zerosafe.stages.output.WORK_DIR_NAME`: the work folder of a zerosafe output (the stages
+import the formats, not the other way round; tests/formats/safetensors_in checks they agree)."""
+OUTPUT_MARKER = "zerosafe-complete.json"
+"""`zerosafe.stages.output.MARKER_NAME`: written last into a finished zerosafe output."""
 _PER_RANK = re.compile(r"(^|[_-])rank[_-]?\d+$")
 _DISTCP = re.compile(r"^__\d+_\d+\.distcp$")
 _DCP_METADATA = ".metadata"
@@ -84,10 +92,10 @@ def find_nested(storage: Storage, url: str, readers: Sequence[FormatReader]) -> 
     found: list[Found] = []
     ignored: list[str] = []
     for name in _subfolders(storage, url):
-        if IGNORED_SUBFOLDER.match(name):
+        sub = join_url(url, name)
+        if IGNORED_SUBFOLDER.match(name) or is_zerosafe_output(storage, sub):
             ignored.append(name)
             continue
-        sub = join_url(url, name)
         reader = next((r for r in readers if r.detect(storage, sub)), None)
         if reader is not None:
             found.append(Found(reader=reader, url=sub, given=url))
@@ -129,6 +137,8 @@ def refuse_saves_beside(storage: Storage, found: Found, readers: Sequence[Format
         if IGNORED_SUBFOLDER.match(name):
             continue
         sub = join_url(found.url, name)
+        if is_zerosafe_output(storage, sub):
+            continue  # an output of zerosafe is no save of the run
         reader = next((r for r in others if r.detect(storage, sub)), None)
         if reader is not None:
             beside.append(Found(reader=reader, url=sub, given=found.url))
@@ -147,6 +157,14 @@ def refuse_saves_beside(storage: Storage, found: Found, readers: Sequence[Format
         "zerosafe converts one save at a time: pass the folder of the one to convert "
         f"(e.g. {beside[0].url}){pick}"
     )
+
+
+def is_zerosafe_output(storage: Storage, url: str) -> bool:
+    """Whether `url` is a safetensors output of zerosafe, finished or being written: never a
+    save to find one level down (converting `checkpoint-4` into `checkpoint-4/hf` again must
+    find the same save as the first time). Passed itself, a finished one is a source."""
+    names = storage.listdir(url)
+    return OUTPUT_MARKER in names or OUTPUT_WORK_DIR in names
 
 
 def refuse_partial_dcp(storage: Storage, url: str) -> None:

@@ -17,6 +17,7 @@ from zerosafe.formats.base import FormatReader, ReadsLowpCopies, SourceLayout
 from zerosafe.formats.dcp.reader import DcpReader
 from zerosafe.formats.deepspeed.reader import DeepSpeedReader
 from zerosafe.formats.deepspeed.universal import UniversalReader
+from zerosafe.formats.hf.reader import HfShardedReader, SafetensorsReader
 from zerosafe.formats.nested import (
     Found,
     find_nested,
@@ -62,10 +63,13 @@ READERS: tuple[FormatReader, ...] = (
     VerlReader(),
     UniversalReader(),
     DeepSpeedReader(errors=formats_listed),
+    HfShardedReader(),
+    SafetensorsReader(),
 )
 """Every format, in the order `detect_format` asks them (DCP first: its `.metadata` file is
 unambiguous, while DeepSpeed's detection looks into subfolders; universal before ZeRO: a
-universal folder holds the ZeRO tag's model states too)."""
+universal folder holds the ZeRO tag's model states too; safetensors last, so a training
+checkpoint that also keeps a `model.safetensors` is read as the training checkpoint)."""
 FALLBACK = "deepspeed"
 """The reader of a folder no reader claims."""
 

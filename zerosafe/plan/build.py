@@ -50,7 +50,9 @@ def plan_checkpoint(
     layout, adapter_warnings = _maybe_adapter(storage, layout, options)
     plan = plan_layout(layout, options)
     plan.warnings += adapter_warnings
-    notes, warnings = model_files_report(storage, plan.source, options, aliases=layout.aliases)
+    notes, warnings = model_files_report(
+        storage, plan.source, options, aliases=layout.aliases, ties_by_config=layout.ties_by_config
+    )
     plan.notes += notes
     plan.warnings += warnings
     return layout, plan

@@ -364,7 +364,12 @@ def read_config(storage: Storage, folder: str) -> dict[str, Any] | None:
 
 
 def check_model_config(
-    config: dict[str, Any], where: str, *, out_dtype: str, aliases: dict[str, str]
+    config: dict[str, Any],
+    where: str,
+    *,
+    out_dtype: str,
+    aliases: dict[str, str],
+    ties_by_config: bool = False,
 ) -> list[str]:
     """Where `config.json` disagrees with the output: its dtype, and `tie_word_embeddings`
     against the tied aliases the checkpoint has. One warning per disagreement.
@@ -374,6 +379,8 @@ def check_model_config(
         where: Its URL, for the messages.
         out_dtype: The output dtype (torch name).
         aliases: Tied aliases of the checkpoint, alias -> target.
+        ties_by_config: The checkpoint leaves tied weights to the config
+            (`SourceLayout.ties_by_config`): `tie_word_embeddings` without an alias agrees.
     """
     warnings = []
     key = "dtype" if "dtype" in config else "torch_dtype"
@@ -389,7 +396,7 @@ def check_model_config(
             )
     tie = config.get("tie_word_embeddings")
     ties = ", ".join(f"{a} -> {t}" for a, t in aliases.items())
-    if tie is True and not aliases:
+    if tie is True and not aliases and not ties_by_config:
         warnings.append(
             f"{where}: `tie_word_embeddings` is true but the checkpoint ties no tensors (its "
             "output head was trained apart from the embeddings); a loader that ties them "
@@ -405,9 +412,15 @@ def check_model_config(
 
 
 def model_files_report(
-    storage: Storage, source: SourceDescription, options: ConvertOptions, *, aliases: dict[str, str]
+    storage: Storage,
+    source: SourceDescription,
+    options: ConvertOptions,
+    *,
+    aliases: dict[str, str],
+    ties_by_config: bool = False,
 ) -> tuple[list[str], list[str]]:
-    """Plan-time notes and warnings about the model files a job copies.
+    """Plan-time notes and warnings about the model files a job copies (`ties_by_config`:
+    see `check_model_config`).
 
     Raises:
         ConfigError: If a folder named by `model_files` is missing or holds no model file.
@@ -446,7 +459,9 @@ def model_files_report(
     config = read_config(storage, folder)
     if config is None:  # removed since it was listed
         return notes, skipped
-    warnings = check_model_config(config, where, out_dtype=options.dtype, aliases=aliases)
+    warnings = check_model_config(
+        config, where, out_dtype=options.dtype, aliases=aliases, ties_by_config=ties_by_config
+    )
     if config.get("auto_map"):
         notes.append(f"{where} names remote code (`auto_map`); its *.py files are not copied")
     return notes, [*skipped, *warnings]
