@@ -11,6 +11,7 @@ DCP chunk files without the global `.metadata` is refused saying what is missing
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,10 @@ class Found:
     """The folder read (and named in the job's identities)."""
     given: str
     """The folder the user passed; `url` itself unless the save was found one level down."""
+    beside: tuple[str, ...] = ()
+    """The other subfolders of `given` (hidden ones aside), which are not read: optimizer
+    state (`IGNORED_SUBFOLDER`) and folders no reader claims (ByteCheckpoint's
+    `extra_state/`, a trainer's `huggingface/`)."""
 
     @property
     def nested(self) -> bool:
@@ -66,6 +71,13 @@ class Found:
         if not self.nested:
             return ""
         return f"converting {self.url} (the only save in {self.given}: {self.reader.title})"
+
+    @property
+    def beside_note(self) -> str:
+        """`not read, beside it: optimizer/, extra_state/`; "" if nothing is beside it."""
+        if not self.nested or not self.beside:
+            return ""
+        return f"not read, beside it in {self.given}: {', '.join(n + '/' for n in self.beside)}"
 
 
 def _subfolders(storage: Storage, url: str) -> list[str]:
@@ -110,7 +122,9 @@ def find_nested(storage: Storage, url: str, readers: Sequence[FormatReader]) -> 
     if not found:
         _refuse_partial_dcp_below(storage, url, ignored)
         return None
-    return found[0]
+    taken = found[0].url.rsplit("/", 1)[-1]
+    beside = tuple(n for n in _subfolders(storage, url) if n != taken and not n.startswith("."))
+    return dataclasses.replace(found[0], beside=beside)
 
 
 def refuse_partial_dcp(storage: Storage, url: str) -> None:

@@ -148,8 +148,8 @@ def read_source(
     check_options(found.reader, found.url, options)
     layout = found.reader.read(storage, found.url, tag=tag, options=options)
     refuse_optimizer_only(layout, options)
-    if found.nested:  # say which folder was converted, and keep the one given
-        layout.notes.insert(0, found.note)
+    if found.nested:  # say which folder was converted, what was not, and keep the one given
+        layout.notes[:0] = [n for n in (found.note, found.beside_note) if n]
         layout.source = dataclasses.replace(layout.source, found_in=found.given)
     if options.check_lowp and layout.lowp_missing is not None:
         raise _no_lowp_copy(layout.where, layout.lowp_missing)

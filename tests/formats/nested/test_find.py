@@ -41,6 +41,7 @@ def test_one_dcp_save_one_level_down_converts(tmp_path: Path) -> None:
     assert (tag, identities) == quick_identities(storage, found.url, None)
     summary = convert_checkpoint(str(ckpt), str(tmp_path / "out"))
     assert f"converting {found.url} (the only save in {ckpt}: PyTorch DCP)" in summary.notes
+    assert not any("beside it" in n for n in summary.notes)  # .cache/ is hidden: not listed
     got = load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.equal(got[k], v) for k, v in weights.items()) and sorted(got) == sorted(
         weights
@@ -79,3 +80,20 @@ def test_a_save_claimed_at_the_top_is_never_searched_below(tmp_path: Path) -> No
     _dcp(top / "inner", seed=1)
     found = find_save(Storage(), str(top))
     assert not found.nested and found.url == str(top) and found.note == ""
+
+
+def test_the_folders_beside_the_save_are_listed_not_read(tmp_path: Path) -> None:
+    """ByteCheckpoint's `global_step_N/`: `model/` is converted; `optimizer/` (optimizer
+    state) and `extra_state/` (per-rank trainer state, no reader claims it) are named in a
+    note, so `inspect` shows what was left (issue 39)."""
+    step = tmp_path / "global_step_3"
+    _dcp(step / "model")
+    _dcp(step / "optimizer", seed=1)
+    (step / "extra_state").mkdir()
+    torch.save({"step": 3}, step / "extra_state" / "extra_state_rank_0.pt")
+    layout = read_source(Storage(), str(step), tag=None, options=ConvertOptions())
+    assert layout.where == f"{step}/model"
+    assert layout.notes[:2] == [
+        f"converting {step}/model (the only save in {step}: PyTorch DCP)",
+        f"not read, beside it in {step}: extra_state/, optimizer/",
+    ]
