@@ -17,7 +17,12 @@ from zerosafe.formats.base import FormatReader, ReadsLowpCopies, SourceLayout
 from zerosafe.formats.dcp.reader import DcpReader
 from zerosafe.formats.deepspeed.reader import DeepSpeedReader
 from zerosafe.formats.deepspeed.universal import UniversalReader
-from zerosafe.formats.nested import Found, find_nested, refuse_optimizer_only
+from zerosafe.formats.nested import (
+    Found,
+    find_latest_step,
+    find_nested,
+    refuse_optimizer_only,
+)
 from zerosafe.formats.verl.reader import VerlReader
 from zerosafe.io.storage import Storage, join_url, normalize_url
 
@@ -84,8 +89,10 @@ def find_save(storage: Storage, url: str, tag: str | None = None) -> Found:
 
     With a `tag` that names a folder of `url`, that folder decides (a DeepSpeed checkpoint
     folder may hold both a ZeRO tag and the universal folder ds_to_universal.py made of it).
-    Else a reader that claims `url` reads it; else the one save one level down
-    (`zerosafe.formats.nested`: `checkpoint-4/pytorch_model_fsdp_0` for `checkpoint-4`).
+    Else a reader that claims `url` reads it; else the save of the latest step where
+    `latest_checkpointed_iteration.txt` names one (`ckpt/global_step_3/model` for `ckpt`);
+    else the one save one level down (`zerosafe.formats.nested`:
+    `checkpoint-4/pytorch_model_fsdp_0` for `checkpoint-4`).
     A folder no reader claims goes to DeepSpeed's, the original format, whose errors say
     precisely what the folder lacks (and list the formats).
 
@@ -104,7 +111,9 @@ def find_save(storage: Storage, url: str, tag: str | None = None) -> Found:
         if reader.detect(storage, url):
             return Found(reader=reader, url=url, given=url)
     if tag is None:
-        nested = find_nested(storage, url, READERS)
+        with formats_listed():
+            latest = find_latest_step(storage, url, READERS)
+        nested = latest or find_nested(storage, url, READERS)
         if nested is not None:
             return nested
     return Found(reader=reader_named(FALLBACK), url=url, given=url)

@@ -119,9 +119,13 @@ def test_chunk_without_its_tensor_pickle_is_refused(bytecheckpoint_root: Path) -
 def test_layout_reads_raw_chunks_in_place(bytecheckpoint_root: Path) -> None:
     from tests.formats.dcp.helpers import assemble
     from zerosafe.formats.dcp.reader import read_dcp_layout
+    from zerosafe.formats.registry import find_save
     from zerosafe.io.storage import Storage
 
-    layout = read_dcp_layout(str(_step(bytecheckpoint_root) / "model"), Storage())
+    # the folder given to bytecheckpoint.save: its latest_checkpointed_iteration.txt names step 3
+    found = find_save(Storage(), str(bytecheckpoint_root / "ckpt"))
+    assert found.url == str(_step(bytecheckpoint_root) / "model")
+    layout = read_dcp_layout(found.url, Storage())
     live = load_file(bytecheckpoint_root / "live.safetensors")
     assert {s.kind for s in layout.slots} == {"chunk"} and len(layout.slots) > len(live)
     for name, ref in live.items():
