@@ -23,4 +23,8 @@ fi
 # verl (tests only: its checkpoint manager writes the verl fixtures) without its dependencies:
 # its metadata pins transformers<5.11 and pulls Ray, which its checkpoint code does not use.
 "${PIP[@]}" --no-deps verl==0.9.1
+# ByteCheckpoint (tests only: its own save writes the ByteCheckpoint fixtures) without its
+# dependencies: its metadata pins torch<=2.5 and protobuf 3.20, yet its save runs with ours;
+# its import needs grpcio (pinned, as it asks) and nothing else we lack.
+"${PIP[@]}" --no-deps bytecheckpoint==0.0.2 grpcio==1.69.0
 .venv/bin/zerosafe --version

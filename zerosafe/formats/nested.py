@@ -10,10 +10,15 @@ DCP chunk files without the global `.metadata` is refused saying what is missing
 reader does claim the folder, its subfolders are still asked about saves of the other formats
 (`refuse_saves_beside`): a Trainer's `checkpoint-4/` holding DeepSpeed's `latest` and tag and
 also `pytorch_model_fsdp_0/` is two saves, refused with their list.
+
+The trainer's checkpoint folder above the steps works too where it says which step is the
+latest: verl's trainer and ByteCheckpoint write `latest_checkpointed_iteration.txt` (the step
+number N) beside `global_step_N/`; that step's save is converted (`find_latest_step`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,9 +31,11 @@ from zerosafe.io.storage import Storage, join_url
 
 __all__ = [
     "IGNORED_SUBFOLDER",
+    "LATEST_STEP_FILE",
     "OUTPUT_MARKER",
     "OUTPUT_WORK_DIR",
     "Found",
+    "find_latest_step",
     "find_nested",
     "is_zerosafe_output",
     "refuse_optimizer_only",
@@ -51,6 +58,10 @@ OUTPUT_MARKER = "zerosafe-complete.json"
 _PER_RANK = re.compile(r"(^|[_-])rank[_-]?\d+$")
 _DISTCP = re.compile(r"^__\d+_\d+\.distcp$")
 _DCP_METADATA = ".metadata"
+LATEST_STEP_FILE = "latest_checkpointed_iteration.txt"
+"""The latest step's number, as verl's trainer and ByteCheckpoint (`bytecheckpoint.save` with
+`global_steps`) write it beside `global_step_N/`."""
+_LATEST_MAX_BYTES = 64
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,6 +73,12 @@ class Found:
     """The folder read (and named in the job's identities)."""
     given: str
     """The folder the user passed; `url` itself unless the save was found one level down."""
+    beside: tuple[str, ...] = ()
+    """The other subfolders of the folder holding `url` (hidden ones aside), which are not
+    read: optimizer state (`IGNORED_SUBFOLDER`) and folders no reader claims
+    (ByteCheckpoint's `extra_state/`, a trainer's `huggingface/`)."""
+    why: str = ""
+    """How `url` was chosen, for the note; "" for `the only save in <given>`."""
 
     @property
     def nested(self) -> bool:
@@ -72,7 +89,16 @@ class Found:
         """`converting X/sub (the only save in X)`, for the plan's notes; "" if not nested."""
         if not self.nested:
             return ""
-        return f"converting {self.url} (the only save in {self.given}: {self.reader.title})"
+        why = self.why or f"the only save in {self.given}"
+        return f"converting {self.url} ({why}: {self.reader.title})"
+
+    @property
+    def beside_note(self) -> str:
+        """`not read, beside it in X: optimizer/, extra_state/`; "" if nothing is beside it."""
+        if not self.nested or not self.beside:
+            return ""
+        folder = self.url.rsplit("/", 1)[0]
+        return f"not read, beside it in {folder}: {', '.join(n + '/' for n in self.beside)}"
 
 
 def _subfolders(storage: Storage, url: str) -> list[str]:
@@ -117,7 +143,54 @@ def find_nested(storage: Storage, url: str, readers: Sequence[FormatReader]) -> 
     if not found:
         _refuse_partial_dcp_below(storage, url, ignored)
         return None
-    return found[0]
+    taken = found[0].url.rsplit("/", 1)[-1]
+    beside = tuple(n for n in _subfolders(storage, url) if n != taken and not n.startswith("."))
+    return dataclasses.replace(found[0], beside=beside)
+
+
+def find_latest_step(storage: Storage, url: str, readers: Sequence[FormatReader]) -> Found | None:
+    """The save of the step `latest_checkpointed_iteration.txt` in `url` names, or None where
+    `url` has no such file.
+
+    Raises:
+        CheckpointFormatError: If the file holds no step number, its `global_step_N/` is
+            missing, or that folder holds no save (or several: `find_nested`).
+    """
+    if not storage.isdir(url) or LATEST_STEP_FILE not in storage.listdir(url):
+        return None
+    file_url = join_url(url, LATEST_STEP_FILE)
+    text = storage.read_bytes(file_url)[:_LATEST_MAX_BYTES].decode("ascii", "replace").strip()
+    if not (text.isascii() and text.isdecimal()):
+        raise CheckpointFormatError(
+            f"{file_url}: holds {text!r}, expected the number of the latest step (verl and "
+            "ByteCheckpoint write e.g. '3' for global_step_3/); pass the global_step_N folder "
+            "to convert"
+        )
+    step = f"global_step_{int(text)}"
+    step_url = join_url(url, step)
+    if not storage.isdir(step_url):
+        folders = _subfolders(storage, url)
+        if any(re.fullmatch(r"iter_\d{7}", n) for n in folders):
+            return None  # Megatron-LM's layout, which writes the same file: not read here
+        steps = sorted(n for n in folders if n.startswith("global_step_"))
+        raise CheckpointFormatError(
+            f"{file_url}: names step {int(text)}, but {step_url} is not there (step folders "
+            f"here: {steps}); that save did not finish or was not copied. Pass the "
+            "global_step_N folder to convert"
+        )
+    named = f"the step {LATEST_STEP_FILE} names"
+    reader = next((r for r in readers if r.detect(storage, step_url)), None)
+    if reader is not None:
+        return Found(reader=reader, url=step_url, given=url, why=f"{step}, {named}")
+    found = find_nested(storage, step_url, readers)
+    if found is None:
+        err = CheckpointFormatError(
+            f"{step_url}: {named} holds no checkpoint zerosafe reads (folders: "
+            f"{_subfolders(storage, step_url)})."
+        )
+        err.lists_formats = True
+        raise err
+    return dataclasses.replace(found, given=url, why=f"the only save in {step}, {named}")
 
 
 def refuse_saves_beside(storage: Storage, found: Found, readers: Sequence[FormatReader]) -> None:

@@ -20,10 +20,12 @@ from zerosafe.formats.deepspeed.universal import UniversalReader
 from zerosafe.formats.hf.reader import HfShardedReader, SafetensorsReader
 from zerosafe.formats.nested import (
     Found,
+    find_latest_step,
     find_nested,
     refuse_optimizer_only,
     refuse_saves_beside,
 )
+from zerosafe.formats.resemble import looks_like_deepspeed, resemblance
 from zerosafe.formats.verl.reader import VerlReader
 from zerosafe.io.storage import Storage, join_url, normalize_url
 
@@ -94,10 +96,13 @@ def find_save(storage: Storage, url: str, tag: str | None = None) -> Found:
     With a `tag` that names a folder of `url`, that folder decides (a DeepSpeed checkpoint
     folder may hold both a ZeRO tag and the universal folder ds_to_universal.py made of it).
     Else a reader that claims `url` reads it, unless a save of another format lies one level
-    down beside its own (`refuse_saves_beside`); else the one save one level down
-    (`zerosafe.formats.nested`: `checkpoint-4/pytorch_model_fsdp_0` for `checkpoint-4`).
+    down beside its own (`refuse_saves_beside`); else the save of the latest step where
+    `latest_checkpointed_iteration.txt` names one (`ckpt/global_step_3/model` for `ckpt`);
+    else the one save one level down (`zerosafe.formats.nested`:
+    `checkpoint-4/pytorch_model_fsdp_0` for `checkpoint-4`).
     A folder no reader claims goes to DeepSpeed's, the original format, whose errors say
-    precisely what the folder lacks (and list the formats).
+    precisely what the folder lacks (and list the formats), where it shows something of
+    DeepSpeed's; any other is refused naming what it looks like (`refuse_unrecognised`).
 
     Raises:
         CheckpointFormatError: If several subfolders hold a save, or one holds a save of
@@ -117,10 +122,32 @@ def find_save(storage: Storage, url: str, tag: str | None = None) -> Found:
                 refuse_saves_beside(storage, found, READERS)
             return found
     if tag is None:
-        nested = find_nested(storage, url, READERS)
+        with formats_listed():
+            latest = find_latest_step(storage, url, READERS)
+        nested = latest or find_nested(storage, url, READERS)
         if nested is not None:
             return nested
+        refuse_unrecognised(storage, url)
     return Found(reader=reader_named(FALLBACK), url=url, given=url)
+
+
+def refuse_unrecognised(storage: Storage, url: str) -> None:
+    """Refuse a folder that no reader claims and that shows nothing of DeepSpeed's, naming
+    the layout it most resembles (`zerosafe.formats.resemble`); a folder with a sign of
+    DeepSpeed's is left to DeepSpeed's reader, whose errors say precisely what is missing.
+
+    Raises:
+        CheckpointFormatError: One line: what the folder looks like, and what zerosafe reads.
+    """
+    if not storage.isdir(url):
+        return  # DeepSpeed's reader says "no such checkpoint folder", or that it is a file
+    names = storage.listdir(url)
+    if looks_like_deepspeed(names):
+        return
+    raise CheckpointFormatError(
+        f"{url}: not a checkpoint zerosafe reads: {resemblance(storage, url, names)}. "
+        f"zerosafe reads: {formats_text()}."
+    )
 
 
 def check_options(reader: FormatReader, url: str, options: ConvertOptions) -> None:
@@ -161,8 +188,8 @@ def read_source(
     check_options(found.reader, found.url, options)
     layout = found.reader.read(storage, found.url, tag=tag, options=options)
     refuse_optimizer_only(layout, options)
-    if found.nested:  # say which folder was converted, and keep the one given
-        layout.notes.insert(0, found.note)
+    if found.nested:  # say which folder was converted, what was not, and keep the one given
+        layout.notes[:0] = [n for n in (found.note, found.beside_note) if n]
         layout.source = dataclasses.replace(layout.source, found_in=found.given)
     if options.check_lowp and layout.lowp_missing is not None:
         raise _no_lowp_copy(layout.where, layout.lowp_missing)

@@ -100,3 +100,22 @@ def olmo_core_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if status != "ok":
         pytest.fail(f"OLMo-core could not write its checkpoint here: {status}")
     return out
+
+
+@pytest.fixture(scope="session")
+def bytecheckpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real ByteCheckpoint checkpoint, written once per test session by ByteCheckpoint's own
+    `bytecheckpoint.save` (FSDP2 over 2 gloo ranks on the CPU): `ckpt/global_step_3/` with
+    `model/`, `optimizer/` and `extra_state/`, and `live.safetensors`, the live model's full
+    state dict (`make_bytecheckpoint_checkpoint.py` says more). A checkpoint ByteCheckpoint
+    could not write fails the test, saying why."""
+    out = tmp_path_factory.mktemp("bytecheckpoint")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [sys.executable, "-m", "tests.formats.dcp.make_bytecheckpoint_checkpoint", str(out)],
+        check=True, cwd=REPO, env=env, timeout=600, capture_output=True,
+    )  # fmt: skip
+    status = json.loads((out / "status.json").read_text()).get("bytecheckpoint", "not generated")
+    if status != "ok":
+        pytest.fail(f"ByteCheckpoint could not write its checkpoint here: {status}")
+    return out

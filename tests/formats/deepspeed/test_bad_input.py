@@ -259,6 +259,10 @@ def test_moe_layout_in_model_parallel_files_is_refused() -> None:
 def test_not_a_checkpoint_folder(tmp_path: Path, capsys) -> None:
     (tmp_path / "empty").mkdir()
     err = _convert_fails(tmp_path / "empty", tmp_path / "out", capsys)
+    assert "not a checkpoint zerosafe reads: an empty folder" in err
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "zero_to_fp32.py").write_text("")  # DeepSpeed's: its message says more
+    err = _convert_fails(tmp_path / "ds", tmp_path / "out", capsys)
     assert "no 'latest' file" in err
     err = _convert_fails(tmp_path / "nope", tmp_path / "out", capsys)
     assert "no such checkpoint folder" in err

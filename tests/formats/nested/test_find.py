@@ -44,6 +44,7 @@ def test_one_dcp_save_one_level_down_converts(tmp_path: Path) -> None:
     assert (tag, identities) == quick_identities(storage, found.url, None)
     summary = convert_checkpoint(str(ckpt), str(tmp_path / "out"))
     assert f"converting {found.url} (the only save in {ckpt}: PyTorch DCP)" in summary.notes
+    assert not any("beside it" in n for n in summary.notes)  # .cache/ is hidden: not listed
     got = load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.equal(got[k], v) for k, v in weights.items()) and sorted(got) == sorted(
         weights
@@ -164,3 +165,60 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "zerosafe_app.cli", *args],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+
+
+def test_the_folders_beside_the_save_are_listed_not_read(tmp_path: Path) -> None:
+    """ByteCheckpoint's `global_step_N/`: `model/` is converted; `optimizer/` (optimizer
+    state) and `extra_state/` (per-rank trainer state, no reader claims it) are named in a
+    note, so `inspect` shows what was left (issue 39)."""
+    step = tmp_path / "global_step_3"
+    _dcp(step / "model")
+    _dcp(step / "optimizer", seed=1)
+    (step / "extra_state").mkdir()
+    torch.save({"step": 3}, step / "extra_state" / "extra_state_rank_0.pt")
+    layout = read_source(Storage(), str(step), tag=None, options=ConvertOptions())
+    assert layout.where == f"{step}/model"
+    assert layout.notes[:2] == [
+        f"converting {step}/model (the only save in {step}: PyTorch DCP)",
+        f"not read, beside it in {step}: extra_state/, optimizer/",
+    ]
+
+
+def _steps(run: Path) -> dict[str, torch.Tensor]:
+    """verl's and ByteCheckpoint's checkpoint folder: `global_step_N/model/` per step and
+    `latest_checkpointed_iteration.txt` naming the latest (here 3; step 1 is older)."""
+    _dcp(run / "global_step_1" / "model", seed=1)
+    weights = _dcp(run / "global_step_3" / "model", seed=3)
+    (run / "global_step_3" / "extra_state").mkdir()
+    (run / "latest_checkpointed_iteration.txt").write_text("3")
+    return weights
+
+
+def test_the_step_latest_checkpointed_iteration_names_converts(tmp_path: Path) -> None:
+    run = tmp_path / "ckpt"
+    weights = _steps(run)
+    found = find_save(Storage(), str(run))
+    assert found.url == f"{run}/global_step_3/model" and found.given == str(run)
+    summary = convert_checkpoint(str(run), str(tmp_path / "out"))
+    assert list(summary.notes[:2]) == [
+        f"converting {run}/global_step_3/model (the only save in global_step_3, the step "
+        "latest_checkpointed_iteration.txt names: PyTorch DCP)",
+        f"not read, beside it in {run}/global_step_3: extra_state/",
+    ]
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(got) == sorted(weights) and all(torch.equal(got[k], weights[k]) for k in got)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [("7", "names step 7, but .*global_step_7 is not there .*'global_step_1', 'global_step_3'"),
+     ("step3\n", "holds 'step3', expected the number of the latest step")],
+)  # fmt: skip
+def test_a_latest_step_file_that_names_no_step_is_refused(
+    tmp_path: Path, text: str, match: str
+) -> None:
+    run = tmp_path / "ckpt"
+    _steps(run)
+    (run / "latest_checkpointed_iteration.txt").write_text(text)
+    with pytest.raises(CheckpointFormatError, match=match):
+        find_save(Storage(), str(run))

@@ -113,7 +113,7 @@ def test_an_optimizer_folder_alone_is_no_save(trainer_fsdp2: Path, tmp_path: Pat
     shutil.rmtree(ckpt / "pytorch_model_fsdp_0")
     proc = _cli(None, "convert", str(ckpt), str(tmp_path / "out"), "--via", "local")
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "not a DeepSpeed checkpoint folder" in proc.stderr
+    assert "looks like an HF Trainer checkpoint folder without a model save" in proc.stderr
     assert "optimizer_0" in proc.stderr  # named among the folders inside
 
 

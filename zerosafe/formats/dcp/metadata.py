@@ -49,6 +49,7 @@ length, a `version` other than 1.x) are refused, naming them, rather than ignore
 
 from __future__ import annotations
 
+import dataclasses
 import ntpath
 import posixpath
 from collections.abc import Mapping
@@ -58,11 +59,12 @@ from typing import Any
 from zerosafe.dtypes import DTYPES
 from zerosafe.errors import CheckpointFormatError, UnsafePickleError, UnsupportedCheckpointError
 from zerosafe.formats.pickle_guard import GuardedUnpickler, seal_table
-from zerosafe.formats.torch_pickle import inert_class
+from zerosafe.formats.torch_pickle import RestrictedUnpickler, TensorRecord, inert_class
 from zerosafe.formats.torch_zip import DTypeToken, InertObject, TorchSize
 
 __all__ = [
     "ALLOWED_GLOBALS",
+    "METADATA_CLASSES",
     "STORAGE_INFO_CLASSES",
     "DcpMetadata",
     "StorageInfo",
@@ -96,6 +98,34 @@ def _windows_path(*parts: Any) -> str:
     return ntpath.join(*(str(p) for p in parts)) if parts else ""
 
 
+_BYTECHECKPOINT = "bytecheckpoint.checkpointer.meta_type"
+
+METADATA_CLASSES: dict[str, tuple[str, frozenset[str]]] = {
+    f"{_METADATA}.Metadata": (
+        "torch.distributed.checkpoint",
+        frozenset(
+            {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"}
+        ),
+    ),
+    f"{_BYTECHECKPOINT}.Metadata": (
+        "ByteCheckpoint",
+        frozenset(
+            {
+                "state_dict_metadata",
+                "planner_data",
+                "storage_data",
+                "all_tensor_metadata",
+                "bytecheckpoint_version",
+                "user_defined_dict",
+            }
+        ),
+    ),
+}
+"""The `.metadata` root classes zerosafe reads, as data: qualname -> (the library that pickles
+it, the fields it may carry). Both hold torch's `state_dict_metadata` and a `storage_data`
+of `STORAGE_INFO_CLASSES`; ByteCheckpoint's adds `all_tensor_metadata` (the module
+docstring)."""
+
 STORAGE_INFO_CLASSES: dict[str, tuple[str, frozenset[str]]] = {
     "torch.distributed.checkpoint.filesystem._StorageInfo": (
         "torch's FileSystemWriter",
@@ -105,13 +135,17 @@ STORAGE_INFO_CLASSES: dict[str, tuple[str, frozenset[str]]] = {
         "OLMo-core's RemoteFileSystemWriter",
         frozenset({"relative_path", "offset", "length"}),
     ),
+    f"{_BYTECHECKPOINT}._StorageInfo": (
+        "ByteCheckpoint",
+        frozenset({"relative_path", "offset", "length"}),
+    ),
 }
 """The `storage_data` value classes zerosafe reads, as data: qualname -> (the writer that
-pickles it, the fields it may carry). Both locate a chunk as bytes `[offset, offset + length)`
-of `relative_path`, a file in the checkpoint folder (see the module docstring)."""
+pickles it, the fields it may carry). Each locates a chunk as bytes `[offset, offset +
+length)` of `relative_path`, a file in the checkpoint folder (see the module docstring)."""
 
 _INERT_CLASSES = (
-    f"{_METADATA}.Metadata",
+    *METADATA_CLASSES,
     f"{_METADATA}.TensorStorageMetadata",
     f"{_METADATA}.BytesStorageMetadata",
     f"{_METADATA}.ChunkStorageMetadata",
@@ -139,7 +173,8 @@ ALLOWED_GLOBALS: dict[str, Any] = {
     **{f"torch.{name}": DTypeToken(name) for name in DTYPES},
 }
 """Every global a DCP `.metadata` pickle may name, and what it becomes. Anything else is
-refused. Seen in torch 2.13's and OLMo-core 3.0.0's files: the DCP classes, `torch.Size`,
+refused. Seen in torch 2.13's, OLMo-core 3.0.0's and ByteCheckpoint 0.0.2's files: the DCP
+classes (ByteCheckpoint's own `Metadata` and `_StorageInfo` among them), `torch.Size`,
 dtypes, `torch.serialization._get_layout`, `pathlib.PosixPath` and OLMo-core's
 `_StorageInfo`; the older and newer forms of the module docstring's drift list."""
 seal_table(ALLOWED_GLOBALS)
@@ -164,6 +199,9 @@ class StorageInfo:
     offset: int
     length: int
     transform_descriptors: tuple[str, ...]
+    raw_tensor: TensorRecord | None = None
+    """ByteCheckpoint: the chunk tensor its bytes are the raw storage of (from
+    `all_tensor_metadata`); None where the bytes are a `torch.save` archive or safetensors."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -180,7 +218,7 @@ class DcpMetadata:
     version: str | None
     writers: tuple[str, ...] = ()
     """Who wrote the chunks, from the `storage_data` classes (`STORAGE_INFO_CLASSES`):
-    `torch's FileSystemWriter`, `OLMo-core's RemoteFileSystemWriter`."""
+    `torch's FileSystemWriter`, `OLMo-core's RemoteFileSystemWriter`, `ByteCheckpoint`."""
     globals_found: frozenset[str]
 
     @property
@@ -310,14 +348,57 @@ def _leaves_folder(path: str) -> bool:
     return path.startswith(("/", "\\")) or "://" in path or ".." in parts
 
 
-def _storage_entry(key: Any, value: Any, url: str) -> tuple[tuple[str, Any], StorageInfo, str]:
-    """One `storage_data` item: its `(fqn, offsets)` key, where it is, and who wrote it."""
-    k = _fields(key, f"{_METADATA}.MetadataIndex", url, "a storage_data key")
+def _index_key(key: Any, url: str, where: str) -> tuple[str, tuple[int, ...] | None]:
+    """A `MetadataIndex` key as `(fqn, chunk offsets)` (offsets None for a non-tensor value)."""
+    k = _fields(key, f"{_METADATA}.MetadataIndex", url, f"a {where} key")
     fqn = k.get("fqn")
     if not isinstance(fqn, str):
-        raise CheckpointFormatError(f"{url}: a storage_data key has fqn {fqn!r}, expected text")
+        raise CheckpointFormatError(f"{url}: a {where} key has fqn {fqn!r}, expected text")
     offset = k.get("offset")
-    offsets = None if offset is None else _int_tuple(offset, url, f"'{fqn}' storage offset")
+    offsets = None if offset is None else _int_tuple(offset, url, f"'{fqn}' {where} offset")
+    return fqn, offsets
+
+
+def _raw_tensors(value: Any, url: str) -> dict[tuple[str, tuple[int, ...] | None], TensorRecord]:
+    """ByteCheckpoint's `all_tensor_metadata`: each chunk's tensor pickle, read with the
+    restricted tensor unpickler (the module docstring). None values (non-tensor entries)
+    are skipped."""
+    if not isinstance(value, Mapping):
+        raise CheckpointFormatError(
+            f"{url}: 'all_tensor_metadata' is {_describe(value)}, expected a dict; the "
+            "ByteCheckpoint metadata is corrupt"
+        )
+    out: dict[tuple[str, tuple[int, ...] | None], TensorRecord] = {}
+    for key, pickled in value.items():
+        fqn, offsets = _index_key(key, url, "all_tensor_metadata")
+        if pickled is None:
+            continue
+        where = f"{url}: 'all_tensor_metadata' of '{fqn}'"
+        if not isinstance(pickled, bytes):
+            raise CheckpointFormatError(
+                f"{where} is {_describe(pickled)}, expected the bytes of a tensor pickle"
+            )
+        try:
+            tensor = RestrictedUnpickler(pickled, where).load()
+        except (CheckpointFormatError, UnsafePickleError):
+            raise
+        except Exception as e:
+            raise CheckpointFormatError(
+                f"{where}: the tensor pickle could not be read ({type(e).__name__}: {e}); "
+                "the metadata is corrupt. Copy the checkpoint again."
+            ) from e
+        if not isinstance(tensor, TensorRecord):
+            raise CheckpointFormatError(
+                f"{where} describes {_describe(tensor)}, expected one tensor; the metadata "
+                "is corrupt"
+            )
+        out[(fqn, offsets)] = tensor
+    return out
+
+
+def _storage_entry(key: Any, value: Any, url: str) -> tuple[tuple[str, Any], StorageInfo, str]:
+    """One `storage_data` item: its `(fqn, offsets)` key, where it is, and who wrote it."""
+    fqn, offsets = _index_key(key, url, "storage_data")
     v = _fields(value, tuple(STORAGE_INFO_CLASSES), url, f"'{fqn}' storage")
     writer, known = STORAGE_INFO_CLASSES[value.qualname]
     _only_fields(v, known, url, f"'{fqn}' storage", f"_StorageInfo of {writer}")
@@ -388,7 +469,9 @@ def parse_metadata(data: bytes, url: str) -> DcpMetadata:
         CheckpointFormatError: If it is not DCP metadata (another pickle, corrupt, truncated).
     """
     root, globals_found = _load(data, url)
-    m = _fields(root, f"{_METADATA}.Metadata", url, "the pickled object")
+    m = _fields(root, tuple(METADATA_CLASSES), url, "the pickled object")
+    library, known = METADATA_CLASSES[root.qualname]
+    _only_fields(m, known, url, "the pickled object", f"Metadata of {library}")
     sd = m.get("state_dict_metadata")
     if not isinstance(sd, Mapping):
         raise CheckpointFormatError(
@@ -413,6 +496,8 @@ def parse_metadata(data: bytes, url: str) -> DcpMetadata:
         key, info, writer = _storage_entry(k, v, url)
         storage[key] = info
         writers.add(writer)
+    if "all_tensor_metadata" in known:
+        storage = _with_raw_tensors(storage, tensors, m.get("all_tensor_metadata"), url)
     return DcpMetadata(
         url=url,
         tensors=tensors,
@@ -422,3 +507,30 @@ def parse_metadata(data: bytes, url: str) -> DcpMetadata:
         writers=tuple(sorted(writers)),
         globals_found=globals_found,
     )
+
+
+def _with_raw_tensors(
+    storage: dict[tuple[str, tuple[int, ...] | None], StorageInfo],
+    tensors: Mapping[str, TensorMeta],
+    all_tensor_metadata: Any,
+    url: str,
+) -> dict[tuple[str, tuple[int, ...] | None], StorageInfo]:
+    """ByteCheckpoint's storage, each tensor chunk with the tensor its raw bytes hold.
+
+    Raises:
+        CheckpointFormatError: If a stored tensor chunk has no tensor pickle: its bytes
+            could not be placed.
+    """
+    raw = _raw_tensors(all_tensor_metadata, url)
+    out: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
+    for key, info in storage.items():
+        tensor = raw.get(key)
+        if tensor is None and key[0] in tensors:
+            raise CheckpointFormatError(
+                f"{url}: '{key[0]}' has a chunk at offsets {list(key[1] or ())} stored as raw "
+                "bytes (ByteCheckpoint) but 'all_tensor_metadata' has no tensor for it, so "
+                "its shape and strides are unknown; the metadata is corrupt or from another "
+                "save. Restore the checkpoint's own '.metadata'."
+            )
+        out[key] = dataclasses.replace(info, raw_tensor=tensor)
+    return out

@@ -348,6 +348,7 @@ def _locate_all(
             sources[info.relative_path], fqn=tensor.fqn, offset=info.offset,
             length=info.length, dtype=tensor.dtype, chunk_offsets=box.offsets,
             chunk_sizes=box.sizes, header_cache=headers[info.relative_path],
+            raw_tensor=info.raw_tensor,
         )  # fmt: skip
 
     with ThreadPoolExecutor(max_workers=max_workers) as pool:

@@ -10,6 +10,10 @@ chunk in one of two ways, and `_StorageInfo(relative_path, offset, length)` poin
   is where that blob begins (`length` is the chunk's byte count). The blob's `__metadata__`
   `DCP_SHARDING_INFO` gives each chunk's `saved_offsets`.
   Format: https://github.com/huggingface/safetensors#format
+ByteCheckpoint (verl's backend; `metadata.py` describes its `.metadata`) stores a third way:
+bytes `[offset, offset + length)` are the chunk tensor's raw storage, and the tensor's pickle
+in `all_tensor_metadata` (`StorageInfo.raw_tensor`) gives its storage offset, shape and
+strides.
 
 Only headers and pickles are read here (a few hundred bytes per chunk), never tensor data.
 """
@@ -23,7 +27,8 @@ from typing import Any
 
 from zerosafe.dtypes import dtype_info, from_safetensors_code
 from zerosafe.errors import CheckpointFormatError, UnsupportedCheckpointError
-from zerosafe.formats.torch_zip import TensorRecord, TorchZipFile
+from zerosafe.formats.torch_pickle import TensorRecord
+from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.storage import ByteSource
 
 __all__ = ["ByteRangeSource", "StoredChunk", "locate_chunk"]
@@ -47,7 +52,7 @@ class StoredChunk:
     numel: int
     dtype: str
     serialization: str
-    """`torch_save` or `safetensors`."""
+    """`torch_save`, `safetensors` or `raw` (ByteCheckpoint)."""
 
 
 class ByteRangeSource:
@@ -95,6 +100,7 @@ def locate_chunk(
     chunk_offsets: tuple[int, ...],
     chunk_sizes: tuple[int, ...],
     header_cache: dict[int, dict[str, Any]] | None = None,
+    raw_tensor: TensorRecord | None = None,
 ) -> StoredChunk:
     """Find where a chunk's elements are stored, reading only headers.
 
@@ -107,6 +113,7 @@ def locate_chunk(
         chunk_offsets: The chunk's offsets in the metadata (safetensors cross-check).
         chunk_sizes: The chunk's shape in the metadata.
         header_cache: Safetensors headers already read from this file, by blob offset.
+        raw_tensor: ByteCheckpoint: the tensor whose raw storage the bytes are.
 
     Returns:
         The record and the element run that hold the chunk, row-major.
@@ -122,6 +129,8 @@ def locate_chunk(
             f"file has {source.size_bytes} bytes; the file is truncated. Copy it again from the "
             "training run's storage."
         )
+    if raw_tensor is not None:
+        return _raw_chunk(where, offset, length, dtype, chunk_sizes, raw_tensor)
     head = source.read_range(offset, offset + min(8, length))
     if head.startswith(_ZIP_HEAD):
         return _zip_chunk(source, where, offset, length, dtype, chunk_sizes)
@@ -179,6 +188,47 @@ def _zip_chunk(
         numel=tensor.numel,
         dtype=tensor.dtype,
         serialization="torch_save",
+    )
+
+
+def _raw_chunk(
+    where: str,
+    offset: int,
+    length: int,
+    dtype: str,
+    sizes: tuple[int, ...],
+    tensor: TensorRecord,
+) -> StoredChunk:
+    # ByteCheckpoint writes `storage.nbytes()` bytes of the chunk's storage (its
+    # utilities/serialization.py `_serialize_tensor`), so the storage must fill the range.
+    if tensor.shape != sizes or tensor.dtype != dtype:
+        raise CheckpointFormatError(
+            f"{where}: the stored chunk is {list(tensor.shape)} x {tensor.dtype}, the metadata "
+            f"says {list(sizes)} x {dtype}; the metadata belongs to another save"
+        )
+    if not tensor.is_contiguous():
+        raise UnsupportedCheckpointError(
+            f"{where}: the chunk was saved with strides {list(tensor.stride)} (not row-major); "
+            "zerosafe copies row-major chunks only. Save the state dict with contiguous tensors."
+        )
+    storage_bytes = tensor.storage.numel * dtype_info(tensor.storage.dtype).itemsize
+    end = tensor.storage_offset + tensor.numel
+    if storage_bytes != length or tensor.storage.dtype != dtype or end > tensor.storage.numel:
+        raise CheckpointFormatError(
+            f"{where}: the metadata gives it {length} bytes at offset {offset}, but its tensor "
+            f"is elements [{tensor.storage_offset}, {end}) of a storage of "
+            f"{tensor.storage.numel} x {tensor.storage.dtype}; the chunk's length disagrees "
+            "with the metadata (the file was rewritten, or the metadata belongs to another save)"
+        )
+    return StoredChunk(
+        record=f"bytes {offset}+{length}",
+        record_offset=offset,
+        record_size_bytes=length,
+        record_crc32=0,
+        element_offset=tensor.storage_offset,
+        numel=tensor.numel,
+        dtype=dtype,
+        serialization="raw",
     )
 
 
