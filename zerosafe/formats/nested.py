@@ -158,6 +158,11 @@ def find_latest_step(storage: Storage, url: str, readers: Sequence[FormatReader]
     """
     if not storage.isdir(url) or LATEST_STEP_FILE not in storage.listdir(url):
         return None
+    folders = _subfolders(storage, url)
+    if any(re.fullmatch(r"iter_\d{7}", n) for n in folders) and not any(
+        n.startswith("global_step_") for n in folders
+    ):
+        return None  # Megatron-LM's layout, which writes the same file: not read here
     file_url = join_url(url, LATEST_STEP_FILE)
     text = storage.read_bytes(file_url)[:_LATEST_MAX_BYTES].decode("ascii", "replace").strip()
     if not (text.isascii() and text.isdecimal()):
@@ -169,9 +174,6 @@ def find_latest_step(storage: Storage, url: str, readers: Sequence[FormatReader]
     step = f"global_step_{int(text)}"
     step_url = join_url(url, step)
     if not storage.isdir(step_url):
-        folders = _subfolders(storage, url)
-        if any(re.fullmatch(r"iter_\d{7}", n) for n in folders):
-            return None  # Megatron-LM's layout, which writes the same file: not read here
         steps = sorted(n for n in folders if n.startswith("global_step_"))
         raise CheckpointFormatError(
             f"{file_url}: names step {int(text)}, but {step_url} is not there (step folders "
