@@ -1,4 +1,6 @@
-"""zerosafe: DeepSpeed ZeRO checkpoints to verified safetensors, streaming, without DeepSpeed.
+"""zerosafe: sharded training checkpoints (DeepSpeed ZeRO, PyTorch DCP, verl, ByteCheckpoint,
+torch's HuggingFaceStorageWriter, safetensors folders) to verified safetensors, streaming,
+without DeepSpeed or torch.distributed.
 
 The engine is a plain library (no Prefect): read a checkpoint's metadata lazily
 (`open_zero_checkpoint`; a `PipelineCheckpoint` for pipeline parallelism), plan the conversion (`build_plan`), run the stages

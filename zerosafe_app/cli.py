@@ -273,10 +273,25 @@ def _add_verbosity(p: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
+CHECKPOINT_HELP = (
+    "checkpoint folder: DeepSpeed ZeRO (holding 'latest') or a tag folder; DeepSpeed universal "
+    "(holding 'latest_universal'); PyTorch DCP (holding '.metadata': FSDP2, torchtitan, "
+    "accelerate, OLMo-core, ByteCheckpoint's model/); verl FSDP (holding "
+    "'model_world_size_W_rank_R.pt'); HuggingFaceStorageWriter rank files "
+    "('shard-0000R-model-*.safetensors'); a safetensors model folder ('model.safetensors' or "
+    "its index); or the folder above one such save"
+)
+"""The formats of `zerosafe.formats.registry.READERS`, written out so that the command's
+start-up does not import every reader (tests/app/test_cli.py checks each reader's title is
+here)."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="zerosafe",
-        description="Convert DeepSpeed ZeRO and PyTorch DCP checkpoints into verified safetensors, streaming, without DeepSpeed or torch.distributed.",
+        description="Convert sharded training checkpoints (DeepSpeed ZeRO, PyTorch DCP, verl, "
+        "ByteCheckpoint, torch's HuggingFaceStorageWriter, safetensors folders) into verified "
+        "safetensors or training state, streaming, without DeepSpeed or torch.distributed.",
     )
     parser.add_argument("--version", action="version", version=f"zerosafe {__version__}")
     _add_verbosity(parser, top=True)
@@ -296,7 +311,7 @@ def _add_inspect(sub: Any) -> None:
     p.add_argument(
         "checkpoint",
         nargs="?",
-        help="checkpoint folder: DeepSpeed (holding 'latest') or tag folder, or PyTorch DCP (holding '.metadata')",
+        help=CHECKPOINT_HELP,
     )
     _add_plan_options(p)
     p.add_argument("--json", action="store_true", help="print the plan summary as JSON")
@@ -344,7 +359,7 @@ def _add_convert(sub: Any) -> None:
     _add_verbosity(p, top=False)
     p.add_argument(
         "checkpoint",
-        help="checkpoint folder: DeepSpeed (holding 'latest') or tag folder, or PyTorch DCP (holding '.metadata')",
+        help=CHECKPOINT_HELP,
     )
     p.add_argument("output", help="output folder")
     _add_plan_options(p)

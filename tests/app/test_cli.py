@@ -100,3 +100,13 @@ def test_convert_json_summary(tmp_path: Path, capsys) -> None:
     summary = json.loads(capsys.readouterr().out)
     assert summary["status"] == "converted" and summary["mode"] == "direct"
     assert summary["aliases"] == {"lm_head.weight": "embed.weight"}
+
+
+def test_the_checkpoint_help_names_every_format_read() -> None:
+    """The help is written out (the command's start-up imports no reader); every reader of the
+    registry must be named in it."""
+    from zerosafe.formats.registry import READERS
+    from zerosafe_app.cli import CHECKPOINT_HELP
+
+    for reader in READERS:
+        assert reader.title in CHECKPOINT_HELP, reader.title
