@@ -23,4 +23,7 @@ fi
 # verl (tests only: its checkpoint manager writes the verl fixtures) without its dependencies:
 # its metadata pins transformers<5.11 and pulls Ray, which its checkpoint code does not use.
 "${PIP[@]}" --no-deps verl==0.9.1
+# torch_checkpointing (tests only: its CheckpointManager writes the torch_checkpointing fixtures);
+# pure Python, and its metadata asks for nothing the suite lacks.
+"${PIP[@]}" --no-deps torch-checkpointing==0.1.1
 .venv/bin/zerosafe --version

@@ -18,6 +18,7 @@ from zerosafe.formats.dcp.reader import DcpReader
 from zerosafe.formats.deepspeed.reader import DeepSpeedReader
 from zerosafe.formats.deepspeed.universal import UniversalReader
 from zerosafe.formats.nested import Found, find_nested, refuse_optimizer_only
+from zerosafe.formats.torch_checkpointing.reader import TorchCheckpointingReader
 from zerosafe.formats.verl.reader import VerlReader
 from zerosafe.io.storage import Storage, join_url, normalize_url
 
@@ -55,6 +56,7 @@ def formats_listed() -> Iterator[None]:
 READERS: tuple[FormatReader, ...] = (
     DcpReader(),
     VerlReader(),
+    TorchCheckpointingReader(),
     UniversalReader(),
     DeepSpeedReader(errors=formats_listed),
 )
