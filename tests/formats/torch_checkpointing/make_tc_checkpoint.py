@@ -12,6 +12,9 @@ buffer FSDP leaves whole) and save `{"model": model.state_dict(), "optim": optim
   where an item declares a resharder, and its metadata all-gather puts tensors on CUDA, which
   a CPU run cannot do.
 
+The same ranks save, with the default layout, `OUT/shard1/step_1/`: the model under FSDP2 with
+`Shard(1)` placements (`shard_placement_fn`), which zerosafe refuses.
+
 Rank 0 writes the live model's full weights (`OUT/live.safetensors`, gathered with
 `full_tensor()` right after the saves); `OUT/status.json` says which saves worked.
 """
@@ -74,7 +77,7 @@ def worker(rank: int, world_size: int, out: str, port: int) -> None:
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
     from torch_checkpointing import CheckpointManager, ItemSpec
     from torch_checkpointing.checkpoint_layout import LayoutInfo, SafetensorsSerialization
     from torch_checkpointing.config import SyncCheckpointSaverConfig
@@ -117,6 +120,19 @@ def worker(rank: int, world_size: int, out: str, port: int) -> None:
         except Exception:  # noqa: BLE001 - the fixture reports what the library refused
             status[name] = traceback.format_exc(limit=3).strip().splitlines()[-1]
         torch.distributed.barrier()
+    shard1 = Tiny()
+    fully_shard(shard1, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    try:
+        _save(
+            CheckpointManager.Config(save=sync, storage_config=storage),
+            f"{out}/shard1/step_1",
+            shard1,
+            torch.optim.AdamW(shard1.parameters()),
+        )
+        status["shard1"] = "ok"
+    except Exception:  # noqa: BLE001 - the fixture reports what the library refused
+        status["shard1"] = traceback.format_exc(limit=3).strip().splitlines()[-1]
+    torch.distributed.barrier()
     full = {
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
         for k, v in model.state_dict().items()

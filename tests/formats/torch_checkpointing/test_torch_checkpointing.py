@@ -153,6 +153,15 @@ def test_the_safetensors_layout_is_refused_in_one_line(
     assert "safetensors layout (model_R.safetensors)" in line and "metadata.pkl" in line
 
 
+@slow
+def test_a_dim1_shard_is_refused_with_torch_checkpointings_own_way_out(
+    tc_save: Save, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    line = refused(capsys, tc_save("shard1"), tmp_path / "out")
+    assert "placements ['Shard(1)']" in line and "CheckpointManager.load" in line
+    assert "verl" not in line
+
+
 def _touch(folder: Path, *names: str) -> Path:
     folder.mkdir(parents=True)
     for name in names:

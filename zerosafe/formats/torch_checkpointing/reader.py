@@ -40,6 +40,12 @@ FORMAT_NAME = "torch_checkpointing"
 MODEL_ITEM = "model"
 """The item whose tensors are the weights (`manager.save(id, {"model": ...})`)."""
 METADATA_FILE = "metadata.pkl"
+_FALLBACK = (
+    "load it with torch_checkpointing's CheckpointManager.load into the sharded model and "
+    "save each parameter's full_tensor()"
+)
+"""What a refused placement or mesh is told to do instead (torch_checkpointing has no
+consolidation of its default layout)."""
 _ITEM_FILE = re.compile(r"^(?P<item>.+)_(?P<rank>\d+)\.(?P<ext>pt|safetensors)$")
 _MODEL_FILE = re.compile(rf"^({MODEL_ITEM}_\d+\.pt|{MODEL_ITEM}_0\.safetensors)$")
 """What claims a folder: any rank's `model_R.pt`, or rank 0's `model_0.safetensors` (accelerate's
@@ -77,7 +83,7 @@ class TorchCheckpointingReader:
         loaded = _load_ranks(storage, url, files)
         try:
             _check_mesh(url, loaded)
-            built = build_tensors(url, loaded)
+            built = build_tensors(url, loaded, fallback=_FALLBACK)
         finally:
             for rank_file in loaded:
                 rank_file.zip.source.close()
