@@ -154,6 +154,20 @@ def test_the_safetensors_layout_is_refused_in_one_line(
 
 
 @slow
+def test_an_unfinalized_save_converts_with_a_warning(
+    tc_save: Save, tc_root: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A save is written into `tmp_step_N/` and renamed when every rank has finished."""
+    step = tmp_path / "tmp_step_1"
+    shutil.copytree(tc_save("pt"), step)
+    summary = convert(capsys, step, tmp_path / "out")
+    assert any("was not finalized" in w for w in summary["warnings"]), summary["warnings"]
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    live = load_file(tc_root / "live.safetensors")
+    assert all(torch.equal(t, live[n]) for n, t in got.items())
+
+
+@slow
 def test_a_dim1_shard_is_refused_with_torch_checkpointings_own_way_out(
     tc_save: Save, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -40,6 +40,9 @@ FORMAT_NAME = "torch_checkpointing"
 MODEL_ITEM = "model"
 """The item whose tensors are the weights (`manager.save(id, {"model": ...})`)."""
 METADATA_FILE = "metadata.pkl"
+TEMP_PREFIX = "tmp_"
+"""The folder a save is written into before its rename (`CheckpointWriterConfig.temp_dir_prefix`'s
+default)."""
 _FALLBACK = (
     "load it with torch_checkpointing's CheckpointManager.load into the sharded model and "
     "save each parameter's full_tensor()"
@@ -87,11 +90,19 @@ class TorchCheckpointingReader:
         finally:
             for rank_file in loaded:
                 rank_file.zip.source.close()
-        return describe(
+        layout = describe(
             url=url, tag=resolved, files=files, built=built,
             other_items=_other_items(storage, url),
             metadata_bytes=storage.counter.bytes_read - read_before,
         )  # fmt: skip
+        if resolved.startswith(TEMP_PREFIX):
+            layout.warnings.append(
+                f"{url}: the folder's name starts with '{TEMP_PREFIX}', the folder "
+                f"{FORMAT_NAME} writes a save into and renames when every rank has finished: "
+                "this save was not finalized (every model rank file was read whole, so the "
+                "weights are complete); prefer a finished save"
+            )
+        return layout
 
 
 def _tag_of(url: str, tag: str | None) -> str:
