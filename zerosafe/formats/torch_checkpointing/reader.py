@@ -83,7 +83,7 @@ class TorchCheckpointingReader:
         read_before = storage.counter.bytes_read
         names = _model_file_names(storage, url)
         files = _source_files(storage, url, names)
-        loaded = _load_ranks(storage, url, files)
+        loaded = _load_ranks(storage, files)
         try:
             _check_mesh(url, loaded)
             built = build_tensors(url, loaded, fallback=_FALLBACK)
@@ -99,8 +99,8 @@ class TorchCheckpointingReader:
             layout.warnings.append(
                 f"{url}: the folder's name starts with '{TEMP_PREFIX}', the folder "
                 f"{FORMAT_NAME} writes a save into and renames when every rank has finished: "
-                "this save was not finalized (every model rank file was read whole, so the "
-                "weights are complete); prefer a finished save"
+                "this save was not finalized (its model rank files are all there, each a whole "
+                "zip archive with its CRC-32s, so the weights are complete); prefer a finished save"
             )
         return layout
 
@@ -189,7 +189,7 @@ def _source_files(storage: Storage, url: str, names: list[str]) -> list[SourceFi
     return files
 
 
-def _load_ranks(storage: Storage, url: str, files: list[SourceFile]) -> list[RankFile]:
+def _load_ranks(storage: Storage, files: list[SourceFile]) -> list[RankFile]:
     loaded: list[RankFile] = []
     try:
         for source in files:
