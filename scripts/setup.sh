@@ -27,4 +27,7 @@ fi
 # dependencies: its metadata pins torch<=2.5 and protobuf 3.20, yet its save runs with ours;
 # its import needs grpcio (pinned, as it asks) and nothing else we lack.
 "${PIP[@]}" --no-deps bytecheckpoint==0.0.2 grpcio==1.69.0
+# torch_checkpointing (tests only: its CheckpointManager writes the torch_checkpointing fixtures);
+# pure Python, and its metadata asks for nothing the suite lacks.
+"${PIP[@]}" --no-deps torch-checkpointing==0.1.1
 .venv/bin/zerosafe --version

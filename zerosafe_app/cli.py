@@ -277,7 +277,8 @@ CHECKPOINT_HELP = (
     "checkpoint folder: DeepSpeed ZeRO (holding 'latest') or a tag folder; DeepSpeed universal "
     "(holding 'latest_universal'); PyTorch DCP (holding '.metadata': FSDP2, torchtitan, "
     "accelerate, OLMo-core, ByteCheckpoint's model/); verl FSDP (holding "
-    "'model_world_size_W_rank_R.pt'); HuggingFaceStorageWriter rank files "
+    "'model_world_size_W_rank_R.pt'); torch_checkpointing (holding 'model_R.pt' per rank); "
+    "HuggingFaceStorageWriter rank files "
     "('shard-0000R-model-*.safetensors'); a safetensors model folder ('model.safetensors' or "
     "its index); or the folder above one such save"
 )

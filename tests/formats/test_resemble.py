@@ -42,7 +42,7 @@ def _refusal(folder: Path, tmp_path: Path) -> str:
         (["pytorch_model-00001-of-00002.bin", "config.json"], [], "PyTorch `.bin` weights"),
         (["epoch=3-step=100.ckpt"], [], "PyTorch Lightning"),
         (["trainer_state.json", "rng_state.pth"], ["optimizer_0"], "HF Trainer checkpoint"),
-        (["model_0.pt", "optim_0.pt"], [], "files written by `torch.save`"),
+        (["weights.pt", "optimizer.pt"], [], "files written by `torch.save`"),
         (["model.Q4_K_M.gguf"], [], "GGUF"),
         (["notes.txt"], [], "nothing in it is a checkpoint zerosafe recognises (notes.txt)"),
     ],

@@ -26,6 +26,7 @@ from zerosafe.formats.nested import (
     refuse_saves_beside,
 )
 from zerosafe.formats.resemble import looks_like_deepspeed, resemblance
+from zerosafe.formats.torch_checkpointing.reader import TorchCheckpointingReader
 from zerosafe.formats.verl.reader import VerlReader
 from zerosafe.io.storage import Storage, join_url, normalize_url
 
@@ -63,6 +64,7 @@ def formats_listed() -> Iterator[None]:
 READERS: tuple[FormatReader, ...] = (
     DcpReader(),
     VerlReader(),
+    TorchCheckpointingReader(),
     UniversalReader(),
     DeepSpeedReader(errors=formats_listed),
     HfShardedReader(),

@@ -420,8 +420,9 @@ _INERT_GLOBALS = (
 )
 
 DTENSOR_GLOBALS = (
-    # FSDP2's sharded state dict (verl's `model_world_size_W_rank_R.pt`): each DTensor's spec,
-    # its device mesh and placements, kept as inert records (torch 2.13's pickle).
+    # FSDP2's sharded state dict (verl's `model_world_size_W_rank_R.pt`, torch_checkpointing's
+    # `model_R.pt`): each DTensor's spec, its device mesh and placements, kept as inert records
+    # (torch 2.13's pickle).
     "torch.distributed.tensor._dtensor_spec.DTensorSpec",
     "torch.distributed.tensor._dtensor_spec.TensorMeta",
     "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",

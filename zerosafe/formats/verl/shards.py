@@ -25,7 +25,9 @@ from zerosafe.formats.torch_pickle import DTensorRecord, InertObject, TensorReco
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.plan.model import Slot, SourceFile
 
-__all__ = ["Built", "RankFile", "build_tensors", "shard_rows"]
+__all__ = ["VERL_FALLBACK", "Built", "RankFile", "build_tensors", "shard_rows"]
+
+VERL_FALLBACK = "convert it with verl's model_merger"
 
 
 @dataclass(kw_only=True)
@@ -72,7 +74,7 @@ def _placement_name(placement: Any) -> str:
     return f"{kind}({dim})" if dim is not None else f"{kind}()"
 
 
-def _mesh_size(where: str, spec: InertObject, world_size: int) -> None:
+def _mesh_size(where: str, spec: InertObject, world_size: int, fallback: str) -> None:
     """Refuse a mesh that is not 1-D over all ranks (HSDP, FSDP+TP)."""
     mesh = spec.get("mesh")
     rank_map = mesh.get("_rank_map") if isinstance(mesh, InertObject) else None
@@ -80,11 +82,13 @@ def _mesh_size(where: str, spec: InertObject, world_size: int) -> None:
         raise UnsupportedCheckpointError(
             f"{where}: its device mesh spans {rank_map.numel} rank(s) in shape "
             f"{list(rank_map.shape)}, where zerosafe reads FSDP2 on a 1-D mesh of all "
-            f"{world_size} ranks; convert it with verl's model_merger"
+            f"{world_size} ranks; {fallback}"
         )
 
 
-def _check_dtensor(where: str, pieces: Sequence[DTensorRecord], world_size: int) -> str:
+def _check_dtensor(
+    where: str, pieces: Sequence[DTensorRecord], world_size: int, fallback: str
+) -> str:
     """The placement all ranks agree on (`Shard(0)` or `Replicate()`), checked."""
     first = pieces[0]
     names = [tuple(_placement_name(p) for p in piece.placements) for piece in pieces]
@@ -98,9 +102,9 @@ def _check_dtensor(where: str, pieces: Sequence[DTensorRecord], world_size: int)
     if len(names[0]) != 1 or names[0][0] not in ("Shard(0)", "Replicate()"):
         raise UnsupportedCheckpointError(
             f"{where}: placements {list(names[0])}, where zerosafe reads one Shard(0) or "
-            "Replicate() placement (FSDP2 on a 1-D mesh); convert it with verl's model_merger"
+            f"Replicate() placement (FSDP2 on a 1-D mesh); {fallback}"
         )
-    _mesh_size(where, first.spec, world_size)
+    _mesh_size(where, first.spec, world_size, fallback)
     for rank, piece in enumerate(pieces):
         mesh = piece.spec.get("mesh")
         coordinate = mesh.get("_coordinate_on_dim") if isinstance(mesh, InertObject) else None
@@ -147,8 +151,14 @@ def _signature(records: Sequence[TensorRecord]) -> tuple[Any, ...]:
     return tuple((r.storage.key, r.storage_offset, r.shape, r.stride, r.dtype) for r in records)
 
 
-def build_tensors(url: str, ranks: Sequence[RankFile]) -> Built:
+def build_tensors(url: str, ranks: Sequence[RankFile], *, fallback: str = VERL_FALLBACK) -> Built:
     """Every tensor of the rank files, as fragments of slots (local shards).
+
+    Args:
+        url: The folder, for errors.
+        ranks: The opened rank files, in rank order.
+        fallback: What the refusal of a placement or mesh zerosafe does not read tells the
+            user to do instead (the saving framework's own tool: verl's model_merger).
 
     Raises:
         CheckpointFormatError: If the ranks disagree on the keys, a shard has the wrong shape,
@@ -170,7 +180,7 @@ def build_tensors(url: str, ranks: Sequence[RankFile]) -> Built:
         values = [r.state[key] for r in ranks]
         where = f"{url}: '{key}'"
         if all(isinstance(v, DTensorRecord) for v in values):
-            placement = _check_dtensor(where, values, len(ranks))
+            placement = _check_dtensor(where, values, len(ranks), fallback)
             rows = _local_rows(where, values, placement)
             locals_ = [v.local for v in values]
             shape, dtype, role = values[0].shape, values[0].dtype, "param"

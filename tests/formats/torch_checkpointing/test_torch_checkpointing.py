@@ -1,0 +1,203 @@
+"""torch_checkpointing saves (written by the library's own `CheckpointManager`, see conftest.py)
+through the `zerosafe` command: bit-exact against the live weights, and one-line refusals of
+what is not read. Issue 39: both layouts were refused with DeepSpeed's "no 'latest' file"."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zerosafe.config import ConvertOptions
+from zerosafe.errors import ConfigError
+from zerosafe.formats.registry import detect_format, quick_identities, read_source
+from zerosafe.formats.torch_pickle import ALLOWED_GLOBALS
+from zerosafe.formats.torch_zip import TorchZipFile
+from zerosafe.io.storage import Storage
+from zerosafe_app.cli import main
+
+Save = Callable[[str], Path]
+slow = pytest.mark.slow  # the session's save trains FSDP2 on 2 spawned ranks
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def convert(
+    capsys: pytest.CaptureFixture[str], src: Path, out: Path, *extra: str
+) -> dict[str, Any]:
+    code, stdout, err = run(
+        capsys, "convert", str(src), str(out), "--via", "local", "--json", *extra
+    )
+    assert code == 0, err
+    return dict(json.loads(stdout))
+
+
+def refused(capsys: pytest.CaptureFixture[str], src: Path, out: Path) -> str:
+    code, _, err = run(capsys, "convert", str(src), str(out), "--via", "local")
+    assert code == 2, err
+    line = err.strip()
+    assert "\n" not in line and line.startswith("zerosafe: error: "), err
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+    return line
+
+
+@slow
+def test_the_save_folder_and_its_parent_are_detected(tc_save: Save) -> None:
+    storage = Storage()
+    step = tc_save("pt")
+    assert detect_format(storage, str(step)).name == "torch_checkpointing"
+    assert detect_format(storage, str(step.parent)).name == "torch_checkpointing"  # one down
+
+
+@slow
+def test_the_model_item_converts_bit_exact_and_the_optimizer_is_never_read(
+    tc_save: Save, tc_root: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    step, out = tc_save("pt"), tmp_path / "out"
+    summary = convert(capsys, step, out)
+    assert summary["status"] == "converted" and not summary["warnings"]
+    got = load_file(out / "model.safetensors")
+    live = load_file(tc_root / "live.safetensors")
+    assert set(got) == set(live)
+    for name, tensor in got.items():
+        assert tensor.dtype == live[name].dtype == torch.float32, name
+        assert torch.equal(tensor, live[name]), name
+    manifest = json.loads((out / "zerosafe-manifest.json").read_text())
+    read = [Path(f["url"]).name for f in manifest["source"]["files"]]
+    assert read == ["model_0.pt", "model_1.pt"]
+    assert manifest["source"]["other_items"] == ["optim", "step"]
+
+
+@slow
+def test_bf16_is_torchs_cast_of_the_live_weights(
+    tc_save: Save, tc_root: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    convert(capsys, tc_save("pt"), out, "--dtype", "bf16")
+    got = load_file(out / "model.safetensors")
+    live = load_file(tc_root / "live.safetensors")
+    assert set(got) == set(live)
+    for name, tensor in got.items():
+        assert tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, live[name].to(torch.bfloat16)), name
+
+
+@slow
+def test_verify_against_the_save(
+    tc_save: Save, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    step, out = tc_save("pt"), tmp_path / "out"
+    convert(capsys, step, out)
+    code, stdout, err = run(capsys, "verify", str(out), "--against", str(step))
+    assert code == 0, stdout + err
+    assert "source same contents" in stdout
+
+
+@slow
+def test_rank_files_are_read_as_records_through_the_allowlist(tc_save: Save) -> None:
+    archive = TorchZipFile(Storage().open_source(str(tc_save("pt") / "model_1.pt")))
+    archive.load()
+    archive.source.close()
+    assert archive.globals_found <= set(ALLOWED_GLOBALS)
+    assert "torch.distributed.tensor.DTensor" in archive.globals_found
+
+
+@slow
+def test_inspect_lists_the_other_items_and_the_job_identity(
+    tc_save: Save, capsys: pytest.CaptureFixture[str]
+) -> None:
+    step = tc_save("pt")
+    code, stdout, err = run(capsys, "inspect", str(step))
+    assert code == 0, err
+    assert "(torch_checkpointing, world size 2)" in stdout
+    assert "other items (never read): optim (2 file(s)), step (2 file(s))" in stdout
+    assert "Shard(0) x 10, plain x 1 (2 split unevenly over the ranks)" in stdout
+    storage, options = Storage(), ConvertOptions()
+    layout = read_source(storage, str(step), tag=None, options=options)
+    assert quick_identities(storage, str(step), None) == (layout.tag, layout.identities)
+    assert layout.tag == "step_1"
+    with pytest.raises(ConfigError, match="one save"):
+        read_source(storage, str(step), tag="step_9", options=options)
+
+
+@slow
+def test_a_missing_model_rank_file_is_refused_naming_it(
+    tc_save: Save, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    step = tmp_path / "step_1"
+    shutil.copytree(tc_save("pt"), step)
+    (step / "model_1.pt").unlink()
+    line = refused(capsys, step, tmp_path / "out")
+    assert "model_1.pt is missing" in line and "model_R.pt for R = 0..1" in line
+    for other in step.glob("[os]*_1.pt"):  # no other item names rank 1: the mesh does
+        other.unlink()
+    line = refused(capsys, step, tmp_path / "out")
+    assert "sharded over 2 ranks" in line and "model_1.pt missing" in line
+
+
+@slow
+def test_the_safetensors_layout_is_refused_in_one_line(
+    tc_save: Save, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    line = refused(capsys, tc_save("st"), tmp_path / "out")
+    assert "safetensors layout (model_R.safetensors)" in line and "metadata.pkl" in line
+
+
+@slow
+def test_an_unfinalized_save_converts_with_a_warning(
+    tc_save: Save, tc_root: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A save is written into `tmp_step_N/` and renamed when every rank has finished."""
+    step = tmp_path / "tmp_step_1"
+    shutil.copytree(tc_save("pt"), step)
+    summary = convert(capsys, step, tmp_path / "out")
+    assert any("was not finalized" in w for w in summary["warnings"]), summary["warnings"]
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    live = load_file(tc_root / "live.safetensors")
+    assert all(torch.equal(t, live[n]) for n, t in got.items())
+
+
+@slow
+def test_a_dim1_shard_is_refused_with_torch_checkpointings_own_way_out(
+    tc_save: Save, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    line = refused(capsys, tc_save("shard1"), tmp_path / "out")
+    assert "placements ['Shard(1)']" in line and "CheckpointManager.load" in line
+    assert "verl" not in line
+
+
+def _touch(folder: Path, *names: str) -> Path:
+    folder.mkdir(parents=True)
+    for name in names:
+        (folder / name).write_bytes(b"")
+    return folder
+
+
+def test_a_missing_model_rank_is_refused_from_the_listing_alone(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The other items' files name the world size; no file is opened (they are empty)."""
+    step = _touch(tmp_path / "step_3", "model_0.pt", "model_2.pt", "optim_0.pt", "optim_3.pt")
+    assert detect_format(Storage(), str(step)).name == "torch_checkpointing"
+    line = refused(capsys, step, tmp_path / "out")
+    assert "model_R.pt for R = 0..3" in line and "model_1.pt, model_3.pt are missing" in line
+
+
+def test_other_formats_keep_their_folders(tmp_path: Path) -> None:
+    storage = Storage()
+    verl = _touch(
+        tmp_path / "actor", "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"
+    )
+    assert detect_format(storage, str(verl)).name == "verl"
+    accelerate = _touch(tmp_path / "acc", "model.safetensors", "model_1.safetensors")
+    assert detect_format(storage, str(accelerate)).name != "torch_checkpointing"

@@ -1,0 +1,152 @@
+"""What `inspect`, the plan's notes and the manifest say about a torch_checkpointing save, and
+the `SourceLayout` that carries it: `describe` is the one place the reader's `source` and
+`facts` are made."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from zerosafe.formats.base import InspectFacts, ReadLabels, SourceDescription, SourceLayout
+from zerosafe.io.storage import FileIdentity
+from zerosafe.units import format_bytes
+
+if TYPE_CHECKING:
+    from zerosafe.formats.verl.shards import Built
+    from zerosafe.plan.model import Slot, SourceFile
+
+__all__ = ["describe"]
+
+_FORMAT = "torch_checkpointing"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TorchCheckpointingSource:
+    """A torch_checkpointing save's own fields of the manifest's `source` block."""
+
+    ORDER: ClassVar[tuple[str, ...]] = (
+        "format", "checkpoint", "tag", "world_size", "num_tensors", "num_params",
+        "other_items", "non_tensor_entries", "checkpoint_bytes", "files", "content_sha256",
+    )  # fmt: skip
+
+    world_size: int
+    num_tensors: int
+    other_items: tuple[str, ...]
+    non_tensor_entries: tuple[str, ...]
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return self.ORDER
+
+    def fields(self) -> dict[str, object]:
+        return {
+            "world_size": self.world_size,
+            "num_tensors": self.num_tensors,
+            "other_items": list(self.other_items),
+            "non_tensor_entries": list(self.non_tensor_entries),
+        }
+
+    def headline(self, common: SourceDescription) -> str:
+        return f"({_FORMAT}, world size {self.world_size}, {self.num_tensors} tensors)"
+
+
+def describe(
+    *,
+    url: str,
+    tag: str,
+    files: list[SourceFile],
+    built: Built,
+    other_items: Mapping[str, int],
+    metadata_bytes: int,
+) -> SourceLayout:
+    """The reader's `SourceLayout`: tensors, slots, and what the manifest and `inspect` say."""
+    params = sum(math.prod(t.shape) for t in built.tensors.values())
+    total = sum(f.size_bytes for f in files)
+    source = SourceDescription(
+        format=_FORMAT,
+        checkpoint=url,
+        tag=tag,
+        num_params=params,
+        checkpoint_bytes=total,
+        files=tuple(
+            FileIdentity(url=f.url, size_bytes=f.size_bytes, version=f.version) for f in files
+        ),
+        content_sha256=_fingerprint(files, built.slots),
+        details=TorchCheckpointingSource(
+            world_size=len(files),
+            num_tensors=len(built.tensors),
+            other_items=tuple(other_items),
+            non_tensor_entries=tuple(built.non_tensor),
+        ),
+    )
+    dtypes = Counter(t.dtype for t in built.tensors.values())
+    others = ", ".join(f"{item} ({n} file(s))" for item, n in other_items.items()) or "none"
+    about = [
+        f"Checkpoint  {url}  ({_FORMAT}, world size {len(files)})",
+        f"  {len(built.tensors)} tensors ({params:,} elements) in {len(files)} model rank "
+        f"file(s), {format_bytes(total)}",
+        f"  other items (never read): {others}",
+        "  placements: "
+        + ", ".join(f"{p} x {n}" for p, n in sorted(built.placements.items()))
+        + (f" ({built.uneven} split unevenly over the ranks)" if built.uneven else ""),
+        "  dtypes: " + ", ".join(f"{d} x {n}" for d, n in dtypes.most_common()),
+    ]
+    if built.aliases:
+        about.append(
+            "  tied: " + ", ".join(f"{a} -> {t}" for a, t in sorted(built.aliases.items()))
+        )
+    facts = InspectFacts(
+        fields={
+            "checkpoint": url,
+            "world_size": len(files),
+            "tensors": len(built.tensors),
+            "other_items": dict(other_items),
+            "placements": dict(built.placements),
+            "uneven": built.uneven,
+            "dtypes": dict(dtypes),
+            "aliases": dict(built.aliases),
+            "copies": dict(built.copies),
+            "non_tensor_entries": list(built.non_tensor),
+            "files": {"model": len(files), "total_bytes": total},
+        },
+        about=about,
+        read_labels=ReadLabels(
+            main="local shards of the model rank files",
+            other="other",
+            metadata="pickles and zip directories",
+            never="the other items' files (optimizer state, counters) are never read",
+        ),
+    )
+    return SourceLayout(
+        format=_FORMAT, where=url, tag=tag, files=files, slots=built.slots,
+        tensors=built.tensors, order=built.order, aliases=built.aliases, source=source,
+        facts=facts, metadata_bytes=metadata_bytes, main_slot_kind="shard",
+        notes=_notes(built), lowp_missing=f"{_FORMAT} saves the sharded model weights only",
+    )  # fmt: skip
+
+
+def _notes(built: Built) -> list[str]:
+    notes = [
+        f"{name} is saved apart from {first} with the same size and CRC-32 in every rank "
+        "file: both are written, no tie is recorded"
+        for name, first in built.copies.items()
+    ]
+    if built.non_tensor:
+        notes.append(
+            f"{len(built.non_tensor)} non-tensor entr(ies) of the model item not converted: "
+            + ", ".join(built.non_tensor[:8])
+        )
+    return notes
+
+
+def _fingerprint(files: Sequence[SourceFile], slots: Sequence[Slot]) -> str:
+    """SHA-256 over every local shard's name, record size and CRC-32 (zip directory form):
+    from headers only, the same after copies and moves, different for a changed shard."""
+    h = hashlib.sha256(f"{_FORMAT} {len(files)}\n".encode())
+    for s in sorted(slots, key=lambda s: s.name):
+        h.update(f"{s.name}\0{s.record_size_bytes}\0{s.record_crc32}\n".encode())
+    return h.hexdigest()
