@@ -327,17 +327,21 @@ def read_config(storage: Storage, folder: str) -> dict[str, Any] | None:
     """`folder/config.json` parsed, or None when there is none.
 
     Raises:
-        CheckpointFormatError: If it is larger than `CONFIG_MAX_BYTES` or not a JSON object.
+        CheckpointFormatError: If it is not a regular file, is larger than `CONFIG_MAX_BYTES`
+            or is not a JSON object.
     """
     url = join_url(folder, "config.json")
     if not storage.exists(url):
         return None
-    raw = storage.read_small(
-        url,
-        limit_bytes=CONFIG_MAX_BYTES,
-        what="a transformers config",
-        fix="fix or remove it, pass `--model-files DIR` with a good one, or `--no-model-files`",
-    )
+    try:
+        raw = storage.read_small(
+            url,
+            limit_bytes=CONFIG_MAX_BYTES,
+            what="a transformers config",
+            fix="fix or remove it, pass `--model-files DIR` with a good one, or `--no-model-files`",
+        )
+    except FileNotFoundError:  # removed since
+        return None
     try:
         config = json.loads(raw)
     except ValueError as e:
