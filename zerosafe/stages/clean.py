@@ -246,12 +246,23 @@ def find_server_folders(*, older_than_seconds: float) -> list[Leftover]:
 
 
 def clean(
-    storage: Storage, target: str, *, older_than_seconds: float, apply: bool
+    storage: Storage,
+    target: str,
+    *,
+    older_than_seconds: float,
+    apply: bool,
+    server_folders: bool = False,
 ) -> list[Leftover]:
-    """Find leftovers under `target` (and this user's killed commands' server folders); with
-    `apply`, remove those whose action is `remove`."""
+    """Find leftovers under `target`; with `apply`, remove those whose action is `remove`.
+
+    Args:
+        server_folders: Also this user's server folders of killed commands
+            (`find_server_folders`), which lie outside any `target`; `zerosafe clean` asks
+            for them, a caller cleaning one target only does not.
+    """
     found = find_leftovers(storage, target, older_than_seconds=older_than_seconds)
-    found += find_server_folders(older_than_seconds=older_than_seconds)
+    if server_folders:
+        found += find_server_folders(older_than_seconds=older_than_seconds)
     if not apply:
         return found
     for item in found:
@@ -295,7 +306,13 @@ def _cmd_clean(args: argparse.Namespace) -> int:
         if make_storage is not None
         else Storage(parse_option_pairs(args.storage_option or []))
     )
-    found = clean(storage, args.target, older_than_seconds=args.older_than, apply=args.apply)
+    found = clean(
+        storage,
+        args.target,
+        older_than_seconds=args.older_than,
+        apply=args.apply,
+        server_folders=True,
+    )
     if args.json:
         print(json.dumps([f.as_dict() for f in found], indent=1))
     else:
