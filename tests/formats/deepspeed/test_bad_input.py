@@ -403,3 +403,14 @@ def test_latest_linked_to_dev_zero_is_refused(sample_ckpt: Path, tmp_path: Path)
     assert_refused_in_one_line(
         proc, "latest", "a regular file of at most 4096 bytes, found a device"
     )
+
+
+def test_a_fifo_named_like_the_output_lease_is_refused_not_waited_on(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """Issue 37 item 8: the lease is the first file a conversion reads in its output folder."""
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / ".zerosafe-lease.json")
+    proc = zerosafe_child("convert", "--via", "local", sample_ckpt, out, timeout_s=60)
+    assert_refused_in_one_line(proc, ".zerosafe-lease.json: expected a zerosafe lease", "FIFO")
