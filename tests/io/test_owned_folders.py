@@ -86,6 +86,9 @@ def test_a_reused_pid_or_a_folder_without_its_record_for_long_is_not_an_owner(
     states = {Path(f.path).name: f.owner_alive for f in find_owned_folders(
         PRIVATE_SERVER_PREFIX, parent=str(tmp_path))}  # fmt: skip
     assert states == {reused.name: False, young.name: True, old.name: False}
+    with owned_temp_folder(PRIVATE_SERVER_PREFIX, parent=str(tmp_path)):
+        # No record: perhaps a zerosafe from before the records, still running; left to clean.
+        assert not reused.exists() and young.exists() and old.exists()
 
 
 def test_clean_lists_the_folders_of_killed_owners_only(

@@ -173,10 +173,14 @@ def find_owned_folders(prefix: str, *, parent: str | None = None) -> list[OwnedF
 
 
 def remove_stale_folders(prefix: str, *, parent: str | None = None) -> list[str]:
-    """Remove this user's `prefix*` folders whose owner is gone; returns their paths."""
+    """Remove this user's `prefix*` folders whose recorded owner is gone; returns their paths.
+
+    A folder without a record is left to `zerosafe clean` (which asks for its age): it may
+    belong to a zerosafe from before the records that still runs.
+    """
     removed = []
     for folder in find_owned_folders(prefix, parent=parent):
-        if folder.owner_alive:
+        if folder.owner_alive or folder.owner_pid is None:
             continue
         shutil.rmtree(folder.path, ignore_errors=True)  # another command may remove it too
         log.info("removed %s, left by process %s (killed)", folder.path, folder.owner_pid)
@@ -187,7 +191,7 @@ def remove_stale_folders(prefix: str, *, parent: str | None = None) -> list[str]
 @contextlib.contextmanager
 def owned_temp_folder(prefix: str, *, parent: str | None = None) -> Iterator[str]:
     """A new temporary folder (mode 0700) for the block, recording this process as its
-    owner, removed when the block ends; first, the `prefix*` folders of owners that are gone
+    owner, removed when the block ends; first, the `prefix*` folders of recorded owners that are gone
     (killed before they could remove theirs) are removed.
 
     Args:
