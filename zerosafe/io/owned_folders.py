@@ -191,8 +191,8 @@ def remove_stale_folders(prefix: str, *, parent: str | None = None) -> list[str]
 @contextlib.contextmanager
 def owned_temp_folder(prefix: str, *, parent: str | None = None) -> Iterator[str]:
     """A new temporary folder (mode 0700) for the block, recording this process as its
-    owner, removed when the block ends; first, the `prefix*` folders of recorded owners that are gone
-    (killed before they could remove theirs) are removed.
+    owner, removed when the block ends; first, the `prefix*` folders whose recorded owner is
+    gone (killed before it could remove its own) are removed.
 
     Args:
         prefix: The folder's name prefix (`PRIVATE_SERVER_PREFIX`).
