@@ -34,7 +34,8 @@ def test_one_byte_over_the_limit_is_refused(tmp_path: Path) -> None:
     (tmp_path / "latest").write_bytes(b"x" * (LIMIT + 1))
     with pytest.raises(
         CheckpointFormatError,
-        match=rf"latest: expected a tag, a regular file of at most {LIMIT} bytes, found {LIMIT + 1} bytes; replace it",
+        match=rf"latest: expected a tag, a regular file of at most {LIMIT} bytes, "
+        rf"found {LIMIT + 1} bytes; replace it",
     ):
         Storage().read_small(str(tmp_path / "latest"), limit_bytes=LIMIT, what="a tag")
 
