@@ -1,8 +1,11 @@
-"""Helpers shared by tests: load an output folder, compare tensors byte for byte."""
+"""Helpers shared by tests: load an output folder, compare tensors byte for byte, run the
+command in a child process."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -51,3 +54,25 @@ def assert_torch_cast(got: torch.Tensor, src: torch.Tensor, out_dtype: torch.dty
 def upcast(t: torch.Tensor) -> torch.Tensor:
     """The exact fp32 value of a floating tensor; other dtypes unchanged."""
     return t.to(torch.float32) if t.is_floating_point() else t
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def zerosafe_child(*args: object, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """`zerosafe ARGS` in a child process: a command that hangs (a FIFO opened for reading)
+    fails the test at `timeout_s` (`subprocess.TimeoutExpired`) instead of blocking it."""
+    return subprocess.run(
+        [sys.executable, "-m", "zerosafe_app.cli", *map(str, args)],
+        capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
+    )  # fmt: skip
+
+
+def assert_refused_in_one_line(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """The child exited 2 with one `zerosafe: error:` line holding every needle; the line."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    line = proc.stderr.strip()
+    assert "\n" not in line and line.startswith("zerosafe: error: "), proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in line, line
+    return line

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -776,3 +777,17 @@ def test_sharded_output_without_manifest_written_by_another_tool_passes(out: Pat
     report = verify_output(str(out))
     assert report["ok"], report["failures"]
     assert report["aliases"] == {}
+
+
+@pytest.mark.parametrize("name", [INDEX, MARKER, MANIFEST])
+def test_a_fifo_among_the_small_files_is_refused_not_waited_on(out: Path, name: str) -> None:
+    """Issue 37 item 8: a FIFO named like the index, marker or manifest hung `verify`. The
+    marker's refusal is a failed `complete` check (exit 1), as any unreadable marker is."""
+    (out / name).unlink()
+    os.mkfifo(out / name)
+    r = zerosafe_cli("verify", out)
+    needles = (f"{out}/{name}: expected ", "a regular file of at most", "found a FIFO")
+    if name == MARKER:
+        assert r.returncode == 1 and all(n in r.stdout for n in needles), (r.stdout, r.stderr)
+    else:
+        _assert_exit_2_one_line(r, *needles)

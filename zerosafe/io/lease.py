@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from zerosafe.errors import ConversionError, StorageError
-from zerosafe.io.storage import Storage, is_local, join_url, local_path
+from zerosafe.io.storage import JSON_MAX_BYTES, Storage, is_local, join_url, local_path
 
 __all__ = [
     "DESTINATION_LEASE_NAME",
@@ -161,8 +161,12 @@ class _LocalLeaseFile:
 
     def read(self) -> tuple[dict[str, Any], Any] | None:
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read()
+            raw = Storage().read_small(
+                self.path,
+                limit_bytes=JSON_MAX_BYTES,
+                what="a zerosafe lease (JSON)",
+                fix="remove it if no zerosafe run uses the folder",
+            )
         except FileNotFoundError:
             return None
         return _parse(raw), raw

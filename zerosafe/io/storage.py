@@ -23,7 +23,7 @@ import secrets
 import shutil
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,12 +38,15 @@ from zerosafe.io.s3 import (
 )
 
 __all__ = [
+    "JSON_MAX_BYTES",
+    "TAG_NAME_MAX_BYTES",
     "ByteSource",
     "FileIdentity",
     "IOCounter",
     "PositionalSink",
     "Sink",
     "Storage",
+    "file_kind",
     "is_local",
     "join_url",
     "local_path",
@@ -51,6 +54,18 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+TAG_NAME_MAX_BYTES = 4096
+"""Cap of `Storage.read_small` for a file that holds one tag or folder name (DeepSpeed's
+`latest`, `latest_universal`): a name is at most 255 bytes on every filesystem."""
+
+JSON_MAX_BYTES = 16 * 2**20
+"""Cap of `Storage.read_small` for a JSON config or record (`fsdp_config.json`,
+`adapter_config.json`, markers, leases): the real ones are a few KiB; 16 MiB leaves room for
+any hand-edited one while keeping a wrong file (a weight file renamed, a link to a device) from
+being read whole into memory."""
+
+_SMALL_FILE_FIX = "replace it with the file the save wrote (copy it again from where it was saved)"
 
 
 def is_local(url: str) -> bool:
@@ -61,6 +76,19 @@ def is_local(url: str) -> bool:
 def local_path(url: str) -> str:
     """The OS path of a local URL (`file:///x` or `/x`)."""
     return url[len("file://") :] if url.startswith("file://") else url
+
+
+def file_kind(mode: int) -> str:
+    """What a file of `st_mode` `mode` is, in words for a message ('FIFO', 'device', ...)."""
+    if stat.S_ISREG(mode):
+        return "regular file"
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "folder" if stat.S_ISDIR(mode) else "special file"
 
 
 def normalize_url(url: str) -> str:
@@ -192,7 +220,7 @@ class LocalSource:
             os.close(self._fd)
             self._fd = -1
             raise CheckpointFormatError(
-                f"{url}: expected a regular file, found a FIFO, device or folder, which has no "
+                f"{url}: expected a regular file, found a {file_kind(st.st_mode)}, which has no "
                 "fixed size to read; replace it with the file itself"
             )
         self.size_bytes = st.st_size
@@ -497,6 +525,51 @@ class FsspecSink:
                 self._file.close()
 
 
+def _read_local(
+    url: str, limit_bytes: int | None, refusal: Callable[[str], CheckpointFormatError]
+) -> bytes:
+    """The bytes of a local regular file, at most `limit_bytes + 1` of them; see
+    `Storage.read_small`."""
+    path = local_path(url)
+    try:
+        st = os.stat(path)  # follows links: a link to /dev/zero is a device
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise StorageError(f"{url}: cannot read: {e.strerror}") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise refusal(f"a {file_kind(st.st_mode)}")
+    if limit_bytes is not None and st.st_size > limit_bytes:
+        raise refusal(f"{st.st_size} bytes")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise StorageError(f"{url}: cannot open for reading: {e.strerror}") from e
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped for another kind since the stat above
+            raise refusal(f"a {file_kind(st.st_mode)}")
+        cap = None if limit_bytes is None else limit_bytes + 1
+        parts: list[bytes] = []
+        got = 0
+        while cap is None or got < cap:
+            part = os.read(
+                fd, _READ_STEP_BYTES if cap is None else min(cap - got, _READ_STEP_BYTES)
+            )
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+_READ_STEP_BYTES = 8 * 2**20
+
+
 def _fsync_dir(path: str) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -597,16 +670,69 @@ class Storage:
         return FsspecSource(fs, url, path, int(info["size"]), self.counter, self.transfer)
 
     def read_bytes(self, url: str) -> bytes:
-        """Read a whole (small) file."""
+        """Read a whole file of any size (a plan's tables, a small torch pickle); a control file
+        a reader opens first goes through `read_small` instead, which caps its size.
+
+        Raises:
+            FileNotFoundError: If a local file is missing.
+            CheckpointFormatError: If it is not a regular file (a FIFO, device, socket, folder).
+        """
+        return self._read_whole(url, None, what="a file", fix=_SMALL_FILE_FIX)
+
+    def read_small(
+        self, url: str, *, limit_bytes: int, what: str, fix: str = _SMALL_FILE_FIX
+    ) -> bytes:
+        """Read a whole small control file (DeepSpeed's `latest`, DCP's `.metadata`, a JSON
+        config), checked before it is opened: a regular file of at most `limit_bytes` bytes.
+
+        A local path is `stat`ed first (following links), so a FIFO, device, socket or folder
+        is refused without being opened; it is then opened with `O_NONBLOCK` (a FIFO swapped in
+        meanwhile cannot block the open) and checked again, and at most `limit_bytes + 1`
+        bytes are read (a file that grew meanwhile is refused, not read whole). An fsspec URL
+        is checked by its `info()` type and size, and read with one ranged request.
+
+        Args:
+            url: The file.
+            limit_bytes: The most bytes the file may hold, fitted to what it holds
+                (`TAG_NAME_MAX_BYTES`, `JSON_MAX_BYTES`, ...).
+            what: What the file should be, for the message ("DeepSpeed's `latest` file").
+            fix: What the user should do, ending the message.
+
+        Raises:
+            FileNotFoundError: If a local file is missing (the caller knows what that means).
+            CheckpointFormatError: If it is not a regular file or holds more than
+                `limit_bytes` bytes: one line naming the file, what was expected, what was
+                found and `fix`.
+            StorageError: If it cannot be read for another reason (permissions).
+        """
+        return self._read_whole(url, limit_bytes, what=what, fix=fix)
+
+    def _read_whole(self, url: str, limit_bytes: int | None, *, what: str, fix: str) -> bytes:
+        def refusal(found: str) -> CheckpointFormatError:
+            most = "" if limit_bytes is None else f" of at most {limit_bytes} bytes"
+            return CheckpointFormatError(
+                f"{url}: expected {what}, a regular file{most}, found {found}; {fix}"
+            )
+
         if is_local(url):
-            with open(local_path(url), "rb") as f:
-                data = f.read()
+            data = _read_local(url, limit_bytes, refusal)
         else:
             fs, path = self._fs(url)
+            end = None
+            if limit_bytes is not None:  # object stores hold no FIFOs: only the size matters
+                with translated_errors(url, "stat"):
+                    info = fs.info(path)
+                if info.get("type") != "file":
+                    raise refusal(f"a {info.get('type') or 'special entry'}")
+                if int(info.get("size") or 0) > limit_bytes:
+                    raise refusal(f"{int(info['size'])} bytes")
+                end = limit_bytes + 1
             with translated_errors(url, "read"):
-                data = fs.cat_file(path)
+                data = bytes(fs.cat_file(path, start=0, end=end))
+        if limit_bytes is not None and len(data) > limit_bytes:
+            raise refusal(f"more than {limit_bytes} bytes (it grew while read)")
         self.counter.add_read(len(data), url)
-        return bytes(data)
+        return data
 
     def identity(self, url: str) -> FileIdentity:
         """Size and version (mtime or ETag) of a file, without reading it."""

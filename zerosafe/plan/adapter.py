@@ -135,10 +135,9 @@ def read_adapter_config(storage: Storage, folder: str) -> dict[str, Any]:
             "folder. Pass `--model-files DIR` for the folder holding it, or convert without "
             "`--adapter`"
         )
-    if storage.identity(url).size_bytes > CONFIG_MAX_BYTES:
-        raise CheckpointFormatError(f"{url}: over {CONFIG_MAX_BYTES} bytes; not a PEFT config")
+    raw = storage.read_small(url, limit_bytes=CONFIG_MAX_BYTES, what="a PEFT config (JSON)")
     try:
-        config = json.loads(storage.read_bytes(url))
+        config = json.loads(raw)
     except ValueError as e:
         raise CheckpointFormatError(f"{url}: not valid JSON ({e}); expected a PEFT config") from e
     if not isinstance(config, dict):

@@ -8,6 +8,9 @@
   so their parts stay, billed, until aborted (S3 API `ListMultipartUploads`,
   `AbortMultipartUpload`). Uploads under a live run's output or work area are left alone.
 - Local temporary files (`.NAME.XXXX.partial`) that a killed run left beside its outputs.
+- This user's private Prefect server folders (`TMPDIR/zerosafe-prefect-*`, with the server's
+  log) of `--via prefect` commands killed with SIGKILL, whatever TARGET is
+  (`zerosafe.io.owned_folders`; the next private server removes them too).
 
 Nothing is removed without `--apply`.
 """
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerosafe.io.lease import destination_lease_url, lease_is_stale
+from zerosafe.io.owned_folders import PRIVATE_SERVER_PREFIX, find_owned_folders
 from zerosafe.io.s3 import (
     STORAGE_OPTION_HELP,
     abort_upload,
@@ -36,7 +40,7 @@ from zerosafe.io.storage import Storage, is_local, join_url, local_path
 from zerosafe.stages.output import MANIFEST_NAME, MARKER_NAME, WORK_DIR_NAME, read_complete_manifest
 from zerosafe.units import format_bytes
 
-__all__ = ["Leftover", "add_parser", "clean", "find_leftovers", "parse_age"]
+__all__ = ["Leftover", "add_parser", "clean", "find_leftovers", "find_server_folders", "parse_age"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ class Leftover:
     """One thing a run left behind, and what `clean` does with it."""
 
     kind: str
-    """`work-area`, `upload` or `partial-file`."""
+    """`work-area`, `upload`, `partial-file` or `server-folder`."""
     url: str
     size_bytes: int
     age_seconds: float | None
@@ -225,11 +229,40 @@ def find_leftovers(
     return found
 
 
+def find_server_folders(*, older_than_seconds: float) -> list[Leftover]:
+    """This user's private Prefect server folders (in `TMPDIR`) whose command is gone: they
+    belong to no TARGET, so `clean` lists them beside what it finds under any."""
+    return [
+        Leftover(
+            kind="server-folder",
+            url=folder.path,
+            size_bytes=folder.size_bytes,
+            age_seconds=folder.age_seconds,
+            action="recent" if folder.age_seconds < older_than_seconds else "remove",
+        )
+        for folder in find_owned_folders(PRIVATE_SERVER_PREFIX)
+        if not folder.owner_alive
+    ]
+
+
 def clean(
-    storage: Storage, target: str, *, older_than_seconds: float, apply: bool
+    storage: Storage,
+    target: str,
+    *,
+    older_than_seconds: float,
+    apply: bool,
+    server_folders: bool = False,
 ) -> list[Leftover]:
-    """Find leftovers under `target`; with `apply`, remove those whose action is `remove`."""
+    """Find leftovers under `target`; with `apply`, remove those whose action is `remove`.
+
+    Args:
+        server_folders: Also this user's server folders of killed commands
+            (`find_server_folders`), which lie outside any `target`; `zerosafe clean` asks
+            for them, a caller cleaning one target only does not.
+    """
     found = find_leftovers(storage, target, older_than_seconds=older_than_seconds)
+    if server_folders:
+        found += find_server_folders(older_than_seconds=older_than_seconds)
     if not apply:
         return found
     for item in found:
@@ -238,7 +271,7 @@ def clean(
         if item.kind == "upload":
             fs, _ = storage.filesystem(item.url)
             abort_upload(fs, item.upload)
-        elif item.kind == "work-area":
+        elif item.kind in ("work-area", "server-folder"):
             storage.remove_tree(item.url)
         else:
             storage.remove(item.url)
@@ -273,7 +306,13 @@ def _cmd_clean(args: argparse.Namespace) -> int:
         if make_storage is not None
         else Storage(parse_option_pairs(args.storage_option or []))
     )
-    found = clean(storage, args.target, older_than_seconds=args.older_than, apply=args.apply)
+    found = clean(
+        storage,
+        args.target,
+        older_than_seconds=args.older_than,
+        apply=args.apply,
+        server_folders=True,
+    )
     if args.json:
         print(json.dumps([f.as_dict() for f in found], indent=1))
     else:
@@ -292,7 +331,8 @@ def add_parser(subparsers: Any, add_verbosity: Callable[..., None]) -> None:
     """Register `zerosafe clean` (see `zerosafe_app.cli.EXTRA_COMMANDS`)."""
     p = subparsers.add_parser(
         "clean",
-        help="list (and with --apply remove) abandoned work areas and unfinished S3 uploads",
+        help="list (and with --apply remove) abandoned work areas, unfinished S3 uploads and "
+        "killed commands' Prefect server folders",
     )
     add_verbosity(p, top=False)
     p.add_argument("target", help="output folder, work area, or a folder/prefix above them")

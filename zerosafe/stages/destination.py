@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from zerosafe.errors import ConfigError, OutputExistsError
+from zerosafe.errors import CheckpointFormatError, ConfigError, OutputExistsError
 from zerosafe.io.storage import Storage, join_url
 from zerosafe.stages.output import MARKER_NAME as WEIGHTS_MARKER_NAME
-from zerosafe.stages.output import clear_output
+from zerosafe.stages.output import OUTPUT_JSON_MAX_BYTES, clear_output
 
 __all__ = [
     "DCP_MARKER_NAME",
@@ -54,8 +54,11 @@ def _read_marker(storage: Storage, url: str) -> dict[str, Any]:
     """A marker's (or manifest's) JSON object; {} when it is not one or is gone (then only
     fixed names are removed)."""
     try:
-        found = json.loads(storage.read_bytes(url))
-    except (ValueError, OSError):
+        raw = storage.read_small(
+            url, limit_bytes=OUTPUT_JSON_MAX_BYTES, what="a zerosafe marker or manifest (JSON)"
+        )
+        found = json.loads(raw)
+    except (ValueError, OSError, CheckpointFormatError):
         return {}
     return found if isinstance(found, dict) else {}
 

@@ -38,7 +38,14 @@ from typing import TYPE_CHECKING, Any
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import ALIASES
 from zerosafe.errors import CheckpointFormatError, ConfigError
-from zerosafe.io.storage import Storage, is_local, join_url, local_path, normalize_url
+from zerosafe.io.storage import (
+    Storage,
+    file_kind,
+    is_local,
+    join_url,
+    local_path,
+    normalize_url,
+)
 from zerosafe.plan.adapter import ADAPTER_CONFIG_NAME
 
 if TYPE_CHECKING:
@@ -173,11 +180,11 @@ def _not_a_transformers_config(storage: Storage, folder: str) -> str | None:
     its `_CLASS_`, no `model_type`); copied beside the weights, from_pretrained would
     misread it. A file that is not JSON is left to `read_config` to report."""
     url = join_url(folder, "config.json")
-    if storage.identity(url).size_bytes > CONFIG_MAX_BYTES:
-        return None
     try:
-        config = json.loads(storage.read_bytes(url))
-    except (ValueError, OSError):
+        config = json.loads(
+            storage.read_small(url, limit_bytes=CONFIG_MAX_BYTES, what="a transformers config")
+        )
+    except (ValueError, OSError):  # refused or not JSON: `read_config` reports it
         return None
     if not isinstance(config, dict) or "model_type" in config:
         return None
@@ -216,20 +223,10 @@ def not_copied_because(folder: str, name: str) -> str | None:
         return f"{path}: cannot be read ({e.strerror}); not copied"
     if not stat.S_ISREG(st.st_mode):
         return (
-            f"{path}: not a regular file (a {_kind_of(st.st_mode)}); not copied. Replace it "
+            f"{path}: not a regular file (a {file_kind(st.st_mode)}); not copied. Replace it "
             "with the file itself, or remove it"
         )
     return None
-
-
-def _kind_of(mode: int) -> str:
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    return "folder" if stat.S_ISDIR(mode) else "special file"
 
 
 def check_model_files_outside(folder: str, out_url: str) -> None:
@@ -331,23 +328,21 @@ def read_config(storage: Storage, folder: str) -> dict[str, Any] | None:
     """`folder/config.json` parsed, or None when there is none.
 
     Raises:
-        CheckpointFormatError: If it is larger than `CONFIG_MAX_BYTES` or not a JSON object.
+        CheckpointFormatError: If it is not a regular file, is larger than `CONFIG_MAX_BYTES`
+            or is not a JSON object.
     """
     url = join_url(folder, "config.json")
     if not storage.exists(url):
         return None
-    source = storage.open_source(url)
     try:
-        if source.size_bytes > CONFIG_MAX_BYTES:
-            raise CheckpointFormatError(
-                f"{url}: expected a transformers config of at most "
-                f"{CONFIG_MAX_BYTES // 2**20} MiB, found {source.size_bytes} bytes; it is copied "
-                "but not checked. Fix or remove it, pass `--model-files DIR` with a good one, "
-                "or `--no-model-files`"
-            )
-        raw = source.read_range(0, source.size_bytes)
-    finally:
-        source.close()
+        raw = storage.read_small(
+            url,
+            limit_bytes=CONFIG_MAX_BYTES,
+            what="a transformers config",
+            fix="fix or remove it, pass `--model-files DIR` with a good one, or `--no-model-files`",
+        )
+    except FileNotFoundError:  # removed since
+        return None
     try:
         config = json.loads(raw)
     except ValueError as e:

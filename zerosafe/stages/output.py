@@ -22,7 +22,7 @@ from zerosafe._version import __version__
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import OutputExistsError, VerificationError
 from zerosafe.formats.base import SourceDescription
-from zerosafe.io.storage import FileIdentity, Storage, is_local, join_url
+from zerosafe.io.storage import JSON_MAX_BYTES, FileIdentity, Storage, is_local, join_url
 from zerosafe.plan.adapter import ADAPTER_WEIGHTS_NAME
 from zerosafe.plan.model import Plan
 from zerosafe.stages.model_files import (
@@ -54,6 +54,7 @@ __all__ = [
     "prepare_output",
     "publish",
     "read_complete_manifest",
+    "OUTPUT_JSON_MAX_BYTES",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,10 @@ MANIFEST_NAME = "zerosafe-manifest.json"
 MARKER_NAME = "zerosafe-complete.json"
 WORK_DIR_NAME = ".zerosafe-work"
 MANIFEST_FORMAT = 1
+OUTPUT_JSON_MAX_BYTES = 2**30
+"""Cap of the manifest and the index when read back (`Storage.read_small`): both hold an entry
+per tensor (the manifest's, with its checksum, about 300 bytes), so a million tensors fit in a
+third of it; a file beyond it is not one zerosafe wrote."""
 
 
 def default_work_url(out_url: str, job_key: str) -> str:
@@ -172,7 +177,9 @@ def _previous_manifest(storage: Storage, out_url: str, job_key: str) -> dict[str
     if not storage.exists(url):
         return None
     try:
-        manifest = json.loads(storage.read_bytes(url))
+        manifest = json.loads(
+            storage.read_small(url, limit_bytes=OUTPUT_JSON_MAX_BYTES, what="a zerosafe manifest")
+        )
     except ValueError:
         return None
     return manifest if isinstance(manifest, dict) else None
@@ -276,13 +283,19 @@ class OutputState:
     manifest: dict[str, Any] | None = None
 
 
+_REDO = "pass --overwrite to convert into the folder again, or remove it"
+
+
 def read_complete_manifest(storage: Storage, out_url: str) -> dict[str, Any] | None:
     """The manifest of a complete output (marker present and vouching for it), else None."""
     marker_url = join_url(out_url, MARKER_NAME)
     if not storage.exists(marker_url):
         return None
+    raw = storage.read_small(
+        marker_url, limit_bytes=JSON_MAX_BYTES, what="a zerosafe completion marker", fix=_REDO
+    )
     try:
-        marker = json.loads(storage.read_bytes(marker_url))
+        marker = json.loads(raw)
         if not isinstance(marker, dict):
             raise ValueError("not a JSON object")
     except ValueError as e:
@@ -298,7 +311,9 @@ def read_complete_manifest(storage: Storage, out_url: str) -> dict[str, Any] | N
             "the manifest its checksums cannot be checked. Pass --overwrite to convert into it "
             "again, or remove the folder."
         )
-    raw = storage.read_bytes(manifest_url)
+    raw = storage.read_small(
+        manifest_url, limit_bytes=OUTPUT_JSON_MAX_BYTES, what="a zerosafe manifest", fix=_REDO
+    )
     if hashlib.sha256(raw).hexdigest() != marker.get("manifest_sha256"):
         log.warning(
             "%s: the completion marker does not match the manifest; treating as incomplete", out_url
@@ -422,7 +437,12 @@ def _copied_model_files(storage: Storage, out_url: str) -> list[str]:
     """The model files a previous conversion's manifest says it copied (none if unreadable)."""
     url = join_url(out_url, MANIFEST_NAME)
     try:
-        manifest = json.loads(storage.read_bytes(url)) if storage.exists(url) else {}
+        raw = (
+            storage.read_small(url, limit_bytes=OUTPUT_JSON_MAX_BYTES, what="a zerosafe manifest")
+            if storage.exists(url)
+            else b"{}"
+        )
+        manifest = json.loads(raw)
         return [str(e["file"]) for e in manifest.get("model_files") or []]
     except (ValueError, AttributeError, KeyError, TypeError):
         return []

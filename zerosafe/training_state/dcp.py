@@ -44,7 +44,15 @@ from zerosafe.formats.crc import CrcLedger
 from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import work_lease
-from zerosafe.io.storage import ByteSource, Sink, Storage, is_local, join_url, normalize_url
+from zerosafe.io.storage import (
+    JSON_MAX_BYTES,
+    ByteSource,
+    Sink,
+    Storage,
+    is_local,
+    join_url,
+    normalize_url,
+)
 from zerosafe.stages.destination import DCP_MARKER_NAME as MARKER_NAME
 from zerosafe.stages.destination import DCP_METADATA_NAME as METADATA_NAME
 from zerosafe.stages.destination import check_output_apart, check_output_kind, clear_dcp_output
@@ -64,6 +72,7 @@ from zerosafe.training_state.torch_save import TensorOut, TorchZipWriter, pickle
 
 __all__ = ["MARKER_NAME", "DcpSummary", "convert_to_dcp", "is_dcp_output", "verify_dcp_output"]
 
+_MARKER = "a zerosafe completion marker (JSON)"
 WORK_DIR_NAME = ".zerosafe-work"
 DCP_VERSION = "1.0.0"
 DEFAULT_UNIT_BYTES = 256 << 20
@@ -422,7 +431,7 @@ def _prepare_output(storage: Storage, out_url: str, plan: DcpPlan, overwrite: bo
         for f in plan.folders
     ]
     if storage.exists(marker_url):
-        done = json.loads(storage.read_bytes(marker_url))
+        done = json.loads(storage.read_small(marker_url, limit_bytes=JSON_MAX_BYTES, what=_MARKER))
         if done.get("job_key") == plan.job_key and all(map(storage.exists, metadata_urls)):
             return True
         if not overwrite:
@@ -491,7 +500,8 @@ def verify_dcp_output(out_url: str, *, storage: Storage | None = None) -> dict[s
     """
     storage = storage or Storage()
     out_url = normalize_url(out_url)
-    marker = json.loads(storage.read_bytes(join_url(out_url, MARKER_NAME)))
+    marker_url = join_url(out_url, MARKER_NAME)
+    marker = json.loads(storage.read_small(marker_url, limit_bytes=JSON_MAX_BYTES, what=_MARKER))
     failures = []
     for folder in marker.get("folders", [""]):
         rel = f"{folder}/{METADATA_NAME}" if folder else METADATA_NAME

@@ -40,11 +40,19 @@ from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.lease import work_lease
-from zerosafe.io.storage import Storage, is_local, join_url, normalize_url
+from zerosafe.io.storage import (
+    JSON_MAX_BYTES,
+    TAG_NAME_MAX_BYTES,
+    Storage,
+    is_local,
+    join_url,
+    normalize_url,
+)
 from zerosafe.stages.destination import LATEST_UNIVERSAL, check_output_apart, check_output_kind
 from zerosafe.stages.destination import UNIVERSAL_MARKER_NAME as MARKER_NAME
 from zerosafe.stages.destination import clear_universal_output as _clear_universal_output
 from zerosafe.stages.model_files import copy_model_files, sha256_of
+from zerosafe.stages.output import OUTPUT_JSON_MAX_BYTES
 from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
 from zerosafe.training_state.streams import (
     Sources,
@@ -78,6 +86,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "zerosafe-manifest.json"
+_MARKER = "a zerosafe completion marker (JSON)"
 WORK_DIR_NAME = ".zerosafe-work"
 DEFAULT_UNIT_BYTES = 256 << 20
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -432,7 +441,7 @@ def convert_to_universal(
         peak_rss_bytes=0, notes=list(plan.notes),
     )  # fmt: skip
     if storage.exists(marker_url):
-        done = json.loads(storage.read_bytes(marker_url))
+        done = json.loads(storage.read_small(marker_url, limit_bytes=JSON_MAX_BYTES, what=_MARKER))
         if done.get("job_key") == plan.job_key:
             summary.status = "already-complete"
             summary.seconds = time.monotonic() - started
@@ -558,11 +567,19 @@ def verify_universal_output(out_url: str, *, storage: Storage | None = None) -> 
     """
     storage = storage or Storage()
     out_url = normalize_url(out_url)
-    marker = json.loads(storage.read_bytes(join_url(out_url, MARKER_NAME)))
+    marker_url = join_url(out_url, MARKER_NAME)
+    marker = json.loads(storage.read_small(marker_url, limit_bytes=JSON_MAX_BYTES, what=_MARKER))
     folder = str(marker["folder"])
-    manifest = json.loads(storage.read_bytes(join_url(out_url, folder, MANIFEST_NAME)))
+    manifest_url = join_url(out_url, folder, MANIFEST_NAME)
+    manifest = json.loads(
+        storage.read_small(
+            manifest_url, limit_bytes=OUTPUT_JSON_MAX_BYTES, what="a zerosafe manifest"
+        )
+    )
     failures = []
-    latest = storage.read_bytes(join_url(out_url, LATEST_UNIVERSAL)).decode().strip()
+    latest_url = join_url(out_url, LATEST_UNIVERSAL)
+    raw = storage.read_small(latest_url, limit_bytes=TAG_NAME_MAX_BYTES, what="a folder name")
+    latest = raw.decode("utf-8", "replace").strip()
     if latest != folder:
         failures.append({"file": LATEST_UNIVERSAL, "error": f"names '{latest}', not '{folder}'"})
     for w in manifest["files"]:

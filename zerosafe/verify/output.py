@@ -31,6 +31,7 @@ from zerosafe.stages.output import (
     INDEX_NAME,
     MANIFEST_NAME,
     MARKER_NAME,
+    OUTPUT_JSON_MAX_BYTES,
     WORK_DIR_NAME,
     read_complete_manifest,
     shard_location,
@@ -50,8 +51,15 @@ _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
 def _load_json(storage: Storage, url: str) -> Any:
+    """The output's index or manifest, parsed."""
+    raw = storage.read_small(
+        url,
+        limit_bytes=OUTPUT_JSON_MAX_BYTES,
+        what="JSON written by zerosafe",
+        fix="convert into the folder again (--overwrite)",
+    )
     try:
-        return json.loads(storage.read_bytes(url))
+        return json.loads(raw)
     except ValueError as e:
         raise CheckpointFormatError(f"{url}: not valid JSON: {e}") from e
 

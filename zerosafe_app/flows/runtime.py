@@ -10,7 +10,9 @@ Where a Prefect API is configured, the command runs the flow `convert` against t
 `--via prefect` without one starts a private server for the command (`private_server`): on
 loopback, with a random auth string that only this command and the server hold (in their
 environments, which only their user can read), ended with the command even if it is killed.
-Nothing of it outlives the command.
+Nothing of it outlives the command but, after a SIGKILL, its temporary folder (the server's
+log): the next private server removes those of commands that are gone, and `zerosafe clean`
+lists them (`zerosafe.io.owned_folders`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +37,7 @@ import tomllib
 
 from zerosafe.config import environ_during
 from zerosafe.errors import ConversionError
+from zerosafe.io.owned_folders import PRIVATE_SERVER_PREFIX, owned_temp_folder
 
 __all__ = [
     "configure_embedded_prefect",
@@ -216,7 +218,8 @@ def private_server(
     """
     auth = secrets.token_urlsafe(32)
     server_env = {**_server_env(env), "PREFECT_SERVER_API_AUTH_STRING": auth}
-    with tempfile.TemporaryDirectory(prefix="zerosafe-prefect-") as private:  # mode 0700
+    # Mode 0700. A command killed with SIGKILL cannot remove its folder: the next one does.
+    with owned_temp_folder(PRIVATE_SERVER_PREFIX) as private:
         log = Path(private) / "server.log"
         for attempt in range(_PORT_ATTEMPTS):
             # A free port can be taken by another process before the server binds it.

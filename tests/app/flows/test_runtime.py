@@ -4,6 +4,7 @@ and that never outlives it. Nothing of a command stays running after it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.app.flows.conftest import alive, convert_json
+from tests.app.flows.conftest import alive, convert_json, run_cli
 from tests.conftest import REPO, SAMPLE_CKPT
 from zerosafe_app.flows.runtime import configured_api, private_server
 
@@ -145,11 +146,17 @@ def test_a_private_server_answers_only_its_auth_string(
 def test_a_killed_command_takes_its_private_server_along(
     local_env: dict[str, str], tmp_path: Path
 ) -> None:
+    """The server ends with its command; the server's temporary folder, which the command
+    had no chance to remove, is listed and removed by `zerosafe clean` (issue 37 item 9; the
+    next private server removes it too: tests/io/test_owned_folders.py)."""
     home = Path(local_env["PREFECT_HOME"])
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**local_env, "TMPDIR": str(tmp)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "zerosafe_app.cli", "convert", "--via", "prefect",
          str(SAMPLE_CKPT), str(tmp_path / "out")],
-        env=local_env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     deadline = time.monotonic() + 120
     while not [p for p in _processes_with(f"PREFECT_HOME={home}") if p != proc.pid]:
@@ -162,6 +169,15 @@ def test_a_killed_command_takes_its_private_server_along(
     while _processes_with(f"PREFECT_HOME={home}"):
         assert time.monotonic() < deadline, "the private server outlived its command"
         time.sleep(0.2)
+    (left,) = tmp.glob("zerosafe-prefect-*")
+    assert (left / "server.log").exists()
+    clean = ["clean", str(tmp_path / "out"), "--older-than", "0", "--json"]
+    listed = json.loads(run_cli(env, *clean).stdout)
+    assert [(x["kind"], x["url"], x["action"]) for x in listed if x["kind"] == "server-folder"] == [
+        ("server-folder", str(left), "remove")
+    ], listed
+    run_cli(env, *clean, "--apply")
+    assert not left.exists()
 
 
 def test_a_no_op_is_answered_without_the_flow(prefect_env: dict[str, str], tmp_path: Path) -> None:

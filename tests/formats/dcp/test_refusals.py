@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import assert_refused_in_one_line, zerosafe_child
 from zerosafe.errors import (
     CheckpointFormatError,
     LayoutMismatchError,
@@ -167,3 +168,13 @@ def test_not_dcp_metadata(flat: Path) -> None:
     (flat / ".metadata").write_bytes(data[:-3])
     with pytest.raises(CheckpointFormatError, match=r"could not be read .*truncated or corrupt"):
         read_dcp_layout(str(flat), Storage())
+
+
+def test_a_fifo_named_metadata_is_refused_not_waited_on(flat: Path, tmp_path: Path) -> None:
+    """Issue 37 item 8: a FIFO named `.metadata` hung `convert` forever."""
+    (flat / ".metadata").unlink()
+    os.mkfifo(flat / ".metadata")
+    proc = zerosafe_child("convert", "--via", "local", flat, tmp_path / "out", timeout_s=60)
+    assert_refused_in_one_line(
+        proc, f"{flat}/.metadata: expected PyTorch DCP's metadata", "found a FIFO"
+    )

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import assert_refused_in_one_line, zerosafe_child
 from zerosafe.config import ConvertOptions
 from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import (
@@ -385,3 +386,35 @@ def test_optimizer_without_param_groups_is_not_taken_for_moe(
         torch.save(sd, _optim(sample_ckpt, rank))
     summary = convert_checkpoint(str(sample_ckpt), str(tmp_path / "out"))
     assert summary.status == "converted"
+
+
+def test_a_fifo_named_latest_is_refused_not_waited_on(sample_ckpt: Path, tmp_path: Path) -> None:
+    """Issue 37 item 8: a FIFO named `latest` hung `convert` (and `verify --against`) forever."""
+    (sample_ckpt / "latest").unlink()
+    os.mkfifo(sample_ckpt / "latest")
+    proc = zerosafe_child("convert", "--via", "local", sample_ckpt, tmp_path / "out", timeout_s=60)
+    assert_refused_in_one_line(
+        proc, f"{sample_ckpt}/latest: expected DeepSpeed's `latest`", "found a FIFO", "--tag"
+    )
+    assert not (tmp_path / "out" / "zerosafe-complete.json").exists()
+
+
+def test_latest_linked_to_dev_zero_is_refused(sample_ckpt: Path, tmp_path: Path) -> None:
+    """Issue 37 item 8: `latest` linked to /dev/zero read until memory ran out."""
+    (sample_ckpt / "latest").unlink()
+    os.symlink("/dev/zero", sample_ckpt / "latest")
+    proc = zerosafe_child("convert", "--via", "local", sample_ckpt, tmp_path / "out", timeout_s=60)
+    assert_refused_in_one_line(
+        proc, "latest", "a regular file of at most 4096 bytes, found a device"
+    )
+
+
+def test_a_fifo_named_like_the_output_lease_is_refused_not_waited_on(
+    sample_ckpt: Path, tmp_path: Path
+) -> None:
+    """Issue 37 item 8: the lease is the first file a conversion reads in its output folder."""
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / ".zerosafe-lease.json")
+    proc = zerosafe_child("convert", "--via", "local", sample_ckpt, out, timeout_s=60)
+    assert_refused_in_one_line(proc, ".zerosafe-lease.json: expected a zerosafe lease", "FIFO")

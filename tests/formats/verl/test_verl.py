@@ -5,6 +5,7 @@ same logits from `from_pretrained`, and one-line refusals of what is not read.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import torch
 import transformers  # a test dependency: a missing one fails, never skips
 from safetensors.torch import load_file
 
+from tests.helpers import assert_refused_in_one_line, zerosafe_child
+from tests.rss import PeakRSS
 from zerosafe.formats.torch_pickle import ALLOWED_GLOBALS, DTensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.formats.verl.shards import shard_rows
@@ -328,3 +331,26 @@ def test_pt2st_on_one_rank_file_says_to_convert_the_folder(
     code, _, err = run(capsys, "pt2st", str(rank_file), str(tmp_path / "x.safetensors"))
     assert code == 2, err
     assert "is a DTensor" in err and "zerosafe convert" in err and "\n" not in err.strip()
+
+
+def test_a_fifo_named_fsdp_config_is_refused_not_waited_on(verl_run: Run, tmp_path: Path) -> None:
+    """Issue 37 item 8: a FIFO named `fsdp_config.json` hung `convert` forever."""
+    actor = _copy_actor(verl_run, tmp_path)
+    (actor / "fsdp_config.json").unlink()
+    os.mkfifo(actor / "fsdp_config.json")
+    proc = zerosafe_child("convert", "--via", "local", actor, tmp_path / "out", timeout_s=60)
+    assert_refused_in_one_line(proc, "fsdp_config.json: expected verl's", "found a FIFO")
+
+
+def test_a_huge_fsdp_config_is_refused_before_it_is_read(
+    verl_run: Run, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Issue 37 item 8: a 3 GB `fsdp_config.json` took 3.2 GB of memory before its refusal
+    (only its first 64 KiB were parsed); a sparse file costs the test no disk."""
+    actor = _copy_actor(verl_run, tmp_path)
+    with open(actor / "fsdp_config.json", "r+b") as f:
+        f.truncate(2 * 2**30)
+    with PeakRSS() as rss:
+        line = refused(capsys, actor, tmp_path / "out")
+    assert f"found {2 * 2**30} bytes" in line and "at most 65536 bytes" in line
+    assert rss.peak - rss.baseline < 256 * 2**20

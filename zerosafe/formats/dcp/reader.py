@@ -46,6 +46,12 @@ log = logging.getLogger(__name__)
 
 FORMAT_NAME = "PyTorch DCP"
 METADATA_FILE = ".metadata"
+_METADATA_MAX_BYTES = 4 * 2**30
+"""`.metadata` is read whole, so it is capped: it holds one entry per chunk (about 144 bytes
+pickled, measured with torch 2.13), and a chunk per tensor per rank under FSDP. A 405B model
+(about 1,140 tensors) with Adam's two moments saved from 2,048 ranks comes to about 7 million
+chunks, 1 GiB; 4 GiB leaves room beyond that, and refuses a wrong file (a link to a device, a
+weight file renamed) before it fills memory."""
 _DISTCP_NAME = re.compile(r"__(\d+)_(\d+)\.distcp$")
 
 _Planned = list[tuple[TensorMeta, str, list[tuple[ChunkBox, ChunkRuns, StorageInfo | None]]]]
@@ -319,8 +325,14 @@ def _read_metadata(url: str, storage: Storage) -> tuple[DcpMetadata, str]:
     """The parsed `.metadata` and the SHA-256 of its bytes."""
     meta_url = join_url(url, METADATA_FILE)
     try:
-        data = storage.read_bytes(meta_url)
+        data = storage.read_small(
+            meta_url,
+            limit_bytes=_METADATA_MAX_BYTES,
+            what="PyTorch DCP's metadata (a pickle of the chunk index)",
+        )
     except (FileNotFoundError, CheckpointFormatError) as e:
+        if not isinstance(e, FileNotFoundError) and storage.exists(meta_url):
+            raise  # there, but refused: a FIFO, a device, or too large
         distcp = [n for n in storage.listdir(url) if n.endswith(".distcp")]
         hint = (
             f"the folder has {len(distcp)} .distcp file(s) but no '{METADATA_FILE}': DCP writes "

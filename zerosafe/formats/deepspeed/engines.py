@@ -21,7 +21,7 @@ from __future__ import annotations
 import posixpath
 
 from zerosafe.errors import CheckpointFormatError
-from zerosafe.io.storage import ByteSource, Storage, join_url
+from zerosafe.io.storage import TAG_NAME_MAX_BYTES, ByteSource, Storage, join_url
 
 __all__ = [
     "commit_state",
@@ -82,7 +82,8 @@ def commit_state(storage: Storage, tag_url: str) -> tuple[str, str | None]:
     if not latest or not storage.exists(latest):
         return ckpt_url or ".", None
     try:
-        named = storage.read_bytes(latest)[:256].decode("utf-8", "replace").strip()
+        raw = storage.read_small(latest, limit_bytes=TAG_NAME_MAX_BYTES, what="`latest`")
+        named = raw.decode("utf-8", "replace").strip()
     except Exception:  # noqa: BLE001 - only context for the message
         return "", None
     return ("", None) if named == tag else (ckpt_url, named)

@@ -27,7 +27,7 @@ from zerosafe.formats.deepspeed.engines import (
 from zerosafe.formats.deepspeed.moe import check_moe_file_name
 from zerosafe.formats.deepspeed.types import LoadedFile, TagFiles
 from zerosafe.formats.torch_legacy import open_torch_file
-from zerosafe.io.storage import Storage, join_url, normalize_url
+from zerosafe.io.storage import TAG_NAME_MAX_BYTES, Storage, join_url, normalize_url
 
 __all__ = [
     "LAYER_RE",
@@ -138,16 +138,21 @@ def check_tag_name(ckpt_url: str, tag: str, where: str) -> None:
 
 def _tag_from_latest(storage: Storage, ckpt_url: str) -> str:
     url = join_url(ckpt_url, "latest")
-    raw = storage.read_bytes(url)
+    raw = storage.read_small(
+        url,
+        limit_bytes=TAG_NAME_MAX_BYTES,
+        what="DeepSpeed's `latest` (the name of the tag to convert)",
+        fix="replace it with the tag's name, or pass --tag TAG to convert a complete tag folder",
+    )
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
         tag = repr(raw[:40])
-    if not tag or len(raw) > 4096:
+    if not tag:
         raise CheckpointFormatError(
             f"{url}: expected the name of the tag to convert (e.g. 'global_step1000'), found "
-            f"{'an empty file' if not tag else f'{len(raw)} bytes'}. Is training still saving? "
-            "Pass --tag TAG to convert a tag folder that is complete."
+            "an empty file. Is training still saving? Pass --tag TAG to convert a tag folder "
+            "that is complete."
         )
     check_tag_name(ckpt_url, tag, "'latest'")
     return tag

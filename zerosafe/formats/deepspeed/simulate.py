@@ -55,7 +55,7 @@ from zerosafe.formats.deepspeed.layout import zero3_partition_numel
 from zerosafe.formats.deepspeed.types import LoadedFile, ZeroCheckpoint
 from zerosafe.formats.torch_zip import StorageRef, TensorRecord, TorchZipFile, ZipRecord
 from zerosafe.io.coalesce import PlannedRead, plan_requests
-from zerosafe.io.storage import FileIdentity
+from zerosafe.io.storage import JSON_MAX_BYTES, FileIdentity, Storage
 from zerosafe.plan.model import Plan
 from zerosafe.stages.streaming import prefetch_limits
 from zerosafe.units import format_bytes
@@ -140,8 +140,8 @@ def load_spec(path: str, *, world_size: int | None = None) -> SimulatedSpec:
     Raises:
         ConfigError: Naming what is missing or not supported.
     """
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    data = Storage().read_small(path, limit_bytes=JSON_MAX_BYTES, what="a simulation spec")
+    text = data.decode("utf-8", "replace")
     if path.endswith(".json"):
         raw = json.loads(text)
     else:

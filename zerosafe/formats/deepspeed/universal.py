@@ -74,7 +74,13 @@ from zerosafe.formats.deepspeed.slots import (
 from zerosafe.formats.deepspeed.types import LoadedFile, ZeroCheckpoint
 from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_pickle import TensorRecord
-from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
+from zerosafe.io.storage import (
+    TAG_NAME_MAX_BYTES,
+    FileIdentity,
+    Storage,
+    join_url,
+    normalize_url,
+)
 from zerosafe.plan.model import SourceFile
 from zerosafe.units import format_bytes
 
@@ -204,15 +210,20 @@ def find_universal_tag(storage: Storage, ckpt_url: str, tag: str | None) -> tupl
 
 def _tag_from_latest_universal(storage: Storage, ckpt_url: str) -> str:
     url = join_url(ckpt_url, LATEST_UNIVERSAL)
-    raw = storage.read_bytes(url)
+    raw = storage.read_small(
+        url,
+        limit_bytes=TAG_NAME_MAX_BYTES,
+        what=f"`{LATEST_UNIVERSAL}` (the name of the universal folder)",
+        fix="replace it with the folder's name, or pass --tag with the universal folder",
+    )
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
         tag = ""
-    if not tag or len(raw) > 4096:
+    if not tag:
         raise CheckpointFormatError(
             f"{url}: expected the name of the universal folder (ds_to_universal.py's "
-            f"--output_folder), found {'an empty file' if not raw.strip() else f'{len(raw)} bytes'}. "
+            f"--output_folder), found {'an empty file' if not raw.strip() else 'bytes not UTF-8'}. "
             "Pass --tag with the universal folder to convert."
         )
     check_tag_name(ckpt_url, tag, f"'{LATEST_UNIVERSAL}'")

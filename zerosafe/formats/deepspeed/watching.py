@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from zerosafe.errors import ConversionError
-from zerosafe.io.storage import Storage, join_url
+from zerosafe.io.storage import TAG_NAME_MAX_BYTES, Storage, join_url
 from zerosafe.stages.output import MARKER_NAME
 
 __all__ = ["TagStatus", "scan_tags", "tag_step"]
@@ -67,7 +67,12 @@ def scan_tags(
     names = [n for n in storage.listdir(root) if _is_tag_dir(storage, root, n)]
     latest = None
     if "latest" in storage.listdir(root):
-        latest = storage.read_bytes(join_url(root, "latest")).decode().strip()
+        raw = storage.read_small(
+            join_url(root, "latest"),
+            limit_bytes=TAG_NAME_MAX_BYTES,
+            what="DeepSpeed's `latest` (the name of the last tag saved)",
+        )
+        latest = raw.decode("utf-8", "replace").strip()
     latest_step = tag_step(latest) if latest else None
     out = []
     for name in sorted(names, key=lambda n: (tag_step(n) is None, tag_step(n) or 0, n)):

@@ -48,6 +48,8 @@ CONFIG_FILE = "fsdp_config.json"
 HF_FOLDER = "huggingface"
 _RANK_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 _CONFIG_MAX_BYTES = 1 << 16
+"""verl writes two keys (`{"FSDP_version": 2, "world_size": W}`): anything near 64 KiB is
+another file, refused before it is read whole."""
 
 
 class VerlReader:
@@ -182,9 +184,13 @@ def _read_config(storage: Storage, url: str, world_size: int) -> dict[str, Any] 
     config_url = join_url(url, CONFIG_FILE)
     if not storage.exists(config_url):
         return None
-    data = storage.read_bytes(config_url)
+    data = storage.read_small(
+        config_url,
+        limit_bytes=_CONFIG_MAX_BYTES,
+        what="verl's `fsdp_config.json` (a few lines of JSON)",
+    )
     try:
-        config = json.loads(data[:_CONFIG_MAX_BYTES])
+        config = json.loads(data)
     except ValueError as e:
         raise CheckpointFormatError(
             f"{config_url}: not the JSON verl writes ({e}); copy the file again"
