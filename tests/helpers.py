@@ -1,9 +1,12 @@
 """Helpers shared by tests: load an output folder, compare tensors byte for byte, run the
-command in a child process."""
+command in a child process, stop a conversion before it publishes and damage a file in
+place."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +79,35 @@ def assert_refused_in_one_line(proc: subprocess.CompletedProcess[str], *needles:
     for needle in needles:
         assert needle in line, line
     return line
+
+
+def kill_before_publish(env: dict[str, str], *convert_args: str) -> None:
+    """Run `zerosafe convert` until every shard is verified, then SIGKILL it as it starts to
+    publish (in-process driver or flow alike: both call `publish_job`), leaving the verified
+    shards pending with their unit records or cached results."""
+    script = (
+        "import os, signal, sys\n"
+        "from zerosafe_app.cli import main\n"
+        "import zerosafe.driver, zerosafe_app.tasks.publish\n"
+        "def die(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "zerosafe.driver.publish_job = zerosafe_app.tasks.publish.publish_job = die\n"
+        "sys.exit(main(['convert', *sys.argv[1:]]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *convert_args],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+
+
+def zero_a_block_in_place(path: Path) -> None:
+    """Zero the last 4 KiB of `path` (a shard's tensor data), keeping its size and mtime: a
+    crash's zero-filled page or bit rot, which neither size nor version sees."""
+    stat = path.stat()
+    raw = bytearray(path.read_bytes())
+    assert any(raw[-4096:]), "the block must hold data to damage"
+    raw[-4096:] = bytes(4096)
+    path.write_bytes(bytes(raw))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size

@@ -124,7 +124,7 @@ def convert_checkpoint(
         with hold_work(storage, job) as work_lease:
             return _run_held(
                 job, plan, storage, options, progress or NullProgress(), started=started,
-                leases=(out_lease, work_lease), workers=mode,
+                leases=(out_lease, work_lease), workers=mode, run_id=work_lease.run_id,
             )  # fmt: skip
 
 
@@ -138,9 +138,10 @@ def _run_held(
     started: float,
     leases: Sequence[Lease] = (),
     workers: str = "threads",
+    run_id: str,
 ) -> RunSummary:
     work = WorkLayout(job.work_url)
-    units = _UnitRunner(job, plan, storage, work, options, progress, workers=workers)
+    units = _UnitRunner(job, plan, storage, work, options, progress, workers=workers, run_id=run_id)
     extracts, merges, verifies = units.run()
     stats = run_stats(
         job, options, extracts=extracts, merges=merges, verifies=verifies,
@@ -178,7 +179,9 @@ class _UnitRunner:
     soon as its parts are extracted, and verified as soon as it is merged.
 
     A unit whose record (`UnitRecords`) a killed run left, under this run's key and with its
-    output still on disk as recorded, is not run again: its recorded result is used.
+    output still on disk as recorded, is not run again: its recorded result is used. A verify
+    never is: its key holds the run (`verify_fingerprint`), so each run re-reads every shard
+    it publishes.
 
     With two tasks (`parallel_tasks`), or where merges must run one at a time (a rotational
     disk, `JobPlan.serial_merges`), a shard's verify runs in a second thread while the next
@@ -203,9 +206,10 @@ class _UnitRunner:
         progress: Progress,
         *,
         workers: str = "threads",
+        run_id: str,
     ) -> None:
         self.job, self.plan, self.storage, self.work = job, plan, storage, work
-        self.workers = workers
+        self.workers, self.run_id = workers, run_id
         self.options, self.progress = options, progress
         self.records = UnitRecords(storage, work.root)
         self.key_options = unit_key_options(options)
@@ -393,7 +397,8 @@ class _UnitRunner:
 
     def _verify(self, shard: int) -> VerifyResult:
         merged = self.merges[shard]
-        key = self._key("verify", shard, verify_fingerprint(self._identity(shard), merged.tensors))
+        content = verify_fingerprint(self._identity(shard), merged.tensors, run_id=self.run_id)
+        key = self._key("verify", shard, content)
         record = self.records.load("verify", shard, key)
         if record is not None:
             self._count(self.kept, "verify")

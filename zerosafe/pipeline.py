@@ -731,7 +731,15 @@ def merge_fingerprint(
     return fingerprint([content_sha256[p] for p in shard.parts])
 
 
-def verify_fingerprint(identity: tuple[int, str] | None, tensors: TensorRecords) -> str:
-    """What a verify reads, for its key: the shard's size and version, and the checksums its
-    merge recorded."""
-    return fingerprint(identity, tensors)
+def verify_fingerprint(
+    identity: tuple[int, str] | None, tensors: TensorRecords, *, run_id: str
+) -> str:
+    """What a verify reads, for its key: the shard's size and version, the checksums its
+    merge recorded, and the run (`run_id`: the work lease's, `hold_work`).
+
+    A verify result is never reused from an earlier run: size and version do not see a shard
+    damaged in place at the same size and mtime (a zero-filled block after a crash, bit rot
+    on NFS) while a killed run's pending shard waited, so every rerun re-reads each shard it
+    publishes, in both executors (the driver's unit records and the flow's cached results
+    share this key). Within a run (a retried task, a retried publish) the result holds."""
+    return fingerprint(identity, tensors, run_id)

@@ -14,7 +14,9 @@ as it was: an intermediate with the recorded content hash, a shard with the reco
 version (mtime or ETag). Anything else, including an unreadable record, runs the unit again.
 Neither size nor version sees a file damaged in place (a zero-filled page after a crash, bit
 rot on NFS), so a unit whose output fails its final check is dropped (`drop`): kept, it
-would fail every later run the same way.
+would fail every later run the same way; and a verify's key holds the run
+(`zerosafe.pipeline.verify_fingerprint`), so no run publishes a shard on an earlier run's
+verify.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ limit, with verifies (and extracts) beside it.
 
 Before submitting a task the scheduler checks its unit's output on disk and refreshes the
 task's cache where it vanished or changed; cache keys are `zerosafe_app.tasks._common.cache_key`
-of (stage, job key, unit, the `fingerprint` computed here).
+of (stage, job key, unit, the `fingerprint` computed here). A verify's fingerprint holds the
+run, so a rerun verifies every shard again (`zerosafe.pipeline.verify_fingerprint`).
 """
 
 from __future__ import annotations
@@ -214,7 +215,9 @@ class StageScheduler:
         self._ready["verify"].append(functools.partial(self._verify, index, result))
 
     def _verify(self, index: int, merged: MergeResult) -> None:
-        key = verify_fingerprint(shard_identity(self.task_job, index), merged.tensors)
+        key = verify_fingerprint(
+            shard_identity(self.task_job, index), merged.tensors, run_id=self.task_job["run_id"]
+        )
         future = self._submit(
             verify, self.task_job, index, index + 1, len(self.job.shards), merged.tensors,
             fingerprint=key, wait_for=[self._futures[("merge", index)]],

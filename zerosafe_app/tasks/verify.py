@@ -29,8 +29,9 @@ def verify(
 ) -> VerifyResult:
     """Verify shard `index` against the checksums its merge recorded (`expected`).
 
-    `fingerprint` holds the file's size and version, so a file changed after a cached
-    verification is verified again.
+    `fingerprint` holds the file's size and version and the run
+    (`zerosafe.pipeline.verify_fingerprint`): a cached result holds within its run only, so
+    a rerun verifies every shard again.
     """
     meter = TaskMeter(job)
     plan, storage, options, _ = context(job)

@@ -102,20 +102,25 @@ def test_resume_reruns_exactly_what_vanished(prefect_env: dict[str, str], tmp_pa
     reference = {p.name: p.read_bytes() for p in out.glob("model*")}
 
     # 1. An intermediate vanishes: only its extract runs again; the merges that read it stay
-    #    cached because the re-extracted file has the same content hash.
+    #    cached because the re-extracted file has the same content hash. Every verify runs
+    #    again: a verify result is never reused from an earlier run.
     (out / "zerosafe-complete.json").unlink()
     (work / "intermediate" / "rank00001-part0000.safetensors").unlink()
     t0 = time.time()
     second = convert_json(prefect_env, str(SAMPLE_CKPT), str(out), *SHARD_ARGS, "--keep-work")
-    assert second["tasks_executed"] == {"extract": 1, "merge": 0, "verify": 0}
+    assert second["tasks_executed"] == {"extract": 1, "merge": 0, "verify": 5}
     ran = [(e["stage"], e["index"]) for e in journal(work) if e["time"] >= t0]
-    assert ran == [("extract", 1), ("publish", 0)]
+    assert ran[-1] == ("publish", 0)
+    verifies = [("verify", i) for i in range(5)]
+    assert sorted(ran) == sorted([("extract", 1), ("publish", 0), *verifies])
+    stats = json.loads((out / "zerosafe-manifest.json").read_text())["stats"]
+    assert stats["bytes_read"] >= sum(p.stat().st_size for p in out.glob("model-*"))
 
-    # 2. An output shard vanishes: its merge and its verify run again, nothing else.
+    # 2. An output shard vanishes: its merge runs again, and every verify.
     (out / "zerosafe-complete.json").unlink()
     (out / "model-00003-of-00005.safetensors").unlink()
     third = convert_json(prefect_env, str(SAMPLE_CKPT), str(out), *SHARD_ARGS, "--keep-work")
-    assert third["tasks_executed"] == {"extract": 0, "merge": 1, "verify": 1}
+    assert third["tasks_executed"] == {"extract": 0, "merge": 1, "verify": 5}
 
     # 3. A shard changed after it was verified: verify runs again (and catches it).
     (out / "zerosafe-complete.json").unlink()
@@ -160,7 +165,7 @@ def test_run_stats_count_this_runs_tasks_whatever_the_workers_clocks(
     (out / "zerosafe-complete.json").unlink()
     (work / "intermediate" / "rank00001-part0000.safetensors").unlink()
     second = convert(source=str(SAMPLE_CKPT), destination=str(out), **kw)
-    assert second["tasks_executed"] == {"extract": 1, "merge": 0, "verify": 0}
+    assert second["tasks_executed"] == {"extract": 1, "merge": 0, "verify": 5}
     entries = {p.name: json.loads(p.read_text()) for p in (work / "journal").glob("*.json")}
     first_runs = {e["run_id"] for n, e in entries.items() if n in first_names}
     second_runs = {e["run_id"] for n, e in entries.items() if n not in first_names}

@@ -200,7 +200,7 @@ def test_sigkill_in_process_then_resume(
     _wait_for(lambda: len(records("merge")) >= 2, 600, "two merges to finish")
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    merged_before, verified_before = records("merge"), records("verify")
+    merged_before = records("merge")
     total_merges = len(list(reference_small_shards.glob("model-*")))
     assert not (out / "zerosafe-complete.json").exists()
     assert 2 <= len(merged_before) < total_merges, "kill did not land while merges were in flight"
@@ -209,7 +209,7 @@ def test_sigkill_in_process_then_resume(
     assert summary["status"] == "converted" and summary["via"] == "local"
     executed = summary["tasks_executed"]
     assert executed["merge"] == total_merges - len(merged_before)
-    assert executed["verify"] == total_merges - len(verified_before)
+    assert executed["verify"] == total_merges  # a verify is never kept from another run
     assert any(note.startswith("resumed:") for note in summary["notes"]), summary["notes"]
     after = records("merge")
     assert set(after) == {f"merge-{i:05d}.json" for i in range(total_merges)}
