@@ -212,7 +212,8 @@ def test_model_files_from_the_output_are_refused(
     code, err = _run_cli(
         capsys, "convert", "--via", "local", str(hf_ckpt), str(tmp_path), "--overwrite"
     )
-    assert code == 2 and err.count("\n") == 1 and "inside the output" in err, err
+    # refused before the model files are looked at: an output holding its checkpoint
+    assert code == 2 and err.count("\n") == 1 and "a folder holding the checkpoint" in err, err
     assert (tmp_path / "config.json").exists() and (hf_ckpt / "config.json").exists()
 
 
