@@ -49,6 +49,11 @@ def _folders(pattern: str) -> Callable[[Sequence[str], Callable[[str], bool]], l
 
 LAYOUTS: tuple[Layout, ...] = (
     Layout(
+        what="a zerosafe output still being written (no `zerosafe-complete.json` yet)",
+        names=_folders(r"\.zerosafe-work"),
+        fix="let its conversion finish (run it again to resume), then pass it",
+    ),
+    Layout(
         what="a Megatron-LM checkpoint",
         names=lambda names, isdir: (
             _files(r"latest_checkpointed_iteration\.txt")(names, isdir)
@@ -79,6 +84,12 @@ LAYOUTS: tuple[Layout, ...] = (
         what="files written by `torch.save`",
         names=_files(r".+\.(pt|pth|bin)"),
         fix=_PT2ST,
+    ),
+    Layout(
+        what="safetensors files without a `model.safetensors.index.json`",
+        names=_files(r".+\.safetensors"),
+        fix="with several files, the index says which tensors each holds: add it (as "
+        "`save_pretrained` writes it), or pass a folder holding one file",
     ),
     Layout(
         what="GGUF files (llama.cpp)",

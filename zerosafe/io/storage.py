@@ -23,11 +23,11 @@ import secrets
 import shutil
 import stat
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Iterator
+from typing import Any
 
 from zerosafe.errors import CheckpointFormatError, StorageError
+from zerosafe.io.contracts import ByteSource, FileIdentity, IOCounter, PositionalSink, Sink
 from zerosafe.io.s3 import (
     S3MultipartSink,
     TransferSettings,
@@ -35,6 +35,13 @@ from zerosafe.io.s3 import (
     redact_options,
     split_transfer_options,
     translated_errors,
+)
+from zerosafe.io.whole_file import (
+    JSON_MAX_BYTES,
+    SMALL_FILE_FIX,
+    TAG_NAME_MAX_BYTES,
+    file_kind,
+    read_local,
 )
 
 __all__ = [
@@ -55,18 +62,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TAG_NAME_MAX_BYTES = 4096
-"""Cap of `Storage.read_small` for a file that holds one tag or folder name (DeepSpeed's
-`latest`, `latest_universal`): a name is at most 255 bytes on every filesystem."""
-
-JSON_MAX_BYTES = 16 * 2**20
-"""Cap of `Storage.read_small` for a JSON config or record (`fsdp_config.json`,
-`adapter_config.json`, markers, leases): the real ones are a few KiB; 16 MiB leaves room for
-any hand-edited one while keeping a wrong file (a weight file renamed, a link to a device) from
-being read whole into memory."""
-
-_SMALL_FILE_FIX = "replace it with the file the save wrote (copy it again from where it was saved)"
-
 
 def is_local(url: str) -> bool:
     """Whether `url` names a file on a local or NFS-mounted filesystem."""
@@ -76,19 +71,6 @@ def is_local(url: str) -> bool:
 def local_path(url: str) -> str:
     """The OS path of a local URL (`file:///x` or `/x`)."""
     return url[len("file://") :] if url.startswith("file://") else url
-
-
-def file_kind(mode: int) -> str:
-    """What a file of `st_mode` `mode` is, in words for a message ('FIFO', 'device', ...)."""
-    if stat.S_ISREG(mode):
-        return "regular file"
-    if stat.S_ISFIFO(mode):
-        return "FIFO"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "device"
-    if stat.S_ISSOCK(mode):
-        return "socket"
-    return "folder" if stat.S_ISDIR(mode) else "special file"
 
 
 def normalize_url(url: str) -> str:
@@ -110,86 +92,6 @@ def join_url(base: str, *parts: str) -> str:
     for part in parts:
         out = posixpath.join(out, part.strip("/")) if out else part
     return out
-
-
-@dataclass
-class IOCounter:
-    """Counts bytes and requests, shared by every source or sink of one operation.
-
-    Thread-safe: merges read with several threads at once.
-    """
-
-    bytes_read: int = 0
-    read_requests: int = 0
-    bytes_written: int = 0
-    read_by_url: dict[str, int] = field(default_factory=dict, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add_read(self, num_bytes: int, url: str = "") -> None:
-        with self._lock:
-            self.bytes_read += num_bytes
-            self.read_requests += 1
-            self.read_by_url[url] = self.read_by_url.get(url, 0) + num_bytes
-
-    def bytes_read_from(self, urls: set[str] | list[str]) -> int:
-        """Bytes read from the given files."""
-        with self._lock:
-            return sum(self.read_by_url.get(u, 0) for u in urls)
-
-    def add_written(self, num_bytes: int) -> None:
-        with self._lock:
-            self.bytes_written += num_bytes
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class FileIdentity:
-    """What identifies one version of a file: its URL, size and mtime or ETag."""
-
-    url: str
-    size_bytes: int
-    version: str
-    """mtime in nanoseconds for local files, the ETag (or mtime) for object stores."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "size_bytes": self.size_bytes, "version": self.version}
-
-
-class ByteSource(Protocol):
-    """Ranged, random-access reads of one immutable file."""
-
-    url: str
-    size_bytes: int
-
-    def read_range(self, start: int, end: int) -> bytes:
-        """Return bytes `[start, end)`; fail if the file is shorter."""
-        ...
-
-    def readinto_at(self, offset: int, buf: memoryview) -> None:
-        """Fill all of `buf` with the bytes at `offset`; fail if the file is shorter."""
-        ...
-
-    def close(self) -> None: ...
-
-
-class Sink(Protocol):
-    """A sequential writer whose file becomes visible, whole, only on `commit`."""
-
-    url: str
-    bytes_written: int
-
-    def write(self, data: bytes | memoryview) -> None: ...
-
-    def commit(self) -> None: ...
-
-    def abort(self) -> None: ...
-
-
-@runtime_checkable
-class PositionalSink(Sink, Protocol):
-    """A `Sink` that also writes at given offsets, from several threads at once (a local
-    file, with `pwrite`): a merge's streams each fill their own range of one file."""
-
-    def write_at(self, offset: int, data: bytes | memoryview) -> None: ...
 
 
 def _short_read(url: str, offset: int, want: int, got: int, size: int) -> CheckpointFormatError:
@@ -525,51 +427,6 @@ class FsspecSink:
                 self._file.close()
 
 
-def _read_local(
-    url: str, limit_bytes: int | None, refusal: Callable[[str], CheckpointFormatError]
-) -> bytes:
-    """The bytes of a local regular file, at most `limit_bytes + 1` of them; see
-    `Storage.read_small`."""
-    path = local_path(url)
-    try:
-        st = os.stat(path)  # follows links: a link to /dev/zero is a device
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise StorageError(f"{url}: cannot read: {e.strerror}") from e
-    if not stat.S_ISREG(st.st_mode):
-        raise refusal(f"a {file_kind(st.st_mode)}")
-    if limit_bytes is not None and st.st_size > limit_bytes:
-        raise refusal(f"{st.st_size} bytes")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise StorageError(f"{url}: cannot open for reading: {e.strerror}") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # swapped for another kind since the stat above
-            raise refusal(f"a {file_kind(st.st_mode)}")
-        cap = None if limit_bytes is None else limit_bytes + 1
-        parts: list[bytes] = []
-        got = 0
-        while cap is None or got < cap:
-            part = os.read(
-                fd, _READ_STEP_BYTES if cap is None else min(cap - got, _READ_STEP_BYTES)
-            )
-            if not part:
-                break
-            parts.append(part)
-            got += len(part)
-        return b"".join(parts)
-    finally:
-        os.close(fd)
-
-
-_READ_STEP_BYTES = 8 * 2**20
-
-
 def _fsync_dir(path: str) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
@@ -677,10 +534,10 @@ class Storage:
             FileNotFoundError: If a local file is missing.
             CheckpointFormatError: If it is not a regular file (a FIFO, device, socket, folder).
         """
-        return self._read_whole(url, None, what="a file", fix=_SMALL_FILE_FIX)
+        return self._read_whole(url, None, what="a file", fix=SMALL_FILE_FIX)
 
     def read_small(
-        self, url: str, *, limit_bytes: int, what: str, fix: str = _SMALL_FILE_FIX
+        self, url: str, *, limit_bytes: int, what: str, fix: str = SMALL_FILE_FIX
     ) -> bytes:
         """Read a whole small control file (DeepSpeed's `latest`, DCP's `.metadata`, a JSON
         config), checked before it is opened: a regular file of at most `limit_bytes` bytes.
@@ -715,7 +572,7 @@ class Storage:
             )
 
         if is_local(url):
-            data = _read_local(url, limit_bytes, refusal)
+            data = read_local(local_path(url), url, limit_bytes, refusal)
         else:
             fs, path = self._fs(url)
             end = None

@@ -58,14 +58,18 @@ def test_parent_of_sharded_converts_the_consolidated_files(
 def test_output_inside_the_folder_given_is_no_second_save(
     hf_storage_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`convert parent parent/hf` finds the save one level down; run again, `parent/hf` (now
-    a zerosafe output, which a reader claims) must not count as a second save."""
+    """`convert parent parent/hf` is refused (an output inside its source); a zerosafe output
+    moved inside the folder later (or left there by an older version), which a reader claims,
+    is no second save: `parent` still finds the save one level down."""
     parent = tmp_path / "parent"
     shutil.copytree(hf_storage_root / "plain", parent / "step4")
-    first = convert(capsys, parent, parent / "hf")
+    code, _, err = run(capsys, "convert", str(parent), str(parent / "hf"), "--via", "local")
+    assert code == 2 and "found a folder inside the checkpoint folder" in err, err
+    first = convert(capsys, parent, tmp_path / "hf")
     assert any(f"converting {parent}/step4" in n for n in first["notes"])
-    again = convert(capsys, parent, parent / "hf")
-    assert again["status"] == "already-complete", again
+    shutil.move(tmp_path / "hf", parent / "hf")
+    again = convert(capsys, parent, tmp_path / "hf2")
+    assert any(f"converting {parent}/step4" in n for n in again["notes"]), again
     (parent / "hf" / "zerosafe-complete.json").unlink()  # as if being written again
     (parent / "hf" / ".zerosafe-work").mkdir()
     code, _, err = run(capsys, "inspect", str(parent))

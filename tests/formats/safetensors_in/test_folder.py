@@ -18,6 +18,7 @@ from tests.conftest import SAMPLE_CKPT
 from tests.formats.dcp.helpers import same_bits
 from tests.formats.dcp.test_convert import convert, load_output, run
 from tests.formats.safetensors_in.conftest import copy_folder, input_ids
+from zerosafe.errors import CheckpointFormatError
 from zerosafe.formats.registry import detect_format
 from zerosafe.io.storage import Storage
 from zerosafe.stages import output as stages_output
@@ -137,7 +138,7 @@ def test_truncated_file_and_same_folder_refused(
     hf_folder: Folder, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     src = copy_folder(hf_folder("tied"), tmp_path / "src")
-    _refused(capsys, src, src, "must differ")
+    _refused(capsys, src, src, "found the checkpoint folder itself")
     path = src / "model.safetensors"
     path.write_bytes(path.read_bytes()[:-4])
     _refused(capsys, src, tmp_path / "out", "model.safetensors", "truncated")
@@ -154,11 +155,13 @@ def test_detection(hf_folder: Folder, tmp_path: Path) -> None:
     assert nested.OUTPUT_MARKER == stages_output.MARKER_NAME
     half = copy_folder(hf_folder("tied"), tmp_path / "half")
     (half / stages_output.WORK_DIR_NAME).mkdir()
-    assert detect_format(storage, str(half)).name != "safetensors"
+    with pytest.raises(CheckpointFormatError, match="a zerosafe output still being written"):
+        detect_format(storage, str(half))
     (half / stages_output.MARKER_NAME).write_text("{}")
     assert detect_format(storage, str(half)).name == "safetensors"
     # two safetensors files and no index: which is the model is not known
     two = copy_folder(hf_folder("tied"), tmp_path / "two")
     (two / "model.safetensors").rename(two / "a.safetensors")
     (two / "b.safetensors").write_bytes((two / "a.safetensors").read_bytes())
-    assert detect_format(storage, str(two)).name != "safetensors"
+    with pytest.raises(CheckpointFormatError, match="without a `model.safetensors.index.json`"):
+        detect_format(storage, str(two))
