@@ -158,12 +158,13 @@ def _place(
         lacking = sorted(expected[rank] - set(header.tensors))
         extra = sorted(set(header.tensors) - expected[rank])
         if lacking or extra:
+            found = []
+            if lacking:
+                found.append(f"lacks {lacking[:4]}, which {METADATA_FILE} places on rank {rank}")
+            if extra:
+                found.append(f"holds {extra[:4]}, which {METADATA_FILE} does not place there")
             raise CheckpointFormatError(
-                f"{header.url}: the header "
-                + (f"lacks {lacking[:4]}" if lacking else "")
-                + (" and " if lacking and extra else "")
-                + (f"holds {extra[:4]}, which are not" if extra else ", which are")
-                + f" placed on rank {rank} by {METADATA_FILE}; the file does not belong to "
+                f"{header.url}: the header {' and '.join(found)}; the file does not belong to "
                 "this save or was rewritten since. Copy the whole save folder again"
             )
     for name in sizes:
