@@ -4,7 +4,9 @@ what is not read. Issue 39: both layouts were refused with DeepSpeed's "no 'late
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import pickle
 import pickletools
 import shutil
@@ -19,7 +21,8 @@ from safetensors.torch import load_file
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, ConfigError, UnsafePickleError
 from zerosafe.formats.registry import detect_format, quick_identities, read_source
-from zerosafe.formats.torch_checkpointing.metadata import parse_metadata
+from zerosafe.formats.torch_checkpointing.metadata import Placement, ShardedTensor, parse_metadata
+from zerosafe.formats.torch_checkpointing.safetensors_layout import local_box
 from zerosafe.formats.torch_pickle import ALLOWED_GLOBALS
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.storage import Storage
@@ -322,3 +325,29 @@ def test_other_formats_keep_their_folders(tmp_path: Path) -> None:
     assert detect_format(storage, str(verl)).name == "verl"
     accelerate = _touch(tmp_path / "acc", "model.safetensors", "model_1.safetensors")
     assert detect_format(storage, str(accelerate)).name != "torch_checkpointing"
+
+
+@pytest.mark.parametrize(
+    ("mesh", "placements"),
+    [((4,), (0,)), ((4,), (None,)), ((2, 3), (0, 1)), ((2, 2), (0, 0)), ((3, 2), (None, 1))],
+)
+def test_a_shards_box_is_torch_chunks_piece_of_its_coordinate(
+    mesh: tuple[int, ...], placements: tuple[int | None, ...]
+) -> None:
+    """DTensor's rule: each `Shard(d)` splits the rank's current extent of dim d into
+    `torch.chunk`'s pieces, in mesh dimension order (a missing piece is empty)."""
+    shape = (10, 7)
+    sharded = ShardedTensor(
+        global_shape=shape, dtype="float32", mesh_shape=mesh,
+        mesh_ranks=tuple(range(math.prod(mesh))),
+        placements=tuple(Placement(dim=d) for d in placements), ranks=(),
+    )  # fmt: skip
+    for coordinate in itertools.product(*(range(n) for n in mesh)):
+        index = [torch.arange(n) for n in shape]
+        for dim, parts, at in zip(placements, mesh, coordinate, strict=True):
+            if dim is not None:
+                pieces = torch.chunk(index[dim], parts)
+                index[dim] = pieces[at] if at < len(pieces) else index[dim][:0]
+        offsets, sizes = local_box(sharded, coordinate)
+        assert sizes == tuple(len(i) for i in index), coordinate
+        assert all(not len(i) or o == int(i[0]) for o, i in zip(offsets, index, strict=True))

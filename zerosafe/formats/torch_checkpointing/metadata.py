@@ -217,8 +217,9 @@ def _fqn(url: str, key: Any) -> str:
 
 def _rank_files(url: str, raw: Any, world_size: int, item: str) -> dict[int, str]:
     if not isinstance(raw, dict) or set(raw) != set(range(world_size)):
+        found = sorted(map(str, raw)) if isinstance(raw, dict) else raw
         raise _bad(
-            url, f"'{item}' rank_to_layout_info", sorted(map(str, raw)) if isinstance(raw, dict) else raw,
+            url, f"'{item}' rank_to_layout_info", found,
             f"an entry for every rank 0..{world_size - 1}",
         )  # fmt: skip
     files: dict[int, str] = {}
@@ -285,9 +286,10 @@ def parse_metadata(data: bytes, url: str, *, item: str) -> TcMetadata:
         raise _bad(url, "world_size", world_size, "a positive int")
     items = top["metadata"]
     if not isinstance(items, dict) or item not in items:
+        found = sorted(map(str, items)) if isinstance(items, dict) else items
         raise CheckpointFormatError(
-            f"{url}: describes the item(s) {sorted(map(str, items)) if isinstance(items, dict) else items}"
-            f" but not '{item}'; it belongs to another save: copy the whole folder again"
+            f"{url}: describes the item(s) {found} but not '{item}'; it belongs to another "
+            "save: copy the whole folder again"
         )
     entry = _fields(url, f"item '{item}'", items[item], _ITEM)
     paths = entry["nested_path_to_metadata"]

@@ -62,7 +62,10 @@ class TorchCheckpointingReader:
     title = FORMAT_NAME
     parts_below: tuple[str, ...] = ("torch_checkpointing",)
     tag_folders = False
-    looks_like = "a CheckpointManager save folder holding `model_R.pt` and `optim_R.pt` per rank"
+    looks_like = (
+        "a CheckpointManager save folder holding `model_R.pt` (or `model_R.safetensors` and "
+        "`metadata.pkl`) and `optim_R.pt` per rank"
+    )
     selects = False
 
     def detect(self, storage: Storage, url: str) -> bool:
