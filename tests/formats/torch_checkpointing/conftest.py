@@ -30,7 +30,8 @@ def tc_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tc_save(tc_root: Path) -> Callable[[str], Path]:
     """`tc_save(layout)`: the `step_1/` save folder of a layout (`pt`: the default
-    `<item>_R.pt` files; `st`: the model item as `model_R.safetensors`; `shard1`: FSDP2 with
+    `<item>_R.pt` files; `st`: the model item as `model_R.safetensors`
+    with `metadata.pkl`; `shard1`: FSDP2 with
     `Shard(1)` placements), failing the test,
     saying why, where torch_checkpointing could not write it (never skipping)."""
 

@@ -8,9 +8,15 @@ buffer FSDP leaves whole) and save `{"model": model.state_dict(), "optim": optim
 - `OUT/pt/step_1/`: the default layout, `{model,optim,step}_R.pt`, one `torch.save` per item
   and rank (DTensor local shards);
 - `OUT/st/step_1/`: the model item in the safetensors layout (`model_R.safetensors`, each
-  rank's local shards under their full names). No `metadata.pkl`: the library writes it only
-  where an item declares a resharder, and its metadata all-gather puts tensors on CUDA, which
-  a CPU run cannot do.
+  rank's local shards under their full names) with a resharder declared (`DefaultResharder`),
+  so the library also writes `metadata.pkl`, the global layout of every item.
+
+`metadata.pkl` is gathered by `DefaultMetadataManager._all_gather_pickled_data`, which moves
+each rank's pickled metadata through CUDA tensors (torch_checkpointing 0.1.1's
+metadata_manager.py: `torch.tensor(..., device="cuda")`, `.cuda()`), which a CPU run cannot
+do. `_cpu_metadata_gather` is a shim replacing that one method with `all_gather_object` over
+gloo: the same per-rank objects, pickled and unpickled as the library does, reach every rank.
+It is transport only and changes nothing written: the saved bytes are what a GPU run writes.
 
 The same ranks save, with the default layout, `OUT/shard1/step_1/`: the model under FSDP2 with
 `Shard(1)` placements (`shard_placement_fn`), which zerosafe refuses.
@@ -60,6 +66,19 @@ class Tiny(torch.nn.Module):
         return logits
 
 
+def _cpu_metadata_gather() -> None:
+    """Shim (transport only, see the module docstring): gather each rank's metadata over gloo
+    instead of through CUDA tensors; the result, rank -> that rank's object, is the same."""
+    from torch_checkpointing.metadata_manager import DefaultMetadataManager
+
+    def gather(self, data, process_group=None):  # type: ignore[no-untyped-def]
+        gathered: list[object] = [None] * torch.distributed.get_world_size(process_group)
+        torch.distributed.all_gather_object(gathered, data, group=process_group)
+        return dict(enumerate(gathered))
+
+    DefaultMetadataManager._all_gather_pickled_data = gather  # type: ignore[method-assign]
+
+
 def _save(manager_config, folder: str, model, optim) -> None:  # type: ignore[no-untyped-def]
     manager = manager_config.build()
     try:
@@ -74,6 +93,7 @@ def worker(rank: int, world_size: int, out: str, port: int) -> None:
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )  # fmt: skip
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+    _cpu_metadata_gather()
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -81,6 +101,7 @@ def worker(rank: int, world_size: int, out: str, port: int) -> None:
     from torch_checkpointing import CheckpointManager, ItemSpec
     from torch_checkpointing.checkpoint_layout import LayoutInfo, SafetensorsSerialization
     from torch_checkpointing.config import SyncCheckpointSaverConfig
+    from torch_checkpointing.default_resharder import DefaultResharder
     from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
 
     torch.manual_seed(0)
@@ -109,6 +130,7 @@ def worker(rank: int, world_size: int, out: str, port: int) -> None:
                 items={
                     "model": ItemSpec(
                         layout=LayoutInfo("model_{rank}.safetensors", SafetensorsSerialization()),
+                        resharder=DefaultResharder(),
                     ),
                 },
             ),

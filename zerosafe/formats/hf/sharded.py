@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
@@ -31,7 +31,7 @@ from zerosafe.formats.hf.headers import HeaderTensor, SafetensorsHeader
 from zerosafe.io.storage import Storage
 from zerosafe.plan.model import Slot, SourceFile
 
-__all__ = ["RANK_FILE", "Reassembled", "rank_files", "reassemble"]
+__all__ = ["RANK_FILE", "PlacedChunk", "Reassembled", "place_chunks", "rank_files", "reassemble"]
 
 RANK_FILE = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
 SHARDING_KEY = "DCP_SHARDING_INFO"
@@ -144,33 +144,74 @@ def reassemble(
         CheckpointFormatError: If a chunk has no offsets, or the chunks of a tensor disagree
             on dtype or dimensions, overlap or leave a gap.
     """
-    chunks: dict[str, list[tuple[HeaderTensor, list[int], SourceFile]]] = {}
+    chunks: dict[str, list[PlacedChunk]] = {}
     for header, file in zip(headers, files, strict=True):
         placed = _offsets(header)
         for name, tensor in header.tensors.items():
-            chunks.setdefault(name, []).append((tensor, placed[name], file))
+            chunks.setdefault(name, []).append(
+                PlacedChunk(tensor=tensor, offsets=tuple(placed[name]), file=file)
+            )
+    sizes = {
+        name: _global_size(
+            f"{url}: '{name}'", [(c.tensor, list(c.offsets), c.file.rank) for c in pieces]
+        )
+        for name, pieces in chunks.items()
+    }
+    return place_chunks(
+        url, chunks, sizes,
+        inferred=" (the shape is inferred from the chunks, as torch's consolidation does)",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlacedChunk:
+    """One rank file's tensor and where it sits in the global tensor."""
+
+    tensor: HeaderTensor
+    offsets: tuple[int, ...]
+    file: SourceFile
+
+
+def place_chunks(
+    url: str,
+    chunks: Mapping[str, Sequence[PlacedChunk]],
+    sizes: Mapping[str, Sequence[int]],
+    *,
+    inferred: str = "",
+) -> Reassembled:
+    """Global tensors of the given sizes from chunks of safetensors rank files: the chunks must
+    tile each tensor exactly once (`check_chunk_cover`), and each becomes a slot whose runs are
+    the tensor's fragments (the run geometry of a DCP chunk).
+
+    Args:
+        url: The folder, for messages.
+        chunks: Tensor name -> its chunks.
+        sizes: Tensor name -> its global shape.
+        inferred: Said after a cover error, where the shapes came from.
+
+    Raises:
+        CheckpointFormatError: If the chunks of a tensor overlap, leave a gap or do not fit.
+    """
     built = Reassembled()
     for name in sorted(chunks):
         where = f"{url}: '{name}'"
         pieces = chunks[name]
-        size = _global_size(where, [(t, o, f.rank) for t, o, f in pieces])
-        boxes = [ChunkBox(offsets=tuple(o), sizes=t.shape) for t, o, _ in pieces]
+        size = list(sizes[name])
+        boxes = [ChunkBox(offsets=c.offsets, sizes=c.tensor.shape) for c in pieces]
         try:
             runs = check_chunk_cover(size, boxes, where=where)
         except LayoutMismatchError as e:
-            raise CheckpointFormatError(
-                f"{e.args[0]} (the shape is inferred from the chunks, as torch's consolidation "
-                "does)"
-            ) from e
+            raise CheckpointFormatError(f"{e.args[0]}{inferred}") from e
         fragments: list[Fragment] = []
-        for (tensor, offsets, file), chunk_runs in zip(pieces, runs, strict=True):
+        for chunk, chunk_runs in zip(pieces, runs, strict=True):
+            tensor, file = chunk.tensor, chunk.file
             if not tensor.numel:
                 continue
             slot = len(built.slots)
             built.slots.append(
                 Slot(
                     index=slot, file=file.index, rank=file.rank, kind="chunk",
-                    name=f"{name}@{','.join(map(str, offsets))}", record=name,
+                    name=f"{name}@{','.join(map(str, chunk.offsets))}", record=name,
                     record_offset=tensor.byte_offset, record_size_bytes=tensor.nbytes,
                     record_crc32=0, element_offset=0, numel=tensor.numel, dtype=tensor.dtype,
                 )
@@ -180,7 +221,7 @@ def reassemble(
         built.split += len(pieces) > 1
         built.order.append(name)
         built.tensors[name] = SourceTensor(
-            name=name, shape=tuple(size), dtype=pieces[0][0].dtype, role="param",
+            name=name, shape=tuple(size), dtype=pieces[0].tensor.dtype, role="param",
             fragments=tuple(fragments),
         )  # fmt: skip
     return built

@@ -62,8 +62,13 @@ def describe(
     built: Built,
     other_items: Mapping[str, int],
     metadata_bytes: int,
+    safetensors_fingerprint: str | None = None,
 ) -> SourceLayout:
-    """The reader's `SourceLayout`: tensors, slots, and what the manifest and `inspect` say."""
+    """The reader's `SourceLayout`: tensors, slots, and what the manifest and `inspect` say.
+
+    `safetensors_fingerprint` (the safetensors layout's, from its headers and metadata.pkl)
+    stands for the default layout's fingerprint of its zip records' CRC-32s."""
+    safetensors = safetensors_fingerprint is not None
     params = sum(math.prod(t.shape) for t in built.tensors.values())
     total = sum(f.size_bytes for f in files)
     source = SourceDescription(
@@ -75,7 +80,7 @@ def describe(
         files=tuple(
             FileIdentity(url=f.url, size_bytes=f.size_bytes, version=f.version) for f in files
         ),
-        content_sha256=_fingerprint(files, built.slots),
+        content_sha256=safetensors_fingerprint or _fingerprint(files, built.slots),
         details=TorchCheckpointingSource(
             world_size=len(files),
             num_tensors=len(built.tensors),
@@ -88,7 +93,8 @@ def describe(
     about = [
         f"Checkpoint  {url}  ({_FORMAT}, world size {len(files)})",
         f"  {len(built.tensors)} tensors ({params:,} elements) in {len(files)} model rank "
-        f"file(s), {format_bytes(total)}",
+        f"file(s), {format_bytes(total)}"
+        + (" (safetensors layout, placed by metadata.pkl)" if safetensors else ""),
         f"  other items (never read): {others}",
         "  placements: "
         + ", ".join(f"{p} x {n}" for p, n in sorted(built.placements.items()))
@@ -117,14 +123,19 @@ def describe(
         read_labels=ReadLabels(
             main="local shards of the model rank files",
             other="other",
-            metadata="pickles and zip directories",
+            metadata=(
+                "metadata.pkl and the safetensors headers"
+                if safetensors
+                else "pickles and zip directories"
+            ),
             never="the other items' files (optimizer state, counters) are never read",
         ),
     )
     return SourceLayout(
         format=_FORMAT, where=url, tag=tag, files=files, slots=built.slots,
         tensors=built.tensors, order=built.order, aliases=built.aliases, source=source,
-        facts=facts, metadata_bytes=metadata_bytes, main_slot_kind="shard",
+        facts=facts, metadata_bytes=metadata_bytes,
+        main_slot_kind="chunk" if safetensors else "shard",
         notes=_notes(built), lowp_missing=f"{_FORMAT} saves the sharded model weights only",
     )  # fmt: skip
 

@@ -14,9 +14,9 @@ torch_checkpointing 0.1.1's `CheckpointManager.save(checkpoint_id, {item: value}
 Only the `model` item is read: its rank files go through the restricted unpickler
 (`zerosafe.formats.torch_pickle`: DTensors become inert records, nothing runs), and their
 local shards become fragments with the geometry verl's FSDP2 files share
-(`zerosafe.formats.verl.shards`). The other items' files (optimizer moments, counters) are
-listed by `inspect` and never read. The safetensors layout is refused in one line: its
-global layout is in `metadata.pkl`, which zerosafe does not read yet.
+(`zerosafe.formats.verl.shards`). In the safetensors layout the rank files' headers and
+`metadata.pkl` (read as data) place the local shards (`safetensors_layout.py`). The other
+items' files (optimizer moments, counters) are listed by `inspect` and never read.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import re
 from typing import Any
 
 from zerosafe.config import ConvertOptions
-from zerosafe.errors import CheckpointFormatError, ConfigError, UnsupportedCheckpointError
+from zerosafe.errors import CheckpointFormatError, ConfigError
 from zerosafe.formats.base import SourceLayout
 from zerosafe.formats.torch_checkpointing.facts import describe
+from zerosafe.formats.torch_checkpointing.safetensors_layout import read_safetensors_save
 from zerosafe.formats.torch_pickle import DTensorRecord, InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.formats.verl.shards import RankFile, build_tensors
@@ -39,7 +40,6 @@ __all__ = ["FORMAT_NAME", "MODEL_ITEM", "TorchCheckpointingReader", "item_files"
 FORMAT_NAME = "torch_checkpointing"
 MODEL_ITEM = "model"
 """The item whose tensors are the weights (`manager.save(id, {"model": ...})`)."""
-METADATA_FILE = "metadata.pkl"
 TEMP_PREFIX = "tmp_"
 """The folder a save is written into before its rename (`CheckpointWriterConfig.temp_dir_prefix`'s
 default)."""
@@ -62,7 +62,10 @@ class TorchCheckpointingReader:
     title = FORMAT_NAME
     parts_below: tuple[str, ...] = ("torch_checkpointing",)
     tag_folders = False
-    looks_like = "a CheckpointManager save folder holding `model_R.pt` and `optim_R.pt` per rank"
+    looks_like = (
+        "a CheckpointManager save folder holding `model_R.pt` (or `model_R.safetensors` and "
+        "`metadata.pkl`) and `optim_R.pt` per rank"
+    )
     selects = False
 
     def detect(self, storage: Storage, url: str) -> bool:
@@ -84,25 +87,31 @@ class TorchCheckpointingReader:
         resolved = _tag_of(url, tag)
         read_before = storage.counter.bytes_read
         names = _model_file_names(storage, url)
-        files = _source_files(storage, url, names)
-        loaded = _load_ranks(storage, files)
-        try:
-            _check_mesh(url, loaded)
-            built = build_tensors(url, loaded, fallback=_FALLBACK)
-        finally:
-            for rank_file in loaded:
-                rank_file.zip.source.close()
+        fingerprint = None
+        if names[0].endswith(".safetensors"):
+            save = read_safetensors_save(storage, url, names)
+            files, built, fingerprint = save.files, save.built, save.fingerprint
+        else:
+            files = _source_files(storage, url, names)
+            loaded = _load_ranks(storage, files)
+            try:
+                _check_mesh(url, loaded)
+                built = build_tensors(url, loaded, fallback=_FALLBACK)
+            finally:
+                for rank_file in loaded:
+                    rank_file.zip.source.close()
         layout = describe(
             url=url, tag=resolved, files=files, built=built,
             other_items=_other_items(storage, url),
             metadata_bytes=storage.counter.bytes_read - read_before,
+            safetensors_fingerprint=fingerprint,
         )  # fmt: skip
         if resolved.startswith(TEMP_PREFIX):
             layout.warnings.append(
                 f"{url}: the folder's name starts with '{TEMP_PREFIX}', the folder "
                 f"{FORMAT_NAME} writes a save into and renames when every rank has finished: "
-                "this save was not finalized (its model rank files are all there, each a whole "
-                "zip archive with its CRC-32s, so the weights are complete); prefer a finished save"
+                "this save was not finalized (its model rank files are all there and check out "
+                "whole, so the weights are complete); prefer a finished save"
             )
         return layout
 
@@ -139,7 +148,6 @@ def _model_file_names(storage: Storage, url: str) -> list[str]:
 
     Raises:
         CheckpointFormatError: If a rank's model file is missing, or ranks save it both ways.
-        UnsupportedCheckpointError: For the safetensors layout.
     """
     items = item_files(storage, url)
     ranks = items.get(MODEL_ITEM, {})
@@ -149,23 +157,16 @@ def _model_file_names(storage: Storage, url: str) -> list[str]:
         )
     world_size = 1 + max(max(r) for r in items.values())
     suffixes = {n.rsplit(".", 1)[-1] for n in ranks.values()}
-    if suffixes == {"safetensors"}:
-        raise UnsupportedCheckpointError(
-            f"{url}: holds the model item in {FORMAT_NAME}'s safetensors layout "
-            f"({MODEL_ITEM}_R.safetensors), whose global shapes and placements only "
-            f"{METADATA_FILE} records, which zerosafe does not read; save the model item with "
-            f"the default layout ({MODEL_ITEM}_R.pt), or consolidate it with "
-            "torch_checkpointing.hf.consolidate_hf_safetensors_checkpoint"
-        )
     if len(suffixes) > 1:
         raise CheckpointFormatError(
             f"{url}: holds both {MODEL_ITEM}_R.pt and {MODEL_ITEM}_R.safetensors files: saves "
             "of different runs share this folder; move the save to convert into its own folder"
         )
-    missing = [f"{MODEL_ITEM}_{r}.pt" for r in range(world_size) if r not in ranks]
+    suffix = suffixes.pop()
+    missing = [f"{MODEL_ITEM}_{r}.{suffix}" for r in range(world_size) if r not in ranks]
     if missing:
         raise CheckpointFormatError(
-            f"{url}: expected {MODEL_ITEM}_R.pt for R = 0..{world_size - 1} (the item files "
+            f"{url}: expected {MODEL_ITEM}_R.{suffix} for R = 0..{world_size - 1} (the item files "
             f"name {world_size} ranks), but {', '.join(missing)} "
             f"{'is' if len(missing) == 1 else 'are'} missing; each rank writes its own file, "
             "so the save did not finish or was copied in part. Copy the whole folder again."
