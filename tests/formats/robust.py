@@ -90,6 +90,8 @@ def kill_midway_then_resume(
     )  # fmt: skip
     assert killed.returncode == -signal.SIGKILL, f"{why}: {killed.stderr[-2000:]}"
     assert not (out / "zerosafe-complete.json").exists(), why
+    # the kill landed while a shard was being written: its temporary file is left half-done
+    assert len(list(out.rglob("*.partial"))) == 1, why
     before = _records(out)
     assert sorted(before) == [f"{stage}-{i:05d}.json" for stage in ("merge", "verify")
                               for i in range(after)], why  # fmt: skip
