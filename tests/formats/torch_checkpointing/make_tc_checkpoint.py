@@ -118,14 +118,20 @@ def worker(rank: int, world_size: int, out: str, port: int) -> None:
 
     # O_DIRECT fails on some filesystems (EINVAL); the layout is the same without it
     storage = LocalFileSystemStorageConfig(use_direct_io=False)
-    sync = SyncCheckpointSaverConfig()
+
+    def sync() -> SyncCheckpointSaverConfig:
+        # one per save: a saver config holds one store barrier, whose keys serve once; with a
+        # config shared by two saves, the second one's rank 0 passed its barrier at once and
+        # renamed tmp_step_1/ before rank 1 had written its files into it
+        return SyncCheckpointSaverConfig()
+
     status: dict[str, str] = {}
     for name, config in (
-        ("pt", CheckpointManager.Config(save=sync, storage_config=storage)),
+        ("pt", CheckpointManager.Config(save=sync(), storage_config=storage)),
         (
             "st",
             CheckpointManager.Config(
-                save=sync,
+                save=sync(),
                 storage_config=storage,
                 items={
                     "model": ItemSpec(
@@ -146,7 +152,7 @@ def worker(rank: int, world_size: int, out: str, port: int) -> None:
     fully_shard(shard1, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
     try:
         _save(
-            CheckpointManager.Config(save=sync, storage_config=storage),
+            CheckpointManager.Config(save=sync(), storage_config=storage),
             f"{out}/shard1/step_1",
             shard1,
             torch.optim.AdamW(shard1.parameters()),
@@ -160,6 +166,10 @@ def worker(rank: int, world_size: int, out: str, port: int) -> None:
         for k, v in model.state_dict().items()
     }
     if rank == 0:
+        for name in status:  # each rank's files went with the step folder's rename
+            left = f"{out}/{name}/tmp_step_1"
+            if status[name] == "ok" and os.path.exists(left):
+                status[name] = f"rank files left behind in tmp_step_1/: {os.listdir(left)}"
         save_file({k: v.contiguous() for k, v in full.items()}, f"{out}/live.safetensors")
         with open(f"{out}/status.json", "w") as f:
             json.dump(status, f)
