@@ -5,19 +5,21 @@ the framework's own consolidation tool on the same save, and the I/O limit (issu
     .venv/bin/python bench/run_hf.py --size quick                       # every layout, one run
     .venv/bin/python bench/run_hf.py --size tiny --repeat 1             # seconds: a smoke run
 
-One run writes each layout's save once with the framework's own save code on 2 gloo CPU ranks
-(`bench/forge_hf.py`: an FSDP2 model, fp32, values set without training), then, on the same
+One run writes each layout's save once, into a temporary folder, with the framework's own save
+code on 2 gloo CPU ranks (`bench/forge_hf.py`: an FSDP2 model, fp32, values set without
+training), then, on the same
 files and in the same run, measures for each layout, warm and cold, `--repeat` times:
 
 - `io-limit`: reading the bytes the conversion reads once plus writing the output once
   (fsynced), serial (`bench/_iolimit.py`);
 - `zerosafe`: `zerosafe convert SAVE OUT` as a user's first command: default options, a new
   `PREFECT_HOME`, no `PREFECT_API_URL` (`bench/_first_command.py`);
-- the framework's tool, single process, as a user runs it (`bench/_hf_tool_convert.py`):
+- the framework's tool, as a user runs it, with its defaults (`bench/_hf_tool_convert.py`):
   - `hf-sharded` (`HuggingFaceStorageWriter(save_distributed=True)` rank files): torch's
     `consolidate_safetensors_files`;
   - `bytecheckpoint` (`bytecheckpoint.save`, verl's backend): ByteCheckpoint's merge tool
-    `bytecheckpoint_ckpt_to_pytorch_ckpt` on `global_step_N/`;
+    `bytecheckpoint_ckpt_to_pytorch_ckpt` on `global_step_N/` (it reads in worker
+    processes, counted in the tree);
   - `safetensors` (a Hugging Face model folder: torch's consolidated output of the
     `hf-sharded` save, made once, untimed): no tool consolidates it; zerosafe against the
     I/O limit only, its output checked against the folder's tensors.
@@ -89,11 +91,12 @@ def forge(work_dir: str, layout: str, params: str) -> tuple[str, dict[str, Any]]
         info["reused"] = True
     if info is None or info.get("params") != params:
         shutil.rmtree(save, ignore_errors=True)
-        subprocess.run(
+        proc = subprocess.run(
             [PY, "-m", "bench.forge_hf", save, "--layout", base, "--params", params],
-            check=True, cwd=REPO, env={**_env(), "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            cwd=REPO, env={**_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
         )  # fmt: skip
+        if proc.returncode != 0:
+            raise RuntimeError(f"writing the {base} save failed:\n{proc.stderr[-3000:]}")
         with open(info_path) as f:
             info = json.load(f)
         info["reused"] = False
@@ -275,12 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", help="override the size's param count")
     ap.add_argument("--repeat", type=int, help="runs of each kind per cache state (default 3)")
     ap.add_argument("--cache", default="warm,cold", help="comma list of warm, cold")
-    ap.add_argument("--work-dir", default=os.path.join(REPO, "bench", "results", "work"))
+    ap.add_argument("--work-dir", help="where the saves go (default: a new temporary folder, "
+                    "removed at the end); a save recorded there is reused")  # fmt: skip
     ap.add_argument("--results", default=os.path.join(REPO, "bench", "results"))
     ap.add_argument("--name", help="results file name (default: hf-<size>)")
     ap.add_argument("--mem-limit", type=int, default=18 * 10**9)
     ap.add_argument("--settle", type=float, default=2.0, help="seconds between runs")
-    ap.add_argument("--clean", action="store_true", help="delete the saves at the end")
     cfg = ap.parse_args(argv)
     params = cfg.params or SIZES[cfg.size]
     repeat = cfg.repeat or (1 if cfg.size == "tiny" else 3)
@@ -288,8 +291,19 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(layouts) - set(TOOLS))
     if unknown:
         ap.error(f"unknown layouts {unknown}; choose from {', '.join(TOOLS)}")
+    temporary = cfg.work_dir is None
+    cfg.work_dir = cfg.work_dir or tempfile.mkdtemp(prefix="zerosafe-bench-hf-")
     os.makedirs(cfg.work_dir, exist_ok=True)
     os.makedirs(cfg.results, exist_ok=True)
+    try:
+        return _run(cfg, params=params, repeat=repeat, layouts=layouts)
+    finally:
+        if temporary:
+            shutil.rmtree(cfg.work_dir, ignore_errors=True)
+
+
+def _run(cfg: argparse.Namespace, *, params: str, repeat: int, layouts: list[str]) -> int:
+    """Forge each layout's save, measure every kind, write the results; the exit status."""
     load_before = os.getloadavg()
 
     from bench.run import run_baseline
@@ -372,13 +386,6 @@ def main(argv: list[str] | None = None) -> int:
     path = os.path.join(cfg.results, f"{result['name']}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
-    if cfg.clean:
-        for info in saves.values():
-            shutil.rmtree(info["path"], ignore_errors=True)
-            shutil.rmtree(info.get("made_from", ""), ignore_errors=True)
-            for p in (info["path"], info.get("made_from", "")):
-                if os.path.exists(p + ".forge.json"):
-                    os.unlink(p + ".forge.json")
     print(table)
     print(f"\nwritten {path}")
     return 0 if same and all(r["ok"] for r in runs) else 1
