@@ -83,10 +83,10 @@ def _worker(rank: int, out: str, layout: str, params: str, dtype: str, port: int
         for p in model.parameters():
             p.to_local().normal_(generator=gen)
     if layout == "hf-sharded":
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import HuggingFaceStorageWriter
+        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+        from torch.distributed.checkpoint.state_dict_saver import save
 
-        dcp.save(
+        save(
             model.state_dict(),
             storage_writer=HuggingFaceStorageWriter(out, save_distributed=True),
         )
@@ -100,7 +100,7 @@ def _worker(rank: int, out: str, layout: str, params: str, dtype: str, port: int
 
 def forge_save(out: str, *, layout: str, params: str, dtype: str = "float32") -> dict[str, Any]:
     """Write the save into the new folder `out` (see the module docstring); returns its record."""
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import spawn
 
     from bench.forge import parse_count, transformer_shapes
 
@@ -109,7 +109,8 @@ def forge_save(out: str, *, layout: str, params: str, dtype: str = "float32") ->
     error = None
     for attempt in range(3):  # a free port can be taken before gloo binds it: retry
         try:
-            mp.spawn(_worker, args=(out, layout, params, dtype, _free_port()), nprocs=WORLD_SIZE)
+            args = (out, layout, params, dtype, _free_port())
+            spawn(_worker, args=args, nprocs=WORLD_SIZE)  # type: ignore[no-untyped-call]
             error = None
             break
         except Exception:

@@ -147,7 +147,7 @@ def run_tool(kind: str, layout: str, save: str, out: str, mem_limit: int) -> dic
         row["internal_s"] = summary.get("seconds")
         row["ok"] = m.returncode == 0 and summary.get("status") == "converted"
     else:
-        res = next(
+        res: dict[str, Any] = next(
             (json.loads(x[7:]) for x in reversed(m.stdout.splitlines()) if x.startswith("RESULT ")),
             {},
         )
