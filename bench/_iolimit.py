@@ -31,6 +31,7 @@ __all__ = [
     "drop_cache",
     "fp32_ranges",
     "measure_limit",
+    "plan_ranges",
     "residency",
     "warm_cache",
 ]
@@ -59,6 +60,19 @@ def fp32_ranges(ckpt_dir: str, tag: str | None = None) -> tuple[list[tuple[str, 
         else:
             merged.append((path, off, n))
     return merged, sum(n for _, _, n in spans)
+
+
+def plan_ranges(ckpt: str, *, dtype: str) -> tuple[list[tuple[str, int, int]], int, int]:
+    """`([(path, offset, nbytes)], their total, output bytes)`: the byte ranges a conversion of
+    `ckpt` to `dtype` reads (zerosafe's plan of any format it reads: only metadata and headers
+    are parsed) and the bytes it writes."""
+    from zerosafe.config import ConvertOptions
+    from zerosafe.io.storage import Storage
+    from zerosafe.plan.build import plan_checkpoint
+
+    _, plan = plan_checkpoint(Storage(), ckpt, tag=None, options=ConvertOptions(dtype=dtype))
+    ranges = [(plan.files[s.file].url, s.byte_offset, s.nbytes) for s in plan.slots]
+    return ranges, sum(n for _, _, n in ranges), plan.total_out_bytes
 
 
 def _data_extents(fd: int, size: int) -> Iterable[tuple[int, int]]:

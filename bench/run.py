@@ -3,6 +3,8 @@
     .venv/bin/python bench/run.py --size quick      # ~0.5B params, warm and cold, ~10 min
     .venv/bin/python bench/run.py --size 7b         # 7B: fp32 masters (28 GB) > RAM, cold
     .venv/bin/python bench/run.py --format dcp --size quick   # a DCP checkpoint (bench/run_dcp.py)
+    .venv/bin/python bench/run.py --format hf-sharded --size quick   # torch's HF writer, against
+        # torch's consolidation (also bytecheckpoint, safetensors: bench/run_hf.py)
 
 One run forges a ZeRO-3 checkpoint (bench/forge/: deterministic values, Adam moments as
 sparse holes), then, on the same files and in the same run, measures:
@@ -40,7 +42,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import glob
 import json
 import math
 import os
@@ -58,6 +59,7 @@ if REPO not in sys.path:
 
 from bench import forge as F  # noqa: E402
 from bench._check import check_output  # noqa: E402
+from bench._first_command import command_env, json_tail, stop_leftovers, sync_tree  # noqa: E402
 from bench._iolimit import (  # noqa: E402
     drop_cache,
     fp32_ranges,
@@ -112,6 +114,7 @@ BEFORE_KINDS = ("zerosafe-direct", "zerosafe-staged", "cli-default")
 EXTRA = ["baseline", "cli-overhead"]
 DEFAULT_KINDS = KINDS + EXTRA
 DISK_BUDGET_BYTES = 45 * 10**9
+FORMATS = ("deepspeed", "dcp", "hf-sharded", "bytecheckpoint", "safetensors")
 
 
 def _parse_size(text: str) -> int:
@@ -149,13 +152,7 @@ SRC = REPO
 
 def _env(prefect_home: str | None = None) -> dict[str, str]:
     """The environment of a measured command; `prefect_home`: a new, empty `PREFECT_HOME`."""
-    env = dict(os.environ)
-    if prefect_home is not None:
-        env["PREFECT_HOME"] = prefect_home
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([SRC, REPO, env.get("PYTHONPATH", "")]))
-    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    env.pop("PREFECT_API_URL", None)  # the CLI's embedded mode, as a user runs it
-    return env
+    return command_env(src=SRC, repo=REPO, prefect_home=prefect_home)
 
 
 # -- forging -------------------------------------------------------------------------------------
@@ -202,28 +199,6 @@ def _result_line(text: str, prefix: str) -> dict[str, Any] | None:
     return None
 
 
-def _json_tail(text: str) -> dict[str, Any] | None:
-    """The JSON object a `--json` command printed (from its first line that opens one)."""
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith("{"):
-            try:
-                return dict(json.loads("\n".join(lines[i:])))
-            except ValueError:
-                continue
-    return None
-
-
-def _sync_tree(out: str) -> float:
-    t = time.perf_counter()
-    for root, _, files in os.walk(out):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-    return time.perf_counter() - t
-
-
 def run_tool(
     kind: str,
     ckpt: str,
@@ -244,14 +219,6 @@ def run_tool(
     finally:
         SRC = saved
     return row
-
-
-def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def _run_tool(
@@ -284,7 +251,7 @@ def _run_tool(
         )
     finally:
         if kind != "deepspeed":
-            _stop_leftovers(env["PREFECT_HOME"])
+            stop_leftovers(env["PREFECT_HOME"])
     row: dict[str, Any] = {"kind": kind, **m.as_dict(tail=1500)}
     row["out_bytes_on_disk"] = _du(out) if os.path.isdir(out) else 0
     if kind == "deepspeed":
@@ -295,10 +262,10 @@ def _run_tool(
         if not row["ok"] and m.killed is None:
             row["error"] = res.get("error") or m.stderr[-800:]
         if row["ok"]:
-            row["sync_s"] = _sync_tree(out)
+            row["sync_s"] = sync_tree(out)
             row["internal_s"] = res["convert_s"] + row["sync_s"]
     else:
-        summary = _json_tail(m.stdout) or {}
+        summary = json_tail(m.stdout) or {}
         row["tool"] = {
             k: summary.get(k)
             for k in ("seconds", "bytes_read", "source_bytes_read", "fp32_bytes", "bytes_written",
@@ -333,20 +300,6 @@ def _has_flag(src: str, flag: str) -> bool:
 def _has_mode_flag(src: str) -> bool:
     """Whether the checkout at `src` has `zerosafe convert --mode` (staged is not its default)."""
     return _has_flag(src, '"--mode"')
-
-
-def _stop_leftovers(prefect_home: str) -> None:
-    """After a measured command: stop what a checkout from before 2026-11-26 left running on
-    that `PREFECT_HOME` (its local server and warm process), so the next run starts from
-    nothing too; then remove the folder."""
-    import signal
-
-    marker = f"PREFECT_HOME={prefect_home}".encode()
-    for environ in glob.glob("/proc/[0-9]*/environ"):
-        if marker + b"\0" in _read(environ) + b"\0":
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(int(environ.split("/")[2]), signal.SIGKILL)
-    shutil.rmtree(prefect_home, ignore_errors=True)
 
 
 def run_limit(
@@ -514,15 +467,21 @@ def rerender(path: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     first = argparse.ArgumentParser(add_help=False)
-    first.add_argument("--format", default="deepspeed", choices=("deepspeed", "dcp"))
+    first.add_argument("--format", default="deepspeed", choices=FORMATS)
     known, rest = first.parse_known_args(argv)
     if known.format == "dcp":  # a forged DCP checkpoint: bench/run_dcp.py
         from bench import run_dcp
 
         return run_dcp.main(rest)
+    if known.format != "deepspeed":  # a save by torch or ByteCheckpoint: bench/run_hf.py
+        from bench import run_hf
+
+        return run_hf.main(["--layouts", known.format, *rest])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--format", default="deepspeed", choices=("deepspeed", "dcp"),
-                    help="dcp: a forged PyTorch DCP checkpoint instead (bench/run_dcp.py)")  # fmt: skip
+    ap.add_argument("--format", default="deepspeed", choices=FORMATS,
+                    help="dcp: a forged PyTorch DCP checkpoint instead (bench/run_dcp.py); "
+                    "hf-sharded, bytecheckpoint, safetensors: a save by torch or ByteCheckpoint "
+                    "against the framework's own tool (bench/run_hf.py)")  # fmt: skip
     ap.add_argument("--size", default="quick", choices=sorted(SIZES))
     ap.add_argument("--params", help="override the size's param count (e.g. 1B)")
     ap.add_argument("--work-dir", default=os.path.join(REPO, "bench", "results", "work"))

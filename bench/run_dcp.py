@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench._iolimit import drop_cache, measure_limit, warm_cache  # noqa: E402
+from bench._iolimit import drop_cache, measure_limit, plan_ranges, warm_cache  # noqa: E402
 from bench._measure import run_measured  # noqa: E402
 
 PY = sys.executable
@@ -62,18 +62,6 @@ def forge(ckpt: str, params: str, world_size: int) -> dict[str, Any]:
     with open(info_path, "w") as f:
         json.dump(data, f)
     return data
-
-
-def model_ranges(ckpt: str) -> tuple[list[tuple[str, int, int]], int, int]:
-    """The model chunks' byte ranges (what a conversion must read), their total, and the
-    plan's output bytes in bf16."""
-    from zerosafe.config import ConvertOptions
-    from zerosafe.io.storage import Storage
-    from zerosafe.plan.build import plan_checkpoint
-
-    layout, plan = plan_checkpoint(Storage(), ckpt, tag=None, options=ConvertOptions(dtype="bf16"))
-    ranges = [(plan.files[s.file].url, s.byte_offset, s.nbytes) for s in plan.slots]
-    return ranges, sum(n for _, _, n in ranges), plan.total_out_bytes
 
 
 def run_tool(kind: str, ckpt: str, out: str, dtype: str, mem_limit: int) -> dict[str, Any]:
@@ -126,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = os.path.join(cfg.work_dir, f"dcp-{params}-ws{cfg.world_size}")
     forged = forge(ckpt, params, cfg.world_size)
     files = [os.path.join(ckpt, n) for n in sorted(os.listdir(ckpt))]
-    ranges, read_bytes, out_bytes = model_ranges(ckpt)
+    ranges, read_bytes, out_bytes = plan_ranges(ckpt, dtype="bf16")
     runs: list[dict[str, Any]] = []
     outs = {k: os.path.join(cfg.work_dir, f"out-{k}") for k in ("zerosafe", "torch")}
     for kind in ("io-limit", "zerosafe", "torch"):
