@@ -262,11 +262,15 @@ def copy_model_files(
     dest: str,
     *,
     chunk_bytes: int = COPY_CHUNK_BYTES,
+    config_update: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Copy `names` from `folder` into `dest` (each written atomically), byte for byte, in
     reads of at most `chunk_bytes`. A local copy's mode is never wider than its source's.
     A name that stopped being a regular file inside `folder` since it was listed is skipped
     with a warning, as `list_model_files` would.
+
+    `config_update`: keys `config.json` gets (a quantized release's `quantization_config`):
+    that copy is written, not copied, as JSON with every other key as it was, in its order.
 
     Returns:
         Manifest entries: `file`, `size_bytes`, `sha256`, and `source`, `source_size_bytes`,
@@ -289,6 +293,13 @@ def copy_model_files(
         target = join_url(dest, name)
         if is_local(target):
             storage.makedirs(posixpath.dirname(target))
+        if name == "config.json" and config_update is not None:
+            entries.append(
+                _write_config(storage, folder, target, config_update, max_mode=max_mode)
+                | {"source": src, "source_size_bytes": ident.size_bytes,
+                   "source_version": ident.version}
+            )  # fmt: skip
+            continue
         digest = hashlib.sha256()
         source = storage.open_source(src)
         try:
@@ -311,6 +322,27 @@ def copy_model_files(
             }
         )
     return entries
+
+
+def _write_config(
+    storage: Storage, folder: str, target: str, update: dict[str, Any], *, max_mode: int | None
+) -> dict[str, Any]:
+    """Write `folder/config.json` with `update`'s keys set (added last where new) to
+    `target`, indented as `save_pretrained` writes it; its `file`, `size_bytes`, `sha256`.
+
+    Raises:
+        CheckpointFormatError: If the source config is not a JSON object (`read_config`).
+    """
+    config = read_config(storage, folder)
+    if config is None:
+        raise CheckpointFormatError(
+            f"{join_url(folder, 'config.json')}: removed while the conversion ran; run it again"
+        )
+    data = (json.dumps({**config, **update}, indent=2) + "\n").encode()
+    with storage.sink(target, max_mode=max_mode) as sink:
+        sink.write(data)
+    return {"file": "config.json", "size_bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
 
 
 def sha256_of(
@@ -431,7 +463,14 @@ def model_files_report(
         ], skipped
     notes = [f"copies {len(names)} model file(s) from {folder}: {', '.join(names)}"]
     if "config.json" not in names:
-        if not options.adapter:  # an adapter loads onto the base model, with its config
+        if options.quantize is not None:
+            skipped = [
+                *skipped,
+                f"no config.json in {folder}: the `quantization_config` of the {options.quantize} "
+                "weights has nowhere to go, and loaders would read the FP8 weights without their "
+                "scales; pass `--model-files DIR` with the model's config.json",
+            ]
+        elif not options.adapter:  # an adapter loads onto the base model, with its config
             notes.append(f"no config.json in {folder}; from_pretrained needs one")
         return notes, skipped
     where = join_url(folder, "config.json")
@@ -447,6 +486,13 @@ def model_files_report(
     if config is None:  # removed since it was listed
         return notes, skipped
     warnings = check_model_config(config, where, out_dtype=options.dtype, aliases=aliases)
+    if options.quantize is not None and "quantization_config" in config:
+        warnings.append(
+            f"{where}: has a `quantization_config` already; the copy gets the one of the "
+            f"{options.quantize} weights written here instead"
+        )
+    elif options.quantize is not None:
+        notes.append(f"config.json gets the `quantization_config` of {options.quantize}")
     if config.get("auto_map"):
         notes.append(f"{where} names remote code (`auto_map`); its *.py files are not copied")
     return notes, [*skipped, *warnings]
