@@ -144,11 +144,13 @@ class ConvertOptions:
     `adapter_config.json` copied from the model-files folder."""
 
     quantize: str | None = None
-    """Write the weights quantized in this scheme (`fp8-block`: `zerosafe.quantize`); the
-    tensors left unquantized (`quantize_skip_reason`) take `dtype`. None: no quantization."""
+    """Write the weights quantized in this scheme (`fp8-block`, `fp8-dynamic`:
+    `zerosafe.quantize`); the tensors left unquantized (`quantize_skip_reason`) take `dtype`.
+    None: no quantization."""
     quantize_ignore: tuple[str, ...] = ()
     """Regular expressions on tensor names (`re.search`): matching weights stay unquantized,
-    and their modules are listed in `quantization_config.modules_to_not_convert`."""
+    and their modules are listed in `quantization_config` (`modules_to_not_convert`, or
+    `ignore` for compressed-tensors)."""
 
     select: tuple[str, ...] = ()
     """PyTorch DCP: key prefixes to convert (`model`, `optim.state`); a prefix matches whole
@@ -219,7 +221,7 @@ class ConvertOptions:
             if self.quantize_ignore:
                 raise ConfigError(
                     "`quantize_ignore` names weights to leave unquantized, but `quantize` is "
-                    "not given; add `quantize` (fp8-block) or drop `quantize_ignore`"
+                    "not given; add `quantize` (fp8-block, fp8-dynamic) or drop `quantize_ignore`"
                 )
             return
         if self.quantize not in QUANTIZE_SCHEMES:
@@ -252,7 +254,8 @@ class ConvertOptions:
         Left unquantized, as the reference recipes leave them: anything but a 2-D `*.weight`
         (biases, norms, buffers), embeddings, the output head, norms and MoE routers/gates
         (`zerosafe.quantize.SKIPPED_MODULE`), weights named by `quantize_ignore` or kept in
-        float32 by `keep_fp32`, and weights whose shape does not divide into blocks."""
+        float32 by `keep_fp32`, and (`fp8-block`) weights whose shape does not divide into
+        blocks."""
         from zerosafe.quantize import SKIPPED_MODULE, block_skip_reason
 
         if self.quantize is None:
@@ -267,7 +270,7 @@ class ConvertOptions:
             return "matches `quantize_ignore`"
         if self.keeps_fp32(name):
             return "kept in float32 (`keep_fp32`)"
-        return block_skip_reason(shape)
+        return block_skip_reason(self.quantize, shape)
 
     @property
     def parallel_tasks(self) -> int:

@@ -229,10 +229,12 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quantize",
-        choices=["fp8-block"],
+        choices=["fp8-block", "fp8-dynamic"],
         help="write the weights quantized: fp8-block is float8_e4m3fn with a float32 "
-        "weight_scale_inv per 128x128 block, as transformers' fine-grained FP8 writes it "
-        "(embeddings, lm_head, norms, routers stay in --dtype)",
+        "weight_scale_inv per 128x128 block, as transformers' fine-grained FP8 writes it; "
+        "fp8-dynamic is compressed-tensors' float-quantized (a float32 weight_scale per "
+        "output channel), as llm-compressor's FP8_DYNAMIC writes it (embeddings, lm_head, "
+        "norms, routers stay in --dtype)",
     )
     p.add_argument(
         "--quantize-ignore",

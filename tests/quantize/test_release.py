@@ -182,3 +182,55 @@ def test_sigkill_midway_then_resume_bit_identical(
     for name in names:
         if name.endswith(".safetensors") or name.endswith("config.json"):
             assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def test_fp8_dynamic_release_is_bit_exact_and_loads(
+    run_dir: Path, outputs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`--quantize fp8-dynamic`: every linear weight (k_proj and v_proj too: per-channel scales
+    take any shape) bit-exact against compressed-tensors applied to the fp32 masters, the
+    `quantization_config` its `ModelCompressor` writes, verify's checks, and transformers
+    loading it on CPU through compressed-tensors (decompressed on the first forward)."""
+    from tests.quantize.test_fp8_dynamic import reference_compress
+
+    out = tmp_path / "fp8-dynamic"
+    options = ConvertOptions(dtype="bf16", quantize="fp8-dynamic", direct=True)
+    assert convert_checkpoint(str(run_dir / "ckpt"), str(out), options).status == "converted"
+    masters = load_file(str(outputs["fp32"] / "model.safetensors"))
+    ours = load_file(str(out / "model.safetensors"))
+    linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name, master in masters.items():
+        if not any(p in name for p in linear):
+            assert torch.equal(ours[name], master.bfloat16()), name
+            continue
+        want = reference_compress(master)
+        assert ours[name].view(torch.uint8).equal(want["weight"].view(torch.uint8)), name
+        got_scale = ours[f"{name}_scale"]
+        assert got_scale.view(torch.int32).equal(want["weight_scale"].view(torch.int32)), name
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "float-quantized" and config["ignore"] == [
+        "model.embed_tokens", "lm_head"
+    ]  # fmt: skip
+    report = verify_output(str(out), against=str(run_dir / "ckpt"))
+    assert report["ok"], report["failures"]
+    assert report["quantized"]["tensors"] == 2 * len(linear)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(str(outputs["bf16"])).eval()
+    input_ids = torch.arange(4, 4 + 2 * 11).reshape(2, 11) % 53
+    with torch.no_grad():
+        got = model(input_ids=input_ids).logits.float()
+        want_logits = bf16(input_ids=input_ids).logits.float()
+    assert (got - want_logits).abs().max() <= 0.1 * want_logits.abs().max()
+    # Decompressed by the first forward: compressed-tensors' own dequantization, with the
+    # float32 scales in the model's dtype (bf16, from config.json), as transformers loads them
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+
+    from tests.quantize.test_fp8_dynamic import SCHEME
+
+    state = model.state_dict()
+    for name, weight in ours.items():
+        if weight.dtype == torch.float8_e4m3fn:
+            scale = ours[f"{name}_scale"].to(state[name].dtype)
+            state_dict = {"weight": weight, "weight_scale": scale}
+            want = FloatQuantizationCompressor.decompress(state_dict, SCHEME)["weight"]
+            assert state[name].equal(want), name

@@ -112,9 +112,10 @@ def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
         for name, owner, d in zip(names, owners, dtypes, strict=True)
     ]
     dtypes = [FP8_DTYPE if q else d for q, d in zip(quantized, dtypes, strict=True)]
+    scheme = options.quantize or ""
     sizes = [
         math.prod(layout.tensors[o].shape) * dtype_info(d).itemsize
-        + (math.prod(scale_shape(layout.tensors[o].shape)) * 4 if q else 0)
+        + (math.prod(scale_shape(scheme, layout.tensors[o].shape)) * 4 if q else 0)
         for o, d, q in zip(owners, dtypes, quantized, strict=True)
     ]  # a quantized weight and its scale go to one file: sized together
     # PEFT loads an adapter from one file: never sharded
@@ -134,7 +135,8 @@ def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
         if q:  # its scales, written by the merge right after the weight (`zerosafe.quantize`)
             specs.append(
                 TensorSpec(
-                    index=len(specs), name=scale_name(name), shape=scale_shape(specs[-1].shape),
+                    index=len(specs), name=scale_name(scheme, name),
+                    shape=scale_shape(scheme, specs[-1].shape),
                     role=SCALE_ROLE, src_dtype=SCALE_DTYPE, out_dtype=SCALE_DTYPE, shard=shard,
                 )
             )  # fmt: skip
@@ -355,9 +357,10 @@ def _plan_quantization(plan: Plan, layout: SourceLayout, options: ConvertOptions
     """Record the release's `quantization_config` (`plan.quantization`, written into the
     copied `config.json`) and say in the notes what was quantized and what was not, and why.
 
-    `modules_to_not_convert` lists the module of every 2-D weight left unquantized (tied
-    aliases included), so a loader never expects FP8 where the file holds `dtype`; the
-    reference drops its default skips (`lm_head`) once the list is given, so it is complete.
+    `modules_to_not_convert` (compressed-tensors: `ignore`) lists the module of every 2-D
+    weight left unquantized (tied aliases included), so a loader never expects FP8 where the
+    file holds `dtype`; transformers drops its default skips (`lm_head`) once the list is
+    given, so it is complete.
     """
     assert options.quantize is not None
     quantized = [t for t in plan.tensors if t.out_dtype == FP8_DTYPE]
@@ -385,7 +388,7 @@ def _plan_quantization(plan: Plan, layout: SourceLayout, options: ConvertOptions
     plan.notes.append(
         f"{len(quantized)} weight(s) quantized to {options.quantize} "
         f"({stored_bits / params if params else 0:.3f} bits per parameter with their scales); "
-        f"{len(modules)} module(s) left in {options.dtype} (`modules_to_not_convert`)"
+        f"{len(modules)} module(s) left in {options.dtype} (listed in `quantization_config`)"
     )
     for why, names in skipped.items():
         plan.notes.append(

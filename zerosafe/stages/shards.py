@@ -28,7 +28,7 @@ from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, r
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, PositionalSink, Storage, join_url
 from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, Slot, TensorSpec
-from zerosafe.quantize import FP8_BLOCK, FP8_DTYPE, quantize_band
+from zerosafe.quantize import BAND_ROWS, FP8_DTYPE, quantize_band
 from zerosafe.stages.results import ExtractResult, MergeResult
 from zerosafe.stages.streaming import CopyJob, copy_in_streams, copy_stream, fusable
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
@@ -381,11 +381,11 @@ def _quantize_tensor(
     ledger: CrcLedger,
     on_bytes: Callable[[int], None] | None,
 ) -> int:
-    """Write weight `tensor` (the `ordinal`-th of the file) in FP8 blocks and its scales after
-    it: each band of 128 rows is read from the fragments that cover it (CRC'd as any read),
-    widened to float32, quantized (`zerosafe.quantize.quantize_band`) and written; the band's
-    scales are kept (one float32 per block) until the weight is done. Holds one band of float32
-    (`512 * cols` bytes) at a time.
+    """Write weight `tensor` (the `ordinal`-th of the file) in FP8 (`--quantize`'s scheme)
+    and its scales after it: each band of 128 rows is read from the fragments that cover it
+    (CRC'd as any read), widened to float32, quantized (`zerosafe.quantize.quantize_band`)
+    and written; the band's scales (one float32 per block or row) are kept until the weight
+    is done. Holds one band of float32 (`512 * cols` bytes) at a time.
 
     Returns:
         Bytes read.
@@ -394,12 +394,13 @@ def _quantize_tensor(
 
     rows, cols = tensor.shape
     fragments = plan.fragments.for_tensor(tensor.index)
-    band = torch.empty(FP8_BLOCK * cols, dtype=torch.float32)
+    scheme = str(plan.options["quantize"])
+    band = torch.empty(BAND_ROWS * cols, dtype=torch.float32)
     band_bytes = band.numpy().data.cast("B")
     scales = []
     read = 0
-    for first_row in range(0, rows, FP8_BLOCK):
-        lo, hi = first_row * cols, min(rows, first_row + FP8_BLOCK) * cols
+    for first_row in range(0, rows, BAND_ROWS):
+        lo, hi = first_row * cols, min(rows, first_row + BAND_ROWS) * cols
         for slot_index, src_offset, numel, dst in fragments:
             start, end = max(lo, dst), min(hi, dst + numel)
             if start >= end:
@@ -422,10 +423,10 @@ def _quantize_tensor(
                 read += seg.nbytes
                 if on_bytes is not None:
                     on_bytes(seg.nbytes)
-        quantized = quantize_band(band[: hi - lo].view(-1, cols))
+        quantized = quantize_band(scheme, band[: hi - lo].view(-1, cols))
         writer.write(ordinal, quantized.data)
         scales.append(quantized.scales)
-    writer.write(ordinal + 1, torch.stack(scales).numpy().tobytes())
+    writer.write(ordinal + 1, torch.cat(scales).numpy().tobytes())
     return read
 
 

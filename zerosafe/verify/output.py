@@ -26,7 +26,7 @@ from zerosafe.errors import CheckpointFormatError, ConversionError
 from zerosafe.io.lease import DESTINATION_LEASE_NAME
 from zerosafe.io.storage import Storage, join_url, normalize_url
 from zerosafe.plan.adapter import ADAPTER_WEIGHTS_NAME, adapter_layout, read_adapter_config
-from zerosafe.quantize import FP8_DTYPE, SCALE_SUFFIX
+from zerosafe.quantize import FP8_DTYPE, SCALE_SUFFIXES
 from zerosafe.stages.model_files import sha256_of
 from zerosafe.stages.output import (
     INDEX_NAME,
@@ -593,8 +593,11 @@ def _check_coverage(
 def _is_scale_of(name: str, stored: dict[str, tuple[str, dict[str, Any]]]) -> bool:
     """Whether `name` is the scales of a stored quantized weight (`--quantize`), which the
     conversion computes: checked by `zerosafe.verify.quantized`, not found in a checkpoint."""
-    weight = stored.get(name.removesuffix(SCALE_SUFFIX)) if name.endswith(SCALE_SUFFIX) else None
-    return weight is not None and weight[1]["dtype"] == FP8_DTYPE
+    for suffix in SCALE_SUFFIXES.values():
+        weight = stored.get(name.removesuffix(suffix)) if name.endswith(suffix) else None
+        if weight is not None and weight[1]["dtype"] == FP8_DTYPE:
+            return True
+    return False
 
 
 def _identity_word(recorded: str | None, content: str) -> str:

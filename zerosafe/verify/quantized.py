@@ -1,10 +1,11 @@
-"""Checks of quantized weights (`--quantize fp8-block`, `zerosafe.quantize`) that need no
-source: each `F8_E4M3` weight has its `_scale_inv` tensor in the same file, of the block grid's
-shape, every scale finite and positive; and the bits per parameter the file's quantized weights
+"""Checks of quantized weights (`--quantize`, `zerosafe.quantize`) that need no source: each
+`F8_E4M3` weight has its scales in the same file (`_scale_inv` of the 128x128 block grid's
+shape, or `_scale` `[rows, 1]`), every scale finite and positive; and the bits per parameter the file's quantized weights
 take with their scales. With the source (`verify --against`), `within_rounding_bound` checks
 dequantized values against the master weights.
 
-Format: transformers' fine-grained FP8 (`transformers/integrations/finegrained_fp8.py`).
+Formats: transformers' fine-grained FP8 (`transformers/integrations/finegrained_fp8.py`),
+compressed-tensors' `float-quantized`.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from zerosafe.io.storage import ByteSource
-from zerosafe.quantize import FP8_BLOCK, SCALE_SUFFIX
+from zerosafe.quantize import SCALE_SUFFIXES, expected_scale_shape
 
-__all__ = ["check_quantized", "within_rounding_bound"]
+__all__ = ["check_quantized", "find_scale", "within_rounding_bound"]
 
 _E4M3_MIN_NORMAL_EXPONENT = -6
 """e4m3's smallest normal value is 2^-6; below it the step is the subnormals' 2^-9."""
@@ -35,12 +36,13 @@ def check_quantized(
         if entry["dtype"] != "F8_E4M3":
             continue
         shape = list(entry["shape"])
-        scale = header.get(name + SCALE_SUFFIX)
-        grid = [-(-n // FP8_BLOCK) for n in shape]
+        suffix = find_scale(name, header)
+        scale = header.get(name + suffix)
+        grid = expected_scale_shape(suffix, shape)
         if scale is None or scale["dtype"] != "F32" or list(scale["shape"]) != grid:
             found = "none" if scale is None else f"{scale['dtype']} {list(scale['shape'])}"
             failures.append(
-                (name, f"expected '{name}{SCALE_SUFFIX}' F32 {grid} beside it, found "
+                (name, f"expected '{name}{suffix}' F32 {grid} beside it, found "
                  f"{found}; loaders would read the FP8 values unscaled. Convert again")
             )  # fmt: skip
             continue
@@ -49,7 +51,7 @@ def check_quantized(
         bad = int(np.count_nonzero(~(np.isfinite(values) & (values > 0))))
         if bad:
             failures.append(
-                (name + SCALE_SUFFIX, f"{bad} of {values.size} scale(s) not finite and "
+                (name + suffix, f"{bad} of {values.size} scale(s) not finite and "
                  "positive (a block of non-finite or denormal values); the block cannot be "
                  "dequantized")
             )  # fmt: skip
@@ -59,24 +61,25 @@ def check_quantized(
     return failures, ({"tensors": tensors, "params": params, "bytes": nbytes} if tensors else {})
 
 
-def within_rounding_bound(
-    quantized: bytes, scales: Any, master: Any, elements: Any, cols: int
-) -> bool:
-    """Whether FP8 bytes `quantized` of elements `elements` (flat indices of a `[rows, cols]`
-    weight) are each within e4m3's rounding bound of `master` (float32, the same elements)
-    scaled by its block's scale (`1 / scales`, float32 `[rows / 128, cols / 128]`): half a
-    step of e4m3 at the scaled value (`2^(e - 4)` for a value in `[2^e, 2^(e + 1))`, `2^-10`
-    among the subnormals), plus the float32 rounding of the scale. A value one step off fails;
-    NaN matches NaN."""
+def find_scale(name: str, header: dict[str, Any]) -> str:
+    """The suffix of weight `name`'s scales in `header` (`_scale_inv` or `_scale`; the first
+    where there is none)."""
+    found = [s for s in SCALE_SUFFIXES.values() if name + s in header]
+    return found[0] if found else next(iter(SCALE_SUFFIXES.values()))
+
+
+def within_rounding_bound(quantized: bytes, scales: Any, master: Any) -> bool:
+    """Whether FP8 bytes `quantized` are each within e4m3's rounding bound of `master` (the
+    same elements, float32) divided by its scale (`scales`, one per element: its block's
+    `weight_scale_inv` or its row's `weight_scale`): half a step of e4m3 at the scaled value
+    (`2^(e - 4)` for a value in `[2^e, 2^(e + 1))`, `2^-10` among the subnormals), plus the
+    float32 rounding of the scale. A value one step off fails; NaN matches NaN."""
     import ml_dtypes
     import numpy as np
 
     q = np.frombuffer(quantized, dtype=ml_dtypes.float8_e4m3fn).astype(np.float64)
-    inv = np.asarray(scales, dtype=np.float64)[
-        elements // cols // FP8_BLOCK, elements % cols // FP8_BLOCK
-    ]
     with np.errstate(divide="ignore", invalid="ignore"):
-        x = np.asarray(master, dtype=np.float64) / inv
+        x = np.asarray(master, dtype=np.float64) / np.asarray(scales, dtype=np.float64)
     _, exponent = np.frexp(np.abs(x))  # |x| = m * 2^exponent, m in [0.5, 1)
     exponent = np.where(x == 0, _E4M3_MIN_NORMAL_EXPONENT, exponent - 1)
     exponent = np.maximum(exponent, _E4M3_MIN_NORMAL_EXPONENT)

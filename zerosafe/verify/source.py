@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from zerosafe.cast import cast_bytes
 from zerosafe.dtypes import dtype_info
 from zerosafe.io.storage import ByteSource, Storage, join_url
-from zerosafe.quantize import FP8_DTYPE, SCALE_SUFFIX
+from zerosafe.quantize import FP8_BLOCK, FP8_DTYPE, SCALE_SUFFIXES
 from zerosafe.verify.tensors import Failure, parse_safetensors_header
 
 if TYPE_CHECKING:
@@ -133,9 +133,10 @@ def _within_bound(
     the weight's scales are missing."""
     import numpy as np
 
-    from zerosafe.verify.quantized import within_rounding_bound
+    from zerosafe.verify.quantized import find_scale, within_rounding_bound
 
-    scale = entries.get(name + SCALE_SUFFIX)
+    suffix = find_scale(name, entries)
+    scale = entries.get(name + suffix)
     if scale is None or len(shape) != 2:
         return False
     begin, end = scale["data_offsets"]
@@ -145,4 +146,9 @@ def _within_bound(
     ).reshape(grid)
     master = np.frombuffer(cast_bytes(raw, src_dtype, "float32"), dtype="<f4")
     elements = np.arange(dst_offset, dst_offset + len(got))
-    return within_rounding_bound(got, scales, master, elements, shape[1])
+    rows, cols = elements // shape[1], elements % shape[1]
+    if suffix == SCALE_SUFFIXES["fp8-block"]:
+        per_element = scales[rows // FP8_BLOCK, cols // FP8_BLOCK]
+    else:
+        per_element = scales[rows, 0]
+    return within_rounding_bound(got, per_element, master)
