@@ -203,3 +203,19 @@ def test_dequantized_values_within_e4m3_rounding_bound_and_a_changed_step_is_not
         one_step = bytearray(band.data)
         one_step[at] = (one_step[at] & 0x80) | ((one_step[at] & 0x7F) ^ 1)  # a neighbour
         assert not within_rounding_bound(bytes(one_step), scales, master), at
+
+
+def test_quantize_options_cross_the_flow_edge_unchanged(tmp_path: Path) -> None:
+    """The command's `--quantize` and `--quantize-ignore` reach the flow's job config as the
+    same `ConvertOptions` (the one field list: command, flow parameters, engine)."""
+    from zerosafe_app.cli import _options, _parser
+    from zerosafe_app.flows.config import flow_parameters, load_job_config
+
+    argv = ["convert", "/ckpt", str(tmp_path / "out"), "--dtype", "bf16", "--quantize",
+            "fp8-dynamic", "--quantize-ignore", "down_proj", "--quantize-ignore", "o_proj"]  # fmt: skip
+    args = _parser().parse_args(argv)
+    options = _options(args)
+    assert options.quantize == "fp8-dynamic"
+    assert options.quantize_ignore == ("down_proj", "o_proj")
+    params = flow_parameters("/ckpt", str(tmp_path / "out"), options, mode=args.mode)
+    assert load_job_config(None, **params).options() == options

@@ -75,7 +75,9 @@ def outputs(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     }
 
 
-def test_every_quantized_tensor_and_scale_is_bit_exact(outputs: dict[str, Path]) -> None:
+def test_every_quantized_tensor_and_scale_is_bit_exact(
+    outputs: dict[str, Path], tmp_path: Path
+) -> None:
     masters = load_file(str(outputs["fp32"] / "model.safetensors"))
     ours = load_file(str(outputs["fp8"] / "model.safetensors"))
     quantized = 0
@@ -105,6 +107,11 @@ def test_every_quantized_tensor_and_scale_is_bit_exact(outputs: dict[str, Path])
             "model.layers.1.self_attn.v_proj", "lm_head",
         ],
     }  # fmt: skip
+    staged = tmp_path / "staged"  # from the intermediates an extract writes: the same bytes
+    options = ConvertOptions(dtype="bf16", quantize="fp8-block", direct=False)
+    convert_checkpoint(str(outputs["ckpt"]), str(staged), options)
+    for name in ("model.safetensors", "config.json"):
+        assert (staged / name).read_bytes() == (outputs["fp8"] / name).read_bytes(), name
     report = verify_output(str(outputs["fp8"]), against=str(outputs["ckpt"]))
     assert report["ok"], report["failures"]
     assert report["against"]["values_sampled"] > 0
