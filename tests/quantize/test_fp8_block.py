@@ -219,3 +219,20 @@ def test_quantize_options_cross_the_flow_edge_unchanged(tmp_path: Path) -> None:
     assert options.quantize_ignore == ("down_proj", "o_proj")
     params = flow_parameters("/ckpt", str(tmp_path / "out"), options, mode=args.mode)
     assert load_job_config(None, **params).options() == options
+
+
+def test_a_band_that_does_not_fit_the_memory_budget_is_refused_at_plan_time() -> None:
+    """A band of 128 rows is what a quantizing merge holds (`BAND_BYTES_PER_COLUMN` a column):
+    a weight too wide for a task's share of `memory` is refused before anything is written."""
+    memory = 40 * 2**20  # the smallest budget: one task of 40 MiB, 20480 columns at most
+    for cols, fits in ((16384, True), (24576, False)):
+        layout = _layout(
+            {"m.weight": _tensor("m.weight", (128, cols), ((0, 0, 128 * cols, 0),))},
+            [_slot(0, 0, 128 * cols)],
+        )
+        options = ConvertOptions(dtype="bf16", quantize="fp8-block", memory=memory)
+        if fits:
+            assert plan_layout(layout, options).tensors[0].out_dtype == "float8_e4m3fn"
+            continue
+        with pytest.raises(ConfigError, match=r"'m.weight' \[128, 24576\] a band of 128 rows"):
+            plan_layout(layout, options)

@@ -35,6 +35,7 @@ from zerosafe.plan.model import (
     shard_file_name,
 )
 from zerosafe.quantize import (
+    BAND_BYTES_PER_COLUMN,
     FP8_DTYPE,
     SCALE_DTYPE,
     quantization_config,
@@ -357,6 +358,10 @@ def _plan_quantization(plan: Plan, layout: SourceLayout, options: ConvertOptions
     """Record the release's `quantization_config` (`plan.quantization`, written into the
     copied `config.json`) and say in the notes what was quantized and what was not, and why.
 
+    Raises:
+        ConfigError: If one band of the widest quantized weight does not fit a task's share
+            of `memory` (`zerosafe.quantize.BAND_BYTES_PER_COLUMN`).
+
     `modules_to_not_convert` (compressed-tensors: `ignore`) lists the module of every 2-D
     weight left unquantized (tied aliases included), so a loader never expects FP8 where the
     file holds `dtype`; transformers drops its default skips (`lm_head`) once the list is
@@ -364,6 +369,16 @@ def _plan_quantization(plan: Plan, layout: SourceLayout, options: ConvertOptions
     """
     assert options.quantize is not None
     quantized = [t for t in plan.tensors if t.out_dtype == FP8_DTYPE]
+    widest = max(quantized, key=lambda t: t.shape[1], default=None)
+    if widest is not None and widest.shape[1] * BAND_BYTES_PER_COLUMN > options.task_memory_bytes:
+        need = widest.shape[1] * BAND_BYTES_PER_COLUMN
+        raise ConfigError(
+            f"{layout.where}: `quantize` reads '{widest.name}' {list(widest.shape)} a band of "
+            f"128 rows at a time, which holds about {need} bytes, more than the "
+            f"{options.task_memory_bytes} bytes one task may hold under `memory` "
+            f"{options.memory}; raise `memory` (about {need * options.parallel_tasks} bytes "
+            "at this parallelism) or lower `max_parallel_tasks`"
+        )
     skipped: dict[str, list[str]] = {}
     modules = []
     for t in plan.tensors:
