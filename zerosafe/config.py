@@ -233,6 +233,12 @@ class ConvertOptions:
                 "`quantize` writes a quantized model release, `adapter` a PEFT adapter that "
                 "PEFT loads in full precision; give one or the other"
             )
+        if not self.copy_model_files:
+            raise ConfigError(
+                f"`quantize` {self.quantize} writes its `quantization_config` into the copied "
+                "config.json (without it loaders read the FP8 weights unscaled), and with "
+                "`copy_model_files` nothing is copied; drop it"
+            )
         if self.dtype == "float16":
             raise ConfigError(
                 f"`quantize` {self.quantize} keeps its unquantized tensors in bf16 or fp32, as "

@@ -145,6 +145,7 @@ def test_options_refused(kw: dict[str, object], why: str) -> None:
         ["--to", "dcp", "--dtype", "fp32", "--quantize", "fp8-block"],
         ["--quantize", "fp8-block", "--adapter"],
         ["--quantize", "fp8-block", "--dtype", "fp16"],
+        ["--quantize", "fp8-dynamic", "--no-model-files"],
     ],
 )
 def test_cli_refuses_in_one_line(

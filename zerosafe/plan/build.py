@@ -358,14 +358,14 @@ def _plan_quantization(plan: Plan, layout: SourceLayout, options: ConvertOptions
     """Record the release's `quantization_config` (`plan.quantization`, written into the
     copied `config.json`) and say in the notes what was quantized and what was not, and why.
 
-    Raises:
-        ConfigError: If one band of the widest quantized weight does not fit a task's share
-            of `memory` (`zerosafe.quantize.BAND_BYTES_PER_COLUMN`).
-
     `modules_to_not_convert` (compressed-tensors: `ignore`) lists the module of every 2-D
     weight left unquantized (tied aliases included), so a loader never expects FP8 where the
     file holds `dtype`; transformers drops its default skips (`lm_head`) once the list is
     given, so it is complete.
+
+    Raises:
+        ConfigError: If one band of the widest quantized weight does not fit a task's share
+            of `memory` (`zerosafe.quantize.BAND_BYTES_PER_COLUMN`).
     """
     assert options.quantize is not None
     quantized = [t for t in plan.tensors if t.out_dtype == FP8_DTYPE]

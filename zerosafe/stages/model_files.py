@@ -442,7 +442,8 @@ def model_files_report(
     """Plan-time notes and warnings about the model files a job copies.
 
     Raises:
-        ConfigError: If a folder named by `model_files` is missing or holds no model file.
+        ConfigError: If a folder named by `model_files` is missing or holds no model file,
+            or `quantize` finds no config.json to write its `quantization_config` into.
         CheckpointFormatError: If its `config.json` is not a JSON object.
     """
     folder = model_files_folder(source, options)
@@ -456,6 +457,12 @@ def model_files_report(
             f"(as save_pretrained writes), but it {what}; pass the folder holding them, or "
             "`--no-model-files`"
         )
+    if options.quantize is not None and "config.json" not in names:
+        raise ConfigError(
+            f"{folder}: `quantize` {options.quantize} writes its `quantization_config` into the "
+            "model's config.json, found none to copy (without it loaders read the FP8 weights "
+            "unscaled); pass `--model-files DIR` with the model's config.json"
+        )
     if not names:
         return [
             f"no config.json or tokenizer files in {folder} to copy; from_pretrained needs a "
@@ -463,14 +470,7 @@ def model_files_report(
         ], skipped
     notes = [f"copies {len(names)} model file(s) from {folder}: {', '.join(names)}"]
     if "config.json" not in names:
-        if options.quantize is not None:
-            skipped = [
-                *skipped,
-                f"no config.json in {folder}: the `quantization_config` of the {options.quantize} "
-                "weights has nowhere to go, and loaders would read the FP8 weights without their "
-                "scales; pass `--model-files DIR` with the model's config.json",
-            ]
-        elif not options.adapter:  # an adapter loads onto the base model, with its config
+        if not options.adapter:  # an adapter loads onto the base model, with its config
             notes.append(f"no config.json in {folder}; from_pretrained needs one")
         return notes, skipped
     where = join_url(folder, "config.json")
