@@ -1,7 +1,7 @@
 """Weight-only quantization on the way out (`--quantize`): FP8 with 128x128 block scales
 (`fp8-block`) or with one scale per output channel (`fp8-dynamic`).
 
-The format is the one transformers' fine-grained FP8 quantizer writes (`Fp8Quantize` in
+`fp8-block` is the format transformers' fine-grained FP8 quantizer writes (`Fp8Quantize` in
 `transformers/integrations/finegrained_fp8.py`; the layout of the DeepSeek-V3 and Qwen FP8
 releases, which vLLM and SGLang load): a 2-D weight whose rows and columns both divide by 128
 becomes `float8_e4m3fn` (safetensors `F8_E4M3`), and beside it `<module>.weight_scale_inv`,
@@ -9,7 +9,8 @@ float32, one value per 128x128 block (`[rows / 128, cols / 128]`). Per block, in
 `amax = max|w|`, `scale = 448 / amax` (448: the largest finite e4m3fn value), `inv = 1 / scale`
 (stored), `q = e4m3fn(clamp(w * scale, -448, 448))`, rounded to nearest even; an all-zero
 block gets `scale = inv = 1`. A weight whose shape does not divide by the block is left as it
-is, as the reference leaves it; the plan lists it in `modules_to_not_convert`.
+is, as the reference leaves it; the plan lists it in `modules_to_not_convert`. A scheme that
+needs the whole tensor first (NVFP4's global scale) is not here yet.
 
 `fp8-dynamic` is compressed-tensors' `float-quantized` format, as llm-compressor's
 `FP8_DYNAMIC` scheme writes it (`compressed_tensors.quantization.utils.helpers.calculate_qparams`
