@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from zerosafe.dtypes import output_dtype
+from zerosafe.dtypes import dtype_info, output_dtype
 from zerosafe.errors import ConfigError
 
 __all__ = [
@@ -143,6 +143,15 @@ class ConvertOptions:
     `adapter_model.safetensors` with PEFT's names, one file, no base-model tensor, and
     `adapter_config.json` copied from the model-files folder."""
 
+    quantize: str | None = None
+    """Write the weights quantized in this scheme (`fp8-block`, `fp8-dynamic`:
+    `zerosafe.quantize`); the tensors left unquantized (`quantize_skip_reason`) take `dtype`.
+    None: no quantization."""
+    quantize_ignore: tuple[str, ...] = ()
+    """Regular expressions on tensor names (`re.search`): matching weights stay unquantized,
+    and their modules are listed in `quantization_config` (`modules_to_not_convert`, or
+    `ignore` for compressed-tensors)."""
+
     select: tuple[str, ...] = ()
     """PyTorch DCP: key prefixes to convert (`model`, `optim.state`); a prefix matches whole
     dotted components; dots around a prefix are ignored (`model.` is `model`) and one that is
@@ -172,6 +181,7 @@ class ConvertOptions:
                     f"`keep_fp32` pattern '{pattern}' is not a regular expression ({e}); "
                     "quote it for the shell, e.g. 'router|norm'"
                 ) from e
+        self._check_quantize()
         if self.model_files is not None:
             from zerosafe.io.storage import normalize_url
 
@@ -201,6 +211,72 @@ class ConvertOptions:
                 f"bytes ({floor // 2**20} MiB) that one task needs; give at least "
                 f"{floor // 2**20}MiB"
             )
+
+    def _check_quantize(self) -> None:
+        """Refuse a `quantize` option the output cannot carry, before any I/O."""
+        from zerosafe.quantize import QUANTIZE_SCHEMES
+
+        object.__setattr__(self, "quantize_ignore", tuple(self.quantize_ignore))
+        if self.quantize is None:
+            if self.quantize_ignore:
+                raise ConfigError(
+                    "`quantize_ignore` names weights to leave unquantized, but `quantize` is "
+                    "not given; add `quantize` (fp8-block, fp8-dynamic) or drop `quantize_ignore`"
+                )
+            return
+        if self.quantize not in QUANTIZE_SCHEMES:
+            raise ConfigError(
+                f"`quantize` must be one of {', '.join(QUANTIZE_SCHEMES)} (got '{self.quantize}')"
+            )
+        if self.adapter:
+            raise ConfigError(
+                "`quantize` writes a quantized model release, `adapter` a PEFT adapter that "
+                "PEFT loads in full precision; give one or the other"
+            )
+        if not self.copy_model_files:
+            raise ConfigError(
+                f"`quantize` {self.quantize} writes its `quantization_config` into the copied "
+                "config.json (without it loaders read the FP8 weights unscaled), and with "
+                "`copy_model_files` nothing is copied; drop it"
+            )
+        if self.dtype == "float16":
+            raise ConfigError(
+                f"`quantize` {self.quantize} keeps its unquantized tensors in bf16 or fp32, as "
+                "the reference releases do, not in fp16 (`dtype` fp16); use `dtype` bf16"
+            )
+        for pattern in self.quantize_ignore:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ConfigError(
+                    f"`quantize_ignore` pattern '{pattern}' is not a regular expression ({e}); "
+                    "quote it for the shell, e.g. 'mlp\\.down_proj'"
+                ) from e
+
+    def quantize_skip_reason(self, name: str, shape: tuple[int, ...], dtype: str) -> str | None:
+        """Why the floating tensor `name` is not quantized under `quantize`, or None when it
+        is: the one place that decides (the plan asks it for every tensor).
+
+        Left unquantized, as the reference recipes leave them: anything but a 2-D `*.weight`
+        (biases, norms, buffers), embeddings, the output head, norms and MoE routers/gates
+        (`zerosafe.quantize.SKIPPED_MODULE`), weights named by `quantize_ignore` or kept in
+        float32 by `keep_fp32`, and (`fp8-block`) weights whose shape does not divide into
+        blocks."""
+        from zerosafe.quantize import SKIPPED_MODULE, block_skip_reason
+
+        if self.quantize is None:
+            return "no `quantize`"
+        if not dtype_info(dtype).is_floating:
+            return f"a {dtype} tensor"
+        if not name.endswith(".weight") or len(shape) != 2:
+            return "not a 2-D weight"
+        if SKIPPED_MODULE.search(name.removesuffix(".weight")):
+            return "an embedding, output head, norm or router, never quantized"
+        if any(re.search(p, name) for p in self.quantize_ignore):
+            return "matches `quantize_ignore`"
+        if self.keeps_fp32(name):
+            return "kept in float32 (`keep_fp32`)"
+        return block_skip_reason(self.quantize, shape)
 
     @property
     def parallel_tasks(self) -> int:
@@ -244,6 +320,9 @@ class ConvertOptions:
             ident["strip_prefix"] = self.strip_prefix
         if self.adapter:
             ident["adapter"] = True
+        if self.quantize is not None:
+            ident["quantize"] = self.quantize
+            ident["quantize_ignore"] = list(self.quantize_ignore)
         # Not the model files: which are copied is checked apart, file by file, so changing
         # them (or `--model-files`) only copies again instead of converting again.
         return ident

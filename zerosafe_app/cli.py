@@ -116,6 +116,8 @@ _FLAG_OF_FIELD = {
     "`model_files`": "`--model-files`",
     "`copy_model_files`": "`--no-model-files`",
     "`adapter`": "`--adapter`",
+    "`quantize_ignore`": "`--quantize-ignore`",
+    "`quantize`": "`--quantize`",
     "`check_lowp`": "`--check-lowp`",
     "`select`": "`--select`",
     "`strip_prefix`": "`--strip-prefix`",
@@ -224,6 +226,23 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="write the PEFT adapter the checkpoint holds: adapter_model.safetensors with "
         "PEFT's names and adapter_config.json, for PeftModel.from_pretrained(base, OUT)",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["fp8-block", "fp8-dynamic"],
+        help="write the weights quantized: fp8-block is float8_e4m3fn with a float32 "
+        "weight_scale_inv per 128x128 block, as transformers' fine-grained FP8 writes it; "
+        "fp8-dynamic is compressed-tensors' float-quantized (a float32 weight_scale per "
+        "output channel), as llm-compressor's FP8_DYNAMIC writes it (embeddings, lm_head, "
+        "norms, routers stay in --dtype)",
+    )
+    p.add_argument(
+        "--quantize-ignore",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="with --quantize: leave weights whose name matches this regular expression "
+        "(re.search) unquantized, e.g. 'layers\\.0\\.' (repeatable)",
     )
     _add_storage_option(p)
 
@@ -456,6 +475,8 @@ def _options(args: argparse.Namespace) -> ConvertOptions:
             model_files=args.model_files,
             copy_model_files=args.copy_model_files,
             adapter=getattr(args, "adapter", False),
+            quantize=getattr(args, "quantize", None),
+            quantize_ignore=tuple(getattr(args, "quantize_ignore", None) or ()),
             max_parallel_tasks=getattr(args, "parallel", 2),
             select=tuple(getattr(args, "select", None) or ()),
             strip_prefix=getattr(args, "strip_prefix", None),

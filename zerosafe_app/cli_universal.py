@@ -49,6 +49,11 @@ def check_universal_args(args: argparse.Namespace) -> None:
     to = f"`--to {args.to}`"
     if args.to != "dcp" and args.dcp_layout != "torch":
         raise ConfigError("`--dcp-layout` applies only with `--to dcp`")
+    if getattr(args, "quantize", None) or getattr(args, "quantize_ignore", None):
+        raise ConfigError(
+            f"`--quantize` does not apply with {to}: training state keeps the float32 masters "
+            "and Adam moments exact; quantize a `--to safetensors` release instead"
+        )
     if args.dtype != "fp32":
         raise ConfigError(
             f"`--dtype` does not apply with {to}: it writes the float32 masters and Adam "

@@ -4,7 +4,8 @@ generation config and a tokenizer into CKPT_DIR, the folder above the tag.
 
 Run by `tests/deepspeed_gen/__init__.py` (`train_checkpoint(spec, dest, script=HF_SCRIPT)`) as
     DS_ACCELERATOR=cpu torchrun --nproc_per_node WS train_hf.py SPEC.json CKPT_DIR LIVE.safetensors
-SPEC keys: arch (llama|gpt2), stage, precision (bf16|fp32), steps, world_size.
+SPEC keys: arch (llama|gpt2), stage, precision (bf16|fp32), steps, world_size, and optionally
+dims (the Llama's sizes, `build_model`).
 LIVE gets the live weights at save time (gathered) and LIVE's sibling `live-logits.safetensors`
 the logits the live engine computes, in eval mode, on `input_ids` (saved beside them).
 
@@ -32,16 +33,19 @@ import torch
 VOCAB = 53
 
 
-def build_model(arch: str):
+def build_model(arch: str, dims: dict | None = None):
     """A tiny Llama-style (untied head) or GPT-2-style (tied embeddings) model from a config.
-    Odd dims, so ZeRO's flat partitions need padding and params straddle ranks."""
+    Odd dims, so ZeRO's flat partitions need padding and params straddle ranks; `dims`
+    (SPEC's `dims`) overrides the Llama's `hidden_size`, `intermediate_size`,
+    `num_attention_heads`, `num_key_value_heads` (the FP8 block tests need multiples of 128)."""
     if arch == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        shape = {"hidden_size": 24, "intermediate_size": 37, "num_attention_heads": 2,
+                 "num_key_value_heads": 1, **(dims or {})}  # fmt: skip
         config = LlamaConfig(
-            vocab_size=VOCAB, hidden_size=24, intermediate_size=37, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-            bos_token_id=2, eos_token_id=3, pad_token_id=1,
+            vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=32,
+            bos_token_id=2, eos_token_id=3, pad_token_id=1, **shape,
         )  # fmt: skip
         return LlamaForCausalLM(config)
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -75,7 +79,7 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")
     rank = int(os.environ.get("RANK", 0))
     torch.manual_seed(spec.get("seed", 11))
-    model = build_model(spec["arch"])
+    model = build_model(spec["arch"], spec.get("dims"))
     zero = {"stage": spec["stage"]}
     if spec["stage"] == 3:
         zero["stage3_param_persistence_threshold"] = 0

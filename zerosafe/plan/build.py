@@ -24,6 +24,7 @@ from zerosafe.plan.adapter import (
     read_adapter_config,
 )
 from zerosafe.plan.model import (
+    SCALE_ROLE,
     ExtractPart,
     FragmentTable,
     Plan,
@@ -32,6 +33,14 @@ from zerosafe.plan.model import (
     TensorSpec,
     job_key_of,
     shard_file_name,
+)
+from zerosafe.quantize import (
+    BAND_BYTES_PER_COLUMN,
+    FP8_DTYPE,
+    SCALE_DTYPE,
+    quantization_config,
+    scale_name,
+    scale_shape,
 )
 
 __all__ = ["assign_shards", "output_dtype", "plan_checkpoint", "plan_layout", "plan_parts"]
@@ -99,21 +108,41 @@ def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
     _check_output_names(layout, names)
     owners = [layout.aliases.get(n, n) for n in names]
     dtypes = [output_dtype(layout.tensors[o], options) for o in owners]
+    quantized = [
+        options.quantize is not None
+        and name == owner
+        and options.quantize_skip_reason(name, layout.tensors[name].shape, d) is None
+        for name, owner, d in zip(names, owners, dtypes, strict=True)
+    ]
+    dtypes = [FP8_DTYPE if q else d for q, d in zip(quantized, dtypes, strict=True)]
+    scheme = options.quantize or ""
     sizes = [
         math.prod(layout.tensors[o].shape) * dtype_info(d).itemsize
-        for o, d in zip(owners, dtypes, strict=True)
-    ]
+        + (math.prod(scale_shape(scheme, layout.tensors[o].shape)) * 4 if q else 0)
+        for o, d, q in zip(owners, dtypes, quantized, strict=True)
+    ]  # a quantized weight and its scale go to one file: sized together
     # PEFT loads an adapter from one file: never sharded
     shard_of = [0] * len(sizes) if options.adapter else assign_shards(sizes, options.max_shard_size)
-    specs = [
-        TensorSpec(
-            index=i, name=name, shape=layout.tensors[owner].shape,
-            role="tied" if owner != name else layout.tensors[name].role,
-            src_dtype=layout.tensors[owner].dtype, out_dtype=dtype, shard=shard,
-            alias_of=owner if owner != name else None,
-        )
-        for i, (name, owner, dtype, shard) in enumerate(zip(names, owners, dtypes, shard_of, strict=True))
-    ]  # fmt: skip
+    specs: list[TensorSpec] = []
+    for name, owner, dtype, shard, q in zip(
+        names, owners, dtypes, shard_of, quantized, strict=True
+    ):
+        specs.append(
+            TensorSpec(
+                index=len(specs), name=name, shape=layout.tensors[owner].shape,
+                role="tied" if owner != name else layout.tensors[name].role,
+                src_dtype=layout.tensors[owner].dtype, out_dtype=dtype, shard=shard,
+                alias_of=owner if owner != name else None,
+            )
+        )  # fmt: skip
+        if q:  # its scales, written by the merge right after the weight (`zerosafe.quantize`)
+            specs.append(
+                TensorSpec(
+                    index=len(specs), name=scale_name(scheme, name),
+                    shape=scale_shape(scheme, specs[-1].shape),
+                    role=SCALE_ROLE, src_dtype=SCALE_DTYPE, out_dtype=SCALE_DTYPE, shard=shard,
+                )
+            )  # fmt: skip
     fragments = FragmentTable.from_rows(list(_fragment_rows(layout, specs)))
     used_slots = sorted(set(fragments.slot.tolist()))
     plan = Plan(
@@ -130,6 +159,8 @@ def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
         notes=[*layout.notes, *_option_notes(layout, specs, options)],
         warnings=[*layout.warnings, *_keep_fp32_warnings(layout, options)],
     )
+    if options.quantize is not None:
+        _plan_quantization(plan, layout, options)
     for check in layout.checks:
         check(plan)
     return plan
@@ -250,6 +281,8 @@ def _fragment_rows(
 ) -> Iterable[tuple[int, int, int, int, int]]:
     """`(tensor, slot, src_offset, numel, dst_offset)` rows; each tensor's must tile it."""
     for spec in specs:
+        if spec.role == SCALE_ROLE:
+            continue  # computed by the merge from its weight's values: no source fragments
         owner = spec.alias_of or spec.name
         covered = 0
         for slot, src_offset, numel, dst in sorted(
@@ -321,3 +354,65 @@ def _option_notes(
             "safetensors files never split a tensor"
         )
     return notes
+
+
+def _plan_quantization(plan: Plan, layout: SourceLayout, options: ConvertOptions) -> None:
+    """Record the release's `quantization_config` (`plan.quantization`, written into the
+    copied `config.json`) and say in the notes what was quantized and what was not, and why.
+
+    `modules_to_not_convert` (compressed-tensors: `ignore`) lists the module of every 2-D
+    weight left unquantized (tied aliases included), so a loader never expects FP8 where the
+    file holds `dtype`; transformers drops its default skips (`lm_head`) once the list is
+    given, so it is complete.
+
+    Raises:
+        ConfigError: If one band of the widest quantized weight does not fit a task's share
+            of `memory` (`zerosafe.quantize.BAND_BYTES_PER_COLUMN`).
+    """
+    assert options.quantize is not None
+    quantized = [t for t in plan.tensors if t.out_dtype == FP8_DTYPE]
+    widest = max(quantized, key=lambda t: t.shape[1], default=None)
+    if widest is not None and widest.shape[1] * BAND_BYTES_PER_COLUMN > options.task_memory_bytes:
+        need = widest.shape[1] * BAND_BYTES_PER_COLUMN
+        raise ConfigError(
+            f"{layout.where}: `quantize` reads '{widest.name}' {list(widest.shape)} a band of "
+            f"128 rows at a time, which holds about {need} bytes, more than the "
+            f"{options.task_memory_bytes} bytes one task may hold under `memory` "
+            f"{options.memory}; raise `memory` (about {need * options.parallel_tasks} bytes "
+            "at this parallelism) or lower `max_parallel_tasks`"
+        )
+    skipped: dict[str, list[str]] = {}
+    modules = []
+    for t in plan.tensors:
+        if t.role == SCALE_ROLE or t.out_dtype == FP8_DTYPE:
+            continue
+        owner = layout.tensors[t.alias_of or t.name]
+        why = options.quantize_skip_reason(t.name, t.shape, owner.dtype)
+        if t.alias_of is not None:
+            why = f"an alias of '{t.alias_of}'"
+        if len(t.shape) == 2 and t.name.endswith(".weight") and why is not None:
+            modules.append(t.name.removesuffix(".weight"))
+            skipped.setdefault(why, []).append(t.name)
+    modules += [
+        a.removesuffix(".weight")
+        for a, target in plan.aliases.items()
+        if a.endswith(".weight") and len(layout.tensors[target].shape) == 2
+    ]
+    plan.quantization = quantization_config(options.quantize, modules)
+    params = sum(t.numel for t in quantized)
+    stored_bits = 8 * sum(t.out_nbytes for t in plan.tensors if t.out_dtype == FP8_DTYPE)
+    stored_bits += 8 * sum(t.out_nbytes for t in plan.tensors if t.role == SCALE_ROLE)
+    plan.notes.append(
+        f"{len(quantized)} weight(s) quantized to {options.quantize} "
+        f"({stored_bits / params if params else 0:.3f} bits per parameter with their scales); "
+        f"{len(modules)} module(s) left in {options.dtype} (listed in `quantization_config`)"
+    )
+    for why, names in skipped.items():
+        plan.notes.append(
+            f"not quantized, {why}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
+        )
+    if not quantized:
+        plan.warnings.append(
+            f"`quantize` {options.quantize}: no weight of {layout.where} can be quantized; the "
+            "output holds none"
+        )

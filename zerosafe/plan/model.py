@@ -33,6 +33,7 @@ from zerosafe.io.storage import Storage, join_url
 
 __all__ = [
     "PLAN_FORMAT",
+    "SCALE_ROLE",
     "ExtractPart",
     "FragmentTable",
     "Plan",
@@ -49,6 +50,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PLAN_FORMAT = 1
+SCALE_ROLE = "scale"
+"""`TensorSpec.role` of a quantized weight's scales (`zerosafe.quantize`), the tensor after it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,7 +104,8 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     role: str
-    """`param`, `frozen`, `buffer`, or `tied` (an alias written as a copy)."""
+    """`param`, `frozen`, `buffer`, `tied` (an alias written as a copy), or `scale` (the
+    scales of the quantized weight before it, computed by the merge)."""
     src_dtype: str
     out_dtype: str
     shard: int
@@ -196,6 +200,8 @@ class Plan:
     """Tied aliases left out of the output (dedupe mode): alias -> stored target."""
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    quantization: dict[str, Any] | None = None
+    """`--quantize`: the `quantization_config` the copied `config.json` gets."""
     created_by: str = f"zerosafe {__version__}"
 
     @property
@@ -338,6 +344,7 @@ def save_plan(plan: Plan, storage: Storage, folder_url: str) -> None:
         "aliases": plan.aliases,
         "notes": plan.notes,
         "warnings": plan.warnings,
+        **({"quantization": plan.quantization} if plan.quantization is not None else {}),
     }
     storage.write_bytes(join_url(folder_url, "plan.json"), json.dumps(head, indent=1).encode())
 
@@ -367,6 +374,7 @@ def load_plan(storage: Storage, folder_url: str) -> Plan:
         aliases=head["aliases"],
         notes=head["notes"],
         warnings=head["warnings"],
+        quantization=head.get("quantization"),
         created_by=head["created_by"],
         fragments=fragments,
         **tables,

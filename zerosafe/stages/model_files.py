@@ -259,11 +259,15 @@ def copy_model_files(
     dest: str,
     *,
     chunk_bytes: int = COPY_CHUNK_BYTES,
+    config_update: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Copy `names` from `folder` into `dest` (each written atomically), byte for byte, in
     reads of at most `chunk_bytes`. A local copy's mode is never wider than its source's.
     A name that stopped being a regular file inside `folder` since it was listed is skipped
     with a warning, as `list_model_files` would.
+
+    `config_update`: keys `config.json` gets (a quantized release's `quantization_config`):
+    that copy is written, not copied, as JSON with every other key as it was, in its order.
 
     Returns:
         Manifest entries: `file`, `size_bytes`, `sha256`, and `source`, `source_size_bytes`,
@@ -286,6 +290,13 @@ def copy_model_files(
         target = join_url(dest, name)
         if is_local(target):
             storage.makedirs(posixpath.dirname(target))
+        if name == "config.json" and config_update is not None:
+            entries.append(
+                _write_config(storage, folder, target, config_update, max_mode=max_mode)
+                | {"source": src, "source_size_bytes": ident.size_bytes,
+                   "source_version": ident.version}
+            )  # fmt: skip
+            continue
         digest = hashlib.sha256()
         source = storage.open_source(src)
         try:
@@ -308,6 +319,27 @@ def copy_model_files(
             }
         )
     return entries
+
+
+def _write_config(
+    storage: Storage, folder: str, target: str, update: dict[str, Any], *, max_mode: int | None
+) -> dict[str, Any]:
+    """Write `folder/config.json` with `update`'s keys set (added last where new) to
+    `target`, indented as `save_pretrained` writes it; its `file`, `size_bytes`, `sha256`.
+
+    Raises:
+        CheckpointFormatError: If the source config is not a JSON object (`read_config`).
+    """
+    config = read_config(storage, folder)
+    if config is None:
+        raise CheckpointFormatError(
+            f"{join_url(folder, 'config.json')}: removed while the conversion ran; run it again"
+        )
+    data = (json.dumps({**config, **update}, indent=2) + "\n").encode()
+    with storage.sink(target, max_mode=max_mode) as sink:
+        sink.write(data)
+    return {"file": "config.json", "size_bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
 
 
 def sha256_of(
@@ -418,7 +450,8 @@ def model_files_report(
     see `check_model_config`).
 
     Raises:
-        ConfigError: If a folder named by `model_files` is missing or holds no model file.
+        ConfigError: If a folder named by `model_files` is missing or holds no model file,
+            or `quantize` finds no config.json to write its `quantization_config` into.
         CheckpointFormatError: If its `config.json` is not a JSON object.
     """
     folder = model_files_folder(source, options)
@@ -431,6 +464,12 @@ def model_files_report(
             f"{folder}: `--model-files` expects a folder with config.json or tokenizer files "
             f"(as save_pretrained writes), but it {what}; pass the folder holding them, or "
             "`--no-model-files`"
+        )
+    if options.quantize is not None and "config.json" not in names:
+        raise ConfigError(
+            f"{folder}: `quantize` {options.quantize} writes its `quantization_config` into the "
+            "model's config.json, found none to copy (without it loaders read the FP8 weights "
+            "unscaled); pass `--model-files DIR` with the model's config.json"
         )
     if not names:
         return [
@@ -457,6 +496,13 @@ def model_files_report(
     warnings = check_model_config(
         config, where, out_dtype=options.dtype, aliases=aliases, ties_by_config=ties_by_config
     )
+    if options.quantize is not None and "quantization_config" in config:
+        warnings.append(
+            f"{where}: has a `quantization_config` already; the copy gets the one of the "
+            f"{options.quantize} weights written here instead"
+        )
+    elif options.quantize is not None:
+        notes.append(f"config.json gets the `quantization_config` of {options.quantize}")
     if config.get("auto_map"):
         notes.append(f"{where} names remote code (`auto_map`); its *.py files are not copied")
     return notes, [*skipped, *warnings]

@@ -576,6 +576,9 @@ def _stage_model_files(
         find_model_files(storage, folder, adapter=options.adapter),
         pending,
         chunk_bytes=options.chunk_bytes,
+        config_update=(
+            {"quantization_config": plan.quantization} if plan.quantization is not None else None
+        ),
     )
 
 

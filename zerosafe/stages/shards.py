@@ -21,13 +21,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from zerosafe.dtypes import dtype_info
+from zerosafe.dtypes import dtype_info, torch_dtype
 from zerosafe.errors import IntegrityError
-from zerosafe.formats.crc import CrcLedger, LedgerCheck
+from zerosafe.formats.crc import CrcLedger, LedgerCheck, crc32
 from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, read_header
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, PositionalSink, Storage, join_url
-from zerosafe.plan.model import ExtractPart, Plan, Slot
+from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, Slot, TensorSpec
+from zerosafe.quantize import BAND_ROWS, FP8_DTYPE, quantize_band
 from zerosafe.stages.results import ExtractResult, MergeResult
 from zerosafe.stages.streaming import CopyJob, copy_in_streams, copy_stream, fusable
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
@@ -307,19 +308,126 @@ def read_intermediate_sums(
 
 def _merge_jobs(plan: Plan, shard: int, locator: SlotLocator) -> Iterator[CopyJob]:
     for ordinal, tensor in enumerate(plan.shard_tensors(shard)):
-        for slot, src_offset, numel, _dst in plan.fragments.for_tensor(tensor.index):
-            src_dtype = plan.slots[slot].dtype
-            for seg in locator.locate(slot, src_offset, numel):
-                yield CopyJob(
-                    ordinal,
-                    seg.source,
-                    seg.offset,
-                    seg.nbytes,
-                    src_dtype,
-                    tensor.out_dtype,
-                    seg.crc_key,
-                    seg.crc_offset,
-                )
+        yield from _tensor_jobs(plan, tensor, ordinal, locator)
+
+
+def _tensor_jobs(
+    plan: Plan, tensor: TensorSpec, ordinal: int, locator: SlotLocator
+) -> Iterator[CopyJob]:
+    """The copies that write `tensor`, the `ordinal`-th of its file."""
+    for slot, src_offset, numel, _dst in plan.fragments.for_tensor(tensor.index):
+        src_dtype = plan.slots[slot].dtype
+        for seg in locator.locate(slot, src_offset, numel):
+            yield CopyJob(
+                ordinal,
+                seg.source,
+                seg.offset,
+                seg.nbytes,
+                src_dtype,
+                tensor.out_dtype,
+                seg.crc_key,
+                seg.crc_offset,
+            )
+
+
+def _copy_quantizing(
+    plan: Plan,
+    shard: int,
+    locator: SlotLocator,
+    writer: SafetensorsStreamWriter,
+    *,
+    chunk_bytes: int,
+    ledger: CrcLedger,
+    on_bytes: Callable[[int], None] | None,
+) -> int:
+    """Write a shard that holds quantized weights (`--quantize`): the other tensors through
+    `copy_stream`, as always; each quantized weight a band of 128 rows at a time
+    (`_quantize_tensor`), its scales as the tensor after it.
+
+    Returns:
+        Bytes read from the sources.
+    """
+    tensors = plan.shard_tensors(shard)
+    read = 0
+    pending: list[CopyJob] = []
+    ordinal = 0
+    while ordinal < len(tensors):
+        tensor = tensors[ordinal]
+        if tensor.out_dtype != FP8_DTYPE:
+            pending.extend(_tensor_jobs(plan, tensor, ordinal, locator))
+            ordinal += 1
+            continue
+        if pending:
+            read += copy_stream(
+                pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
+            )
+            pending = []
+        assert tensors[ordinal + 1].role == SCALE_ROLE, tensors[ordinal + 1]
+        read += _quantize_tensor(plan, tensor, ordinal, locator, writer, ledger, on_bytes)
+        ordinal += 2
+    if pending:
+        read += copy_stream(
+            pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
+        )
+    return read
+
+
+def _quantize_tensor(
+    plan: Plan,
+    tensor: TensorSpec,
+    ordinal: int,
+    locator: SlotLocator,
+    writer: SafetensorsStreamWriter,
+    ledger: CrcLedger,
+    on_bytes: Callable[[int], None] | None,
+) -> int:
+    """Write weight `tensor` (the `ordinal`-th of the file) in FP8 (`--quantize`'s scheme)
+    and its scales after it: each band of 128 rows is read from the fragments that cover it
+    (CRC'd as any read), widened to float32, quantized (`zerosafe.quantize.quantize_band`)
+    and written; the band's scales (one float32 per block or row) are kept until the weight
+    is done. Holds one band of float32 (`512 * cols` bytes) at a time.
+
+    Returns:
+        Bytes read.
+    """
+    import torch
+
+    rows, cols = tensor.shape
+    fragments = plan.fragments.for_tensor(tensor.index)
+    scheme = str(plan.options["quantize"])
+    band = torch.empty(BAND_ROWS * cols, dtype=torch.float32)
+    band_bytes = band.numpy().data.cast("B")
+    scales = []
+    read = 0
+    for first_row in range(0, rows, BAND_ROWS):
+        lo, hi = first_row * cols, min(rows, first_row + BAND_ROWS) * cols
+        for slot_index, src_offset, numel, dst in fragments:
+            start, end = max(lo, dst), min(hi, dst + numel)
+            if start >= end:
+                continue
+            slot = plan.slots[slot_index]
+            at = start - lo
+            for seg in locator.locate(slot_index, src_offset + start - dst, end - start):
+                count = seg.nbytes // slot.itemsize
+                if slot.dtype == "float32":  # the masters: read straight into the band
+                    data = band_bytes[at * 4 : (at + count) * 4]
+                    seg.source.readinto_at(seg.offset, data)
+                else:  # a frozen 16-bit param: widened exactly
+                    data = memoryview(bytearray(seg.nbytes))
+                    seg.source.readinto_at(seg.offset, data)
+                    band[at : at + count] = torch.frombuffer(
+                        data, dtype=torch_dtype(slot.dtype)
+                    ).to(torch.float32)
+                ledger.add(seg.crc_key, seg.crc_offset, seg.nbytes, crc32(data))
+                at += count
+                read += seg.nbytes
+                if on_bytes is not None:
+                    on_bytes(seg.nbytes)
+        quantized = quantize_band(scheme, band[: hi - lo].view(-1, cols))
+        writer.write(ordinal, quantized.data)
+        scales.append(quantized.scales)
+    writer.write(ordinal + 1, torch.cat(scales).numpy().tobytes())
+    return read
 
 
 def _stream_bounds(entries: list[HeaderEntry], streams: int) -> list[int]:
@@ -405,9 +513,15 @@ def merge_shard(
         storage.open_sink(url), entries, shard_metadata(plan, shard), track_crc=False,
         checksum=TENSOR_CHECKSUM,
     )  # fmt: skip
-    jobs = list(_merge_jobs(plan, shard, locator))
+    quantizing = any(t.role == SCALE_ROLE for t in tensors)
+    jobs = [] if quantizing else list(_merge_jobs(plan, shard, locator))
     try:
-        if streams > 1 and isinstance(writer.sink, PositionalSink) and fusable(jobs, writer):
+        if quantizing:
+            bytes_read = _copy_quantizing(
+                plan, shard, locator, writer, chunk_bytes=chunk_bytes, ledger=ledger,
+                on_bytes=on_bytes,
+            )  # fmt: skip
+        elif streams > 1 and isinstance(writer.sink, PositionalSink) and fusable(jobs, writer):
             bytes_read = _copy_in_streams(jobs, writer, streams, ledger, on_bytes)
         else:
             bytes_read = copy_stream(

@@ -26,6 +26,7 @@ from zerosafe.errors import CheckpointFormatError, ConversionError
 from zerosafe.io.lease import DESTINATION_LEASE_NAME
 from zerosafe.io.storage import Storage, join_url, normalize_url
 from zerosafe.plan.adapter import ADAPTER_WEIGHTS_NAME, adapter_layout, read_adapter_config
+from zerosafe.quantize import FP8_DTYPE, SCALE_SUFFIXES
 from zerosafe.stages.model_files import sha256_of
 from zerosafe.stages.output import (
     INDEX_NAME,
@@ -135,7 +136,24 @@ def verify_output(
             if info["nan"] or info["posinf"] or info["neginf"]
         },
         "against": against_report,
+        **_quantized_report(reports),
         "failures": [f.as_dict() for f in failures],
+    }
+
+
+def _quantized_report(reports: list[Any]) -> dict[str, Any]:
+    """`{"quantized": {tensors, params, bits_per_parameter}}` over every file's quantized
+    weights and their scales (`zerosafe.verify.quantized`); empty when there are none."""
+    parts = [r.quantized for r in reports if r.quantized]
+    if not parts:
+        return {}
+    params = sum(p["params"] for p in parts)
+    return {
+        "quantized": {
+            "tensors": sum(p["tensors"] for p in parts),
+            "params": params,
+            "bits_per_parameter": round(8 * sum(p["bytes"] for p in parts) / params, 4),
+        }
     }
 
 
@@ -575,9 +593,19 @@ def _check_coverage(
                 )
             )  # fmt: skip
     for name in stored:
-        if name not in expected and name not in layout.aliases:
+        if name not in expected and name not in layout.aliases and not _is_scale_of(name, stored):
             failures.append(Failure(stored[name][0], name, "coverage", "not in the checkpoint"))
     return expected
+
+
+def _is_scale_of(name: str, stored: dict[str, tuple[str, dict[str, Any]]]) -> bool:
+    """Whether `name` is the scales of a stored quantized weight (`--quantize`), which the
+    conversion computes: checked by `zerosafe.verify.quantized`, not found in a checkpoint."""
+    for suffix in SCALE_SUFFIXES.values():
+        weight = stored.get(name.removesuffix(suffix)) if name.endswith(suffix) else None
+        if weight is not None and weight[1]["dtype"] == FP8_DTYPE:
+            return True
+    return False
 
 
 def _identity_word(recorded: str | None, content: str) -> str:
@@ -740,6 +768,12 @@ def render_verify(report: dict[str, Any]) -> str:
             else ""
         )
     )
+    if report.get("quantized"):
+        q = report["quantized"]
+        lines.append(
+            f"  quantized: {q['tensors']} weight(s), {q['params']} parameters at "
+            f"{q['bits_per_parameter']} bits per parameter with their scales"
+        )
     if report["aliases"]:
         lines.append("  tied: " + ", ".join(f"{a} -> {t}" for a, t in report["aliases"].items()))
     if report["against"]:

@@ -12,7 +12,9 @@ independent witnesses can:
 - a sample of values: for every trained parameter, the first elements of each of its
   fragments (one per rank in ZeRO-3) are read from the checkpoint's fp32 master weights, cast
   to the output dtype exactly as the conversion casts, and compared bit for bit with the
-  output. (DCP: the first elements of every chunk, from the chunk's stored bytes.)
+  output. (DCP: the first elements of every chunk, from the chunk's stored bytes.) A
+  quantized weight (`--quantize`) is dequantized with its scales instead and each value
+  compared within the format's rounding bound (`zerosafe.verify.quantized`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from zerosafe.cast import cast_bytes
 from zerosafe.dtypes import dtype_info
 from zerosafe.io.storage import ByteSource, Storage, join_url
+from zerosafe.quantize import FP8_BLOCK, FP8_DTYPE, SCALE_SUFFIXES
 from zerosafe.verify.tensors import Failure, parse_safetensors_header
 
 if TYPE_CHECKING:
@@ -86,11 +89,17 @@ def sample_values(
                     seg.source.read_range(seg.offset, seg.offset + seg.nbytes)
                     for seg in locator.locate(slot, src_offset, count)
                 )
-                want = cast_bytes(raw, src_dtype, out_dtype)
                 start = begin + dst_offset * out_item
                 got = out_src.read_range(start, start + count * out_item)
                 compared += 1
-                if got != want:
+                if out_dtype == FP8_DTYPE:
+                    same = _within_bound(
+                        out_src, data_start, entries, tensor.name, got, raw, src_dtype,
+                        dst_offset, tensor.shape,
+                    )  # fmt: skip
+                else:
+                    same = got == cast_bytes(raw, src_dtype, out_dtype)
+                if not same:
                     failures.append(
                         Failure(
                             file,
@@ -106,3 +115,40 @@ def sample_values(
         for src, *_ in outputs.values():
             src.close()
     return compared
+
+
+def _within_bound(
+    out_src: ByteSource,
+    data_start: int,
+    entries: dict[str, Any],
+    name: str,
+    got: bytes,
+    raw: bytes,
+    src_dtype: str,
+    dst_offset: int,
+    shape: tuple[int, ...],
+) -> bool:
+    """Whether the FP8 bytes `got` of weight `name`, from element `dst_offset` on, dequantize
+    to within e4m3's rounding bound of the master values `raw` (`src_dtype`); False when
+    the weight's scales are missing."""
+    import numpy as np
+
+    from zerosafe.verify.quantized import find_scale, within_rounding_bound
+
+    suffix = find_scale(name, entries)
+    scale = entries.get(name + suffix)
+    if scale is None or len(shape) != 2:
+        return False
+    begin, end = scale["data_offsets"]
+    grid = [int(n) for n in scale["shape"]]
+    scales = np.frombuffer(
+        out_src.read_range(data_start + begin, data_start + end), dtype="<f4"
+    ).reshape(grid)
+    master = np.frombuffer(cast_bytes(raw, src_dtype, "float32"), dtype="<f4")
+    elements = np.arange(dst_offset, dst_offset + len(got))
+    rows, cols = elements // shape[1], elements % shape[1]
+    if suffix == SCALE_SUFFIXES["fp8-block"]:
+        per_element = scales[rows // FP8_BLOCK, cols // FP8_BLOCK]
+    else:
+        per_element = scales[rows, 0]
+    return within_rounding_bound(got, per_element, master)

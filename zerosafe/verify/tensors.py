@@ -65,6 +65,9 @@ class ShardReport:
     bytes_read: int = 0
     sha256: str | None = None
     """SHA-256 of the whole file's bytes, when asked for (`verify_shard(file_sha256=True)`)."""
+    quantized: dict[str, int] = field(default_factory=dict)
+    """Quantized weights (`zerosafe.verify.quantized`): `tensors`, `params`, `bytes` with
+    their scales; empty when the file holds none."""
 
     @property
     def ok(self) -> bool:
@@ -80,6 +83,7 @@ class ShardReport:
             "failures": [f.as_dict() for f in self.failures],
             "bytes_read": self.bytes_read,
             **({"sha256": self.sha256} if self.sha256 is not None else {}),
+            **({"quantized": self.quantized} if self.quantized else {}),
         }
 
 
@@ -172,7 +176,8 @@ class _LibraryReader:
         """The bytes of the tensor's first row (all of it, for a scalar), as the library reads them."""
         try:
             return _first_row_bytes(self.handle, tensor, shape)
-        except TypeError:  # a dtype numpy does not know
+        except (TypeError, AttributeError):  # a dtype numpy does not know (safetensors asks
+            # numpy for `np.float8_e4m3fn`, which it lacks: AttributeError)
             if self._torch is None:
                 from safetensors import safe_open
 
@@ -370,6 +375,11 @@ def verify_shard(
             report.failures.append(Failure(name, "*", "header", str(e)))
             return report
         report.metadata = metadata
+        if any(entry["dtype"] == "F8_E4M3" for entry in header.values()):
+            from zerosafe.verify.quantized import check_quantized
+
+            problems, report.quantized = check_quantized(source, data_start, header)
+            report.failures.extend(Failure(name, t, "scales", d) for t, d in problems)
         handle = _library_handle(url, header, metadata, report) if is_local(url) else None
         ordered = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
         file_digest: Digest | None = None

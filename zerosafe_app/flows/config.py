@@ -83,6 +83,13 @@ class JobConfig(BaseModel):
     adapter: bool = False
     """Write the PEFT adapter the checkpoint holds: `adapter_model.safetensors` with PEFT's
     names and `adapter_config.json`, for `PeftModel.from_pretrained(base, destination)`."""
+    quantize: Literal["fp8-block", "fp8-dynamic"] | None = None
+    """Write the weights quantized: `fp8-block` (float8_e4m3fn, a float32 `weight_scale_inv`
+    per 128x128 block, as transformers' fine-grained FP8 writes it) or `fp8-dynamic`
+    (compressed-tensors' float-quantized, a float32 `weight_scale` per output channel, as
+    llm-compressor's FP8_DYNAMIC writes it); null: not quantized."""
+    quantize_ignore: list[str] = Field(default_factory=list)
+    """With `quantize`: regular expressions on tensor names (`re.search`) left unquantized."""
     extract_part_size: int = Field(default=2 * 10**9, gt=0)
     """Staged mode: a rank's fp32 bytes are extracted in parts of at most this size."""
     runner: Literal["threads", "dask"] = "threads"
@@ -162,6 +169,8 @@ class JobConfig(BaseModel):
             model_files=self.model_files,
             copy_model_files=self.copy_model_files,
             adapter=self.adapter,
+            quantize=self.quantize,
+            quantize_ignore=tuple(self.quantize_ignore),
             select=tuple(self.select),
             strip_prefix=self.strip_prefix,
         )
@@ -196,7 +205,8 @@ def flow_parameters(
         check_lowp=options.check_lowp, file_sha256=options.file_sha256,
         extract_part_size=str(options.extract_part_size), keep_fp32=list(options.keep_fp32),
         model_files=options.model_files, copy_model_files=options.copy_model_files,
-        adapter=options.adapter,
+        adapter=options.adapter, quantize=options.quantize,
+        quantize_ignore=list(options.quantize_ignore),
     )  # fmt: skip
 
 

@@ -189,6 +189,8 @@ def convert(
     model_files: str | None = None,
     copy_model_files: bool | None = None,
     adapter: bool | None = None,
+    quantize: str | None = None,
+    quantize_ignore: list[str] | None = None,
     extract_part_size: str | None = None,
     work_dir: str | None = None,
     runner: str | None = None,
@@ -218,7 +220,8 @@ def convert(
         exclude_frozen=exclude_frozen, overwrite=overwrite, keep_work=keep_work,
         allow_nonfinite=allow_nonfinite, check_lowp=check_lowp, file_sha256=file_sha256,
         keep_fp32=keep_fp32, model_files=model_files, copy_model_files=copy_model_files,
-        adapter=adapter, extract_part_size=extract_part_size, work_dir=work_dir, runner=runner,
+        adapter=adapter, quantize=quantize, quantize_ignore=quantize_ignore,
+        extract_part_size=extract_part_size, work_dir=work_dir, runner=runner,
         dask_address=dask_address, storage_options=storage_options,
         timeout_seconds=timeout_seconds,
     )  # fmt: skip

@@ -1,0 +1,74 @@
+"""`--quantize` on a PyTorch DCP save in FSDP2's layout (3 ranks: uneven row chunks, so a
+band of 128 rows gathers pieces of several files), into several output files: every
+quantized weight and scale bit-exact against each scheme's reference applied to the fp32
+conversion of the same save; and refused in one line where no config.json would carry the
+`quantization_config`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bench.forge import transformer_shapes
+from bench.forge_dcp import forge_dcp_checkpoint
+from tests.quantize.test_fp8_block import reference_quantize
+from tests.quantize.test_fp8_dynamic import reference_compress
+from zerosafe.config import ConvertOptions
+from zerosafe.driver import convert_checkpoint
+from zerosafe.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def dcp_save(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A forged 3-rank DCP save (its model files in `model/`, apart) and its fp32 conversion."""
+    root = tmp_path_factory.mktemp("quant-dcp")
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text('{"model_type": "llama"}')
+    shapes = transformer_shapes(vocab=300, width=256, layers=2, ffn=640, kv_width=128)
+    forge_dcp_checkpoint(root / "step-1", shapes, world_size=3, optimizer=False)
+    convert_checkpoint(str(root / "step-1"), str(root / "fp32"), ConvertOptions(direct=True))
+    return root / "step-1", load_file(str(root / "fp32" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "fp8-dynamic"])
+def test_dcp_release_is_bit_exact(
+    dcp_save: tuple[Path, dict[str, torch.Tensor]], scheme: str, tmp_path: Path
+) -> None:
+    source, masters = dcp_save
+    options = ConvertOptions(
+        dtype="bf16", quantize=scheme, direct=True, max_shard_size=300_000,
+        model_files=str(source.parent / "model"),
+    )  # fmt: skip
+    summary = convert_checkpoint(str(source), str(tmp_path), options)
+    assert len(summary.files) > 2
+    ours: dict[str, torch.Tensor] = {}
+    for file in tmp_path.glob("*.safetensors"):
+        ours |= load_file(str(file))
+    quantized = [n for n, t in ours.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(quantized) >= 12
+    for name in quantized:
+        if scheme == "fp8-block":
+            want = reference_quantize(name, masters[name])
+        else:
+            compressed = reference_compress(masters[name])
+            want = {name: compressed["weight"], f"{name}_scale": compressed["weight_scale"]}
+        for key, value in want.items():
+            assert ours[key].view(torch.uint8).equal(value.view(torch.uint8)), key
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["quantization_config"]
+
+
+def test_no_config_json_to_carry_the_quantization_config_is_refused(
+    dcp_save: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    source, _ = dcp_save  # no config.json beside the save
+    options = ConvertOptions(dtype="bf16", quantize="fp8-block", direct=True)
+    with pytest.raises(ConfigError, match="found none to copy"):
+        convert_checkpoint(str(source), str(tmp_path / "out"), options)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    with pytest.raises(ConfigError, match="`copy_model_files` nothing is copied"):
+        ConvertOptions(quantize="fp8-block", copy_model_files=False)

@@ -1,0 +1,196 @@
+"""Weight-only quantization on the way out (`--quantize`): FP8 with 128x128 block scales
+(`fp8-block`) or with one scale per output channel (`fp8-dynamic`).
+
+`fp8-block` is the format transformers' fine-grained FP8 quantizer writes (`Fp8Quantize` in
+`transformers/integrations/finegrained_fp8.py`; the layout of the DeepSeek-V3 and Qwen FP8
+releases, which vLLM and SGLang load): a 2-D weight whose rows and columns both divide by 128
+becomes `float8_e4m3fn` (safetensors `F8_E4M3`), and beside it `<module>.weight_scale_inv`,
+float32, one value per 128x128 block (`[rows / 128, cols / 128]`). Per block, in float32:
+`amax = max|w|`, `scale = 448 / amax` (448: the largest finite e4m3fn value), `inv = 1 / scale`
+(stored), `q = e4m3fn(clamp(w * scale, -448, 448))`, rounded to nearest even; an all-zero
+block gets `scale = inv = 1`. A weight whose shape does not divide by the block is left as it
+is, as the reference leaves it; the plan lists it in `modules_to_not_convert`. A scheme that
+needs the whole tensor first (NVFP4's global scale) is not here yet.
+
+`fp8-dynamic` is compressed-tensors' `float-quantized` format, as llm-compressor's
+`FP8_DYNAMIC` scheme writes it (`compressed_tensors.quantization.utils.helpers.calculate_qparams`
+and `...lifecycle.forward.quantize`): per output row, in float32, `scale = max|w| / 448` (an
+all-zero row gets float32's eps), `q = e4m3fn(clamp(w / scale + 0, -448, 448))` (the `+ 0` is
+the symmetric zero point llm-compressor initializes: a `-0.0` becomes `+0.0`), stored as
+`<module>.weight_scale` float32 `[rows, 1]`; any 2-D shape. Activations are quantized per token
+at run time (`dynamic`), so nothing else is stored.
+
+A weight is quantized a band of 128 rows at a time (`quantize_band`; a block needs 128 whole
+rows): the merge reads `128 * cols` source elements, writes the band's bytes and keeps the
+band's scales, which are written as the next tensor once the weight is done.
+
+Which tensors are quantized is decided in one place, `ConvertOptions.quantize_skip_reason`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BAND_BYTES_PER_COLUMN",
+    "BAND_ROWS",
+    "COMPRESSED_TENSORS_VERSION",
+    "FP8_BLOCK",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "QUANTIZE_SCHEMES",
+    "SCALE_DTYPE",
+    "SCALE_SUFFIXES",
+    "SKIPPED_MODULE",
+    "QuantizedBand",
+    "block_skip_reason",
+    "expected_scale_shape",
+    "quantization_config",
+    "quantize_band",
+    "scale_name",
+    "scale_shape",
+]
+
+QUANTIZE_SCHEMES = ("fp8-block", "fp8-dynamic")
+"""What `--quantize` writes."""
+BAND_ROWS = 128
+"""Rows of a weight quantized at once (a row of 128x128 blocks for `fp8-block`)."""
+BAND_BYTES_PER_COLUMN = 2048
+"""What quantizing one band holds per column of the weight: the float32 band (512 bytes) and
+torch's temporaries and output (measured: 1153 more, both schemes, at 65536 columns)."""
+COMPRESSED_TENSORS_VERSION = "0.20.0"
+"""The compressed-tensors release whose `float-quantized` format `fp8-dynamic` writes (its
+`quantization_config.version`)."""
+FP8_BLOCK = 128
+"""Rows and columns of one block (`weight_block_size: [128, 128]`)."""
+FP8_DTYPE = "float8_e4m3fn"
+FP8_MAX = 448.0
+"""The largest finite `float8_e4m3fn` value (`torch.finfo(torch.float8_e4m3fn).max`)."""
+SCALE_DTYPE = "float32"
+SCALE_SUFFIXES = {"fp8-block": "_scale_inv", "fp8-dynamic": "_scale"}
+"""A quantized weight's scales are `<weight name><suffix>`: `<module>.weight_scale_inv`
+(transformers' fine-grained FP8) or `<module>.weight_scale` (compressed-tensors)."""
+_FLOAT32_EPS = 2.0**-23
+"""`torch.finfo(torch.float32).eps`: compressed-tensors' scale of an all-zero row."""
+SKIPPED_MODULE = re.compile(
+    r"(^|\.)(embed_tokens|embed_in|embed_out|embeddings?|wte|wpe|word_embeddings|lm_head"
+    r"|[^.]*norm[^.]*|gate|router|[^.]*_router|shared_expert_gate)$"
+)
+"""Module names (the tensor name without `.weight`) never quantized, as the reference recipes
+leave them: embeddings, the output head, norms, and MoE routers and gates (`mlp.gate`; not
+`gate_proj`, a linear layer)."""
+
+
+def scale_name(scheme: str, weight_name: str) -> str:
+    """The scale tensor's name: `<module>.weight_scale_inv` or `<module>.weight_scale`."""
+    return weight_name + SCALE_SUFFIXES[scheme]
+
+
+def scale_shape(scheme: str, shape: tuple[int, ...]) -> tuple[int, int]:
+    """`[rows / 128, cols / 128]` (`fp8-block`) or `[rows, 1]` (`fp8-dynamic`)."""
+    rows, cols = shape
+    if scheme == "fp8-block":
+        return rows // FP8_BLOCK, cols // FP8_BLOCK
+    return rows, 1
+
+
+def expected_scale_shape(suffix: str, shape: list[int]) -> list[int]:
+    """The shape of the scales named `<weight><suffix>` of a weight of `shape` (verify: the
+    file tells the scheme by the name)."""
+    if suffix == SCALE_SUFFIXES["fp8-block"]:
+        return [-(-n // FP8_BLOCK) for n in shape]
+    return [shape[0], 1] if len(shape) == 2 else [-1]
+
+
+def block_skip_reason(scheme: str, shape: tuple[int, ...]) -> str | None:
+    """Why a weight of `shape` cannot be quantized in `scheme` (not 2-D; for `fp8-block`, not
+    cut into 128x128 blocks), or None."""
+    if len(shape) != 2:
+        return f"a {len(shape)}-D tensor, not a 2-D weight"
+    if scheme == "fp8-block" and (shape[0] % FP8_BLOCK or shape[1] % FP8_BLOCK):
+        return (
+            f"shape {list(shape)} does not divide into {FP8_BLOCK}x{FP8_BLOCK} blocks "
+            "(left unquantized, as transformers' quantizer leaves it)"
+        )
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedBand:
+    """One band of up to 128 rows, quantized: its `float8_e4m3fn` bytes (row-major) and its
+    scales, a 2-D float32 tensor (`[1, cols / 128]` or `[rows, 1]`): a weight's scales are
+    its bands' concatenated on dim 0."""
+
+    data: bytes
+    scales: Any
+    """A float32 torch tensor."""
+
+
+def quantize_band(scheme: str, band: torch.Tensor) -> QuantizedBand:
+    """Quantize `band` (float32, `[rows <= 128, cols]`) in `scheme`, computing in float32 as
+    the reference does (for `fp8-block`, cols a multiple of 128: one row of blocks)."""
+    import torch
+
+    if scheme == "fp8-block":
+        rows, cols = band.shape
+        blocks = band.reshape(rows, cols // FP8_BLOCK, FP8_BLOCK)
+        amax = blocks.abs().amax(dim=(0, 2))
+        nonzero = amax > 0
+        one = torch.ones_like(amax)
+        scale = torch.where(nonzero, FP8_MAX / torch.where(nonzero, amax, one), one)
+        inv = (1.0 / scale).to(torch.float32)
+        scaled = blocks * scale.reshape(1, -1, 1)
+        quantized = scaled.clamp(min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
+        data = quantized.reshape(rows, cols).view(torch.uint8).numpy().tobytes()
+        return QuantizedBand(data, inv.reshape(1, -1))
+    assert scheme == "fp8-dynamic", scheme
+    amax = band.abs().amax(dim=1, keepdim=True)
+    scale = amax / FP8_MAX
+    scale = torch.where(scale == 0, torch.full_like(scale, _FLOAT32_EPS), scale)
+    scaled = band / scale + 0.0
+    quantized = scaled.clamp(min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedBand(quantized.view(torch.uint8).numpy().tobytes(), scale)
+
+
+def quantization_config(scheme: str, modules_to_not_convert: list[str]) -> dict[str, Any]:
+    """The `quantization_config` a release in `scheme` carries in its `config.json`, as the
+    reference writes it: DeepSeek-V3's keys, which transformers' `FineGrainedFP8Config`
+    reads (`fp8-block`); or what compressed-tensors' `ModelCompressor.update_config` writes
+    for llm-compressor's `FP8_DYNAMIC` scheme (`fp8-dynamic`), `modules_to_not_convert` as
+    its `ignore`."""
+    if scheme == "fp8-block":
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            "modules_to_not_convert": modules_to_not_convert,
+        }
+    assert scheme == "fp8-dynamic", scheme
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
+    return {
+        "version": COMPRESSED_TENSORS_VERSION,
+        "quant_method": "compressed-tensors",
+        "sparsity_config": {},
+        "transform_config": {},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**fp8, "strategy": "channel", "dynamic": False},
+                "input_activations": {**fp8, "strategy": "token", "dynamic": True},
+                "output_activations": None,
+                "format": None,
+            }
+        },
+        "kv_cache_scheme": None,
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "ignore": modules_to_not_convert,
+        "moe_sparsity_config": None,
+    }
