@@ -197,6 +197,11 @@ def _gather_live(model: torch.nn.Module, tp: int) -> dict[str, torch.Tensor]:
         if getattr(p, "tensor_model_parallel", False) and tp > 1:
             parts = [torch.empty_like(full) for _ in range(tp)]
             dist.all_gather(parts, full, group=group)
+            if name.endswith("linear_fc1.weight"):
+                # SwiGLU: each rank holds [its gate rows; its up rows]; the full weight is
+                # [gate; up] (megatron-core's `apply_swiglu_sharded_factory` saves it so)
+                halves = [part.chunk(2, dim=0) for part in parts]
+                parts = [h[0] for h in halves] + [h[1] for h in halves]
             full = torch.cat(parts, dim=p.partition_dim)
         live[name] = full.clone()
     return live
