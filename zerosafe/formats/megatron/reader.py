@@ -129,12 +129,20 @@ class MegatronReader:
             dcp.source,
             format=self.name,
             num_params=sum(math.prod(t.shape) for t in tensors.values()),
+            model_config=llama_config(args, shape, dtype=pieces_dtype(tensors)),
         )
         dcp.tensors = tensors
         dcp.order = list(tensors)
         dcp.tag = _tag_name(iter_url)
         dcp.ties_by_config = "output" not in keys
         dcp.metadata_bytes = storage.counter.bytes_read - read_before
+        dcp.notes = [n for n in dcp.notes if "not selected" not in n]
+        optimizer = sum(1 for k in meta.tensors if k.startswith(_OPTIMIZER))
+        if optimizer:
+            dcp.notes.append(
+                f"{optimizer} DistributedOptimizer buffer(s) (optimizer.distributed...) not read: "
+                "optimizer state, never weights"
+            )
         dcp.notes.append(_vocab_note(shape))
         dcp.facts = _facts(iter_url, args, shape, meta, dcp.facts)
         return dcp
@@ -188,6 +196,12 @@ class MegatronReader:
                 )
             )
         return iter_url
+
+
+def pieces_dtype(tensors: dict[str, SourceTensor]) -> str:
+    """The dtype the weights were saved in (`config.json`'s `torch_dtype` before the output's
+    own replaces it)."""
+    return next(iter(tensors.values())).dtype
 
 
 def _tag_name(url: str) -> str:
