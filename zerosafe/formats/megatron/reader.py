@@ -185,15 +185,17 @@ class MegatronReader:
         inside = storage.listdir(iter_url)
         if METADATA_FILE not in inside:
             legacy = [n for n in inside if n.startswith("mp_rank_")]
-            raise UnsupportedCheckpointError(
-                f"{iter_url}: no '{METADATA_FILE}'"
-                + (
-                    f" but {legacy[:3]}: Megatron-LM's legacy `torch` format, which zerosafe does "
-                    "not read; save with `--ckpt-format torch_dist` (or convert it with Megatron's "
-                    "checkpoint converter)"
-                    if legacy
-                    else "; the save did not finish (DCP writes it last) or was not copied"
+            if legacy:
+                raise UnsupportedCheckpointError(
+                    f"{iter_url}: holds {legacy[:3]}, Megatron-LM's legacy `torch` format, which "
+                    "zerosafe does not read (it reads `torch_dist`: `.metadata` and `.distcp` "
+                    "files); save with `--ckpt-format torch_dist`, or convert with Megatron's "
+                    "own checkpoint converter"
                 )
+            raise CheckpointFormatError(
+                f"{iter_url}: no '{METADATA_FILE}' ({len(inside)} entries); a Megatron-LM "
+                "`torch_dist` save writes it last, so the save did not finish or was not "
+                "copied. Pass `--tag` with a save that is complete"
             )
         return iter_url
 
