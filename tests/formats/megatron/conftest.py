@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-SAVES = ("tp2", "tp1dp2")
-"""Tensor parallel 2, and tensor parallel 1 x data parallel 2: the same model, two layouts."""
+SAVES = ("tp2", "tp1dp2", "tp2tied")
+"""Tensor parallel 2, tensor parallel 1 x data parallel 2 (the same model, two layouts), and
+tensor parallel 2 with the output layer tied to the embedding."""
 
 
 def save_path(name: str) -> Path:

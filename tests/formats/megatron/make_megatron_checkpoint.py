@@ -7,11 +7,12 @@ Runs in its own environment (Python >= 3.12, torch 2.13.0, megatron-core 0.19.2,
 safetensors`), never in the test suite's: the tests read the committed saves only
 (tests/formats/megatron/fixtures/, remade with the command above into that folder).
 
-Two saves of a tiny Llama-style `GPTModel` (2 layers, hidden 32, 4 query heads in 2 query
-groups, SwiGLU FFN 48, RMSNorm, RoPE, untied embeddings, no linear biases, vocab 53 padded as
-Megatron-LM pads it, to a multiple of 128 x TP), each on 2 gloo ranks:
-- `tp2/`: tensor parallel 2;
-- `tp1dp2/`: tensor parallel 1 x data parallel 2.
+Three saves of a tiny Llama-style `GPTModel` (2 layers, hidden 32, 4 query heads in 2 query
+groups, SwiGLU FFN 48, RMSNorm, RoPE, no linear biases, vocab 53 padded as Megatron-LM pads
+it, to a multiple of 128 x TP), each on 2 gloo ranks:
+- `tp2/`: tensor parallel 2, untied embeddings;
+- `tp1dp2/`: tensor parallel 1 x data parallel 2;
+- `tp2tied/`: tensor parallel 2, the output layer tied to the embedding (no `output_layer`).
 Each is saved the way Megatron-LM's `save_checkpoint` saves it: the state dict of
 `generate_state_dict` (`args`, `checkpoint_version`, `iteration`, `model` as the model's
 `sharded_state_dict()`, `optimizer` as the `DistributedOptimizer`'s state in Megatron-LM's
@@ -82,7 +83,7 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _args(tp: int) -> argparse.Namespace:
+def _args(tp: int, tied: bool) -> argparse.Namespace:
     """The architecture fields of Megatron-LM's args (megatron/training/arguments.py names)."""
     multiple = DIVISIBLE_BY * tp
     padded = (VOCAB + multiple - 1) // multiple * multiple
@@ -92,7 +93,7 @@ def _args(tp: int) -> argparse.Namespace:
         seq_length=64, max_position_embeddings=64, position_embedding_type="rope",
         rotary_base=10000, rotary_percent=1.0, rotary_interleaved=False,
         use_rope_scaling=False, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
-        untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=False,
+        untie_embeddings_and_output_weights=not tied, add_bias_linear=False, add_qkv_bias=False,
         qk_layernorm=False, num_experts=None, vocab_size=VOCAB, padded_vocab_size=padded,
         make_vocab_size_divisible_by=DIVISIBLE_BY, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1, params_dtype=torch.float32, bf16=False, fp16=False,
@@ -101,7 +102,7 @@ def _args(tp: int) -> argparse.Namespace:
     )  # fmt: skip
 
 
-def _worker(rank: int, out: str, port: int, tp: int) -> None:
+def _worker(rank: int, out: str, port: int, tp: int, tied: bool) -> None:
     _shim_cuda()
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -112,7 +113,7 @@ def _worker(rank: int, out: str, port: int, tp: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    args = _args(tp)
+    args = _args(tp, tied)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
@@ -128,7 +129,7 @@ def _worker(rank: int, out: str, port: int, tp: int) -> None:
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-        share_embeddings_and_output_weights=False, position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied, position_embedding_type="rope",
         rotary_base=args.rotary_base,
     )  # fmt: skip
     # Every element distinct and random (norms start at one): a misplaced element shows. The
@@ -209,10 +210,10 @@ def _gather_live(model: torch.nn.Module, tp: int) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     out = sys.argv[1]
-    for tp, name in ((2, "tp2"), (1, "tp1dp2")):
+    for tp, tied, name in ((2, False, "tp2"), (1, False, "tp1dp2"), (2, True, "tp2tied")):
         target = os.path.join(out, name)
         os.makedirs(target, exist_ok=True)
-        mp.spawn(_worker, args=(target, _free_port(), tp), nprocs=WORLD_SIZE, join=True)
+        mp.spawn(_worker, args=(target, _free_port(), tp, tied), nprocs=WORLD_SIZE, join=True)
         print("wrote", target)
 
 

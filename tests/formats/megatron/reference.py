@@ -29,5 +29,6 @@ def hf_reference(live: dict[str, torch.Tensor], args: dict[str, object]) -> dict
             p + "post_attention_layernorm.weight": live[m + "pre_mlp_layernorm.weight"],
         }
     out["model.norm.weight"] = live["decoder.final_layernorm.weight"]
-    out["lm_head.weight"] = live["output_layer.weight"][:vocab]
+    if "output_layer.weight" in live:  # tied: no head of its own, the config ties it
+        out["lm_head.weight"] = live["output_layer.weight"][:vocab]
     return {k: v.contiguous() for k, v in out.items()}
