@@ -84,7 +84,10 @@ class _CudaToCpu(TorchFunctionMode):
 
 
 def _args(tp: int, tied: bool) -> argparse.Namespace:
-    """The architecture fields of Megatron-LM's args (megatron/training/arguments.py names)."""
+    """The architecture fields of Megatron-LM's args (megatron/training/arguments.py names),
+    and an enum as Megatron-LM's args hold one (`--attention-backend`'s default)."""
+    from megatron.core.transformer.enums import AttnBackend
+
     multiple = DIVISIBLE_BY * tp
     padded = (VOCAB + multiple - 1) // multiple * multiple
     return argparse.Namespace(
@@ -99,6 +102,7 @@ def _args(tp: int, tied: bool) -> argparse.Namespace:
         pipeline_model_parallel_size=1, params_dtype=torch.float32, bf16=False, fp16=False,
         init_method_std=0.02, attention_dropout=0.0, hidden_dropout=0.0,
         apply_layernorm_1p=False, transformer_impl="local", iteration=ITERATION,
+        attention_backend=AttnBackend.auto,
     )  # fmt: skip
 
 

@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import shutil
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -109,9 +112,31 @@ def test_the_save_folder_an_iteration_and_tag_read_alike() -> None:
     assert not any(n.startswith("optimizer") for n in first.order)
 
 
+class AttnBackend(enum.Enum):
+    """Stands in for megatron-core's enum of that name (same module, name and values), so the
+    fixture's args can be unpickled and pickled again here, where megatron-core is not
+    installed; zerosafe reads it as an inert record."""
+
+    flash = 1
+    fused = 2
+    unfused = 3
+    local = 4
+    auto = 5
+
+
+def _with_megatron_enums(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = "megatron.core.transformer.enums"
+    AttnBackend.__module__ = module
+    for depth in range(1, 5):
+        name = ".".join(module.split(".")[:depth])
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setattr(sys.modules[module], "AttnBackend", AttnBackend, raising=False)
+
+
 def _tampered(tmp_path: Path, name: str, **changes: object) -> Path:
     """A copy of a committed save whose `common_state` args have `changes`: the new
-    `torch.save` bytes appended to its `.distcp` file, and `.metadata` pointed at them."""
+    `torch.save` bytes appended to its `.distcp` file, and `.metadata` pointed at them
+    (with `_with_megatron_enums` in force)."""
     import io
     import pickle
 
@@ -160,8 +185,13 @@ def _refusal(capsys: pytest.CaptureFixture[str], src: Path, out: Path) -> str:
     ],
 )
 def test_args_that_do_not_map_are_refused_in_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, object], said: str
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    changes: dict[str, object],
+    said: str,
 ) -> None:
+    _with_megatron_enums(monkeypatch)
     src = _tampered(tmp_path, "tp2", **changes)
     line = _refusal(capsys, src, tmp_path / "out")
     assert said in line, line

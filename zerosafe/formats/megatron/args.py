@@ -24,7 +24,9 @@ from zerosafe.formats.torch_pickle import InertObject
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.storage import Storage, join_url
 
-__all__ = ["COMMON_STATE", "MegatronArgs", "llama_config", "read_args"]
+__all__ = [
+    "COMMON_STATE", "MegatronArgs", "check_llama", "llama_config", "llama_shape", "read_args",
+]  # fmt: skip
 
 COMMON_STATE = "common_state"
 """The byte item (`common_state/shard_0_1`) holding `args`, `iteration` and the rest."""
@@ -129,8 +131,8 @@ def check_llama(args: MegatronArgs) -> None:
         UnsupportedCheckpointError: One line per refusal (the first found).
     """
     for name, covered, what in _UNSUPPORTED:
-        value = args.get(name, covered)
-        if value != covered and not (covered is None and value in (0, 1)):
+        value = args.get(name)
+        if value is not None and value != covered:  # absent or None: Megatron-LM's default
             _refuse(args, f"{name}={value!r}", what)
     wanted = (
         ("normalization", "RMSNorm"), ("swiglu", True), ("position_embedding_type", "rope"),
@@ -174,6 +176,16 @@ def llama_shape(args: MegatronArgs) -> LlamaShape:
     )
 
 
+def _float(args: MegatronArgs, name: str, default: float) -> float:
+    value = args.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise CheckpointFormatError(
+            f"{args.url}: the saved args have {name}={value!r}, expected a number; the save's "
+            "common state is not Megatron-LM's"
+        )
+    return float(value)
+
+
 def llama_config(args: MegatronArgs, shape: LlamaShape, *, dtype: str) -> dict[str, object]:
     """A `LlamaConfig` (transformers) of the model, every architecture field from the args."""
     return {
@@ -189,7 +201,7 @@ def llama_config(args: MegatronArgs, shape: LlamaShape, *, dtype: str) -> dict[s
         "hidden_act": "silu",
         "max_position_embeddings": args.get("max_position_embeddings"),
         "rms_norm_eps": args.get("norm_epsilon"),
-        "rope_theta": float(str(args.get("rotary_base", 10000))),
+        "rope_theta": _float(args, "rotary_base", 10000.0),
         "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
         "attention_bias": False,
         "mlp_bias": False,

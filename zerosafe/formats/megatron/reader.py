@@ -129,7 +129,7 @@ class MegatronReader:
             dcp.source,
             format=self.name,
             num_params=sum(math.prod(t.shape) for t in tensors.values()),
-            model_config=llama_config(args, shape, dtype=pieces_dtype(tensors)),
+            model_config=llama_config(args, shape, dtype=_saved_dtype(tensors)),
         )
         dcp.tensors = tensors
         dcp.order = list(tensors)
@@ -200,7 +200,7 @@ class MegatronReader:
         return iter_url
 
 
-def pieces_dtype(tensors: dict[str, SourceTensor]) -> str:
+def _saved_dtype(tensors: dict[str, SourceTensor]) -> str:
     """The dtype the weights were saved in (`config.json`'s `torch_dtype` before the output's
     own replaces it)."""
     return next(iter(tensors.values())).dtype
