@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from tests.formats.megatron.conftest import live_weights, save_path, saved_args
 from tests.formats.megatron.reference import hf_reference
 from zerosafe.config import ConvertOptions
+from zerosafe.formats.base import SourceDescription
 from zerosafe.formats.registry import read_source
 from zerosafe.io.storage import Storage
 from zerosafe_app.cli import main
@@ -100,6 +101,9 @@ def test_the_save_folder_an_iteration_and_tag_read_alike() -> None:
     first = layouts[0]
     assert first.format == "megatron" and first.tag == ITER
     assert first.source.model_config is not None
+    # the generated config travels with the plan (the flow's tasks read it back from JSON)
+    again = SourceDescription.from_json(first.source.to_json(), first.source.reader_json())
+    assert again.model_config == first.source.model_config
     for layout in layouts[1:]:
         assert layout.tag == ITER and layout.order == first.order
         assert {n: t.fragments for n, t in layout.tensors.items()} == {
