@@ -295,7 +295,8 @@ def _add_verbosity(p: argparse.ArgumentParser, *, top: bool) -> None:
 CHECKPOINT_HELP = (
     "checkpoint folder: DeepSpeed ZeRO (holding 'latest') or a tag folder; DeepSpeed universal "
     "(holding 'latest_universal'); PyTorch DCP (holding '.metadata': FSDP2, torchtitan, "
-    "accelerate, OLMo-core, ByteCheckpoint's model/); verl FSDP (holding "
+    "accelerate, OLMo-core, ByteCheckpoint's model/); Megatron-LM torch_dist (a --save folder "
+    "holding 'latest_checkpointed_iteration.txt', or its iter_NNNNNNN/); verl FSDP (holding "
     "'model_world_size_W_rank_R.pt'); torch_checkpointing (holding 'model_R.pt', or "
     "'model_R.safetensors' and 'metadata.pkl', per rank); "
     "HuggingFaceStorageWriter rank files "

@@ -69,10 +69,19 @@ def test_deepspeed_signs_keep_deepspeeds_message() -> None:
 
 
 def test_the_command_names_the_layout_in_one_line(tmp_path: Path) -> None:
-    folder = _folder(tmp_path / "run", ["latest_checkpointed_iteration.txt"], ["iter_0000003"])
+    folder = _folder(tmp_path / "run", ["weights.pt", "optimizer.pt"], [])
     line = _refusal(folder, tmp_path)
-    assert "looks like a Megatron-LM checkpoint" in line and "zerosafe reads:" in line
+    assert "looks like files written by `torch.save`" in line and "zerosafe reads:" in line
     assert "no 'latest' file" not in line
+
+
+def test_a_megatron_save_without_its_metadata_is_named(tmp_path: Path) -> None:
+    """Megatron's `--save` layout is read now (issue 40): an `iter_N/` whose `.metadata` is
+    missing is refused by its reader, naming the folder, not as an unknown layout."""
+    folder = _folder(tmp_path / "run", ["latest_checkpointed_iteration.txt"], ["iter_0000003"])
+    (folder / "latest_checkpointed_iteration.txt").write_text("3")
+    line = _refusal(folder, tmp_path)
+    assert "iter_0000003: no '.metadata'" in line and "torch_dist" in line
 
 
 def test_an_empty_folder_says_so(tmp_path: Path) -> None:

@@ -102,7 +102,7 @@ class StoredDetails:
 
 _COMMON = (
     "format", "checkpoint", "tag", "tag_url", "num_params", "checkpoint_bytes", "files",
-    "content_sha256", "model_files", "found_in",
+    "content_sha256", "model_files", "found_in", "model_config",
 )  # fmt: skip
 """The block's keys `SourceDescription` types itself; the rest are the format's own."""
 
@@ -135,6 +135,10 @@ class SourceDescription:
     found_in: str | None = None
     """The folder the user gave, where the save was found one level down in it
     (`zerosafe.formats.nested`); written at the block's end where set."""
+    model_config: dict[str, object] | None = None
+    """A transformers `config.json` the reader made from the checkpoint itself (Megatron-LM:
+    from its saved args), written beside the weights where the model files hold none
+    (`zerosafe.stages.output`); written at the block's end where set."""
 
     @property
     def model_files_url(self) -> str:
@@ -161,7 +165,11 @@ class SourceDescription:
         }
         skip = () if with_files else ("files",)
         block = {k: values[k] for k in self.details.order if k in values and k not in skip}
-        for key, value in (("model_files", self.model_files), ("found_in", self.found_in)):
+        ends = (
+            ("model_files", self.model_files), ("found_in", self.found_in),
+            ("model_config", self.model_config),
+        )  # fmt: skip
+        for key, value in ends:
             if value is not None:
                 block[key] = value
         return block
@@ -193,6 +201,7 @@ class SourceDescription:
             details=StoredDetails(own, tuple(block), reader.get("headline", "")),
             model_files=block.get("model_files"),
             found_in=block.get("found_in"),
+            model_config=block.get("model_config"),
         )
 
 

@@ -162,7 +162,7 @@ def find_latest_step(storage: Storage, url: str, readers: Sequence[FormatReader]
     if any(re.fullmatch(r"iter_\d{7}", n) for n in folders) and not any(
         n.startswith("global_step_") for n in folders
     ):
-        return None  # Megatron-LM's layout, which writes the same file: not read here
+        return None  # Megatron-LM's layout, same file: `MegatronReader` claims the folder
     file_url = join_url(url, LATEST_STEP_FILE)
     text = storage.read_bytes(file_url)[:_LATEST_MAX_BYTES].decode("ascii", "replace").strip()
     if not (text.isascii() and text.isdecimal()):

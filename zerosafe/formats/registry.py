@@ -18,6 +18,7 @@ from zerosafe.formats.dcp.reader import DcpReader
 from zerosafe.formats.deepspeed.reader import DeepSpeedReader
 from zerosafe.formats.deepspeed.universal import UniversalReader
 from zerosafe.formats.hf.reader import HfShardedReader, SafetensorsReader
+from zerosafe.formats.megatron.reader import MegatronReader
 from zerosafe.formats.nested import (
     Found,
     find_latest_step,
@@ -62,6 +63,7 @@ def formats_listed() -> Iterator[None]:
 
 
 READERS: tuple[FormatReader, ...] = (
+    MegatronReader(),
     DcpReader(),
     VerlReader(),
     TorchCheckpointingReader(),
@@ -70,8 +72,9 @@ READERS: tuple[FormatReader, ...] = (
     HfShardedReader(),
     SafetensorsReader(),
 )
-"""Every format, in the order `detect_format` asks them (DCP first: its `.metadata` file is
-unambiguous, while DeepSpeed's detection looks into subfolders; universal before ZeRO: a
+"""Every format, in the order `detect_format` asks them (Megatron's `torch_dist` first: its
+`iter_N/` is a DCP folder with Megatron's `metadata.json` beside `.metadata`; then DCP: its
+`.metadata` file is unambiguous, while DeepSpeed's detection looks into subfolders; universal before ZeRO: a
 universal folder holds the ZeRO tag's model states too; safetensors last, so a training
 checkpoint that also keeps a `model.safetensors` is read as the training checkpoint)."""
 FALLBACK = "deepspeed"

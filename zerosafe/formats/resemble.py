@@ -59,8 +59,9 @@ LAYOUTS: tuple[Layout, ...] = (
             _files(r"latest_checkpointed_iteration\.txt")(names, isdir)
             + _folders(r"iter_\d{7}|mp_rank_\d\d(_\d{3})?")(names, isdir)
         ),
-        fix="zerosafe does not read Megatron-LM saves yet; export them with Megatron's own "
-        "converter first",
+        fix="zerosafe reads Megatron-LM's `torch_dist` saves (an `iter_NNNNNNN/` holding "
+        "`.metadata`), not its legacy `torch` format (`mp_rank_NN/`); save with "
+        "`--ckpt-format torch_dist`, or convert with Megatron's own checkpoint converter",
     ),
     Layout(
         what="a Hugging Face model folder of PyTorch `.bin` weights",

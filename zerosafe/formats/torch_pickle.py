@@ -411,6 +411,20 @@ _INERT_GLOBALS = (
     "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum",
     "deepspeed.checkpoint.constants.ZeroStageEnum",
     "argparse.Namespace",
+    # enums Megatron-LM's args hold (`--attention-backend` parses to `AttnBackend`, ...),
+    # megatron-core 0.19.2: pickled as the class called with the member's value
+    *(
+        f"megatron.core.transformer.enums.{name}"
+        for name in (
+            "AttnBackend",
+            "AttnMaskType",
+            "AttnType",
+            "CudaGraphModule",
+            "CudaGraphScope",
+            "LayerType",
+            "ModelType",
+        )
+    ),  # fmt: skip
     "numpy.core.multiarray._reconstruct",
     "numpy._core.multiarray._reconstruct",
     "numpy.core.multiarray.scalar",

@@ -438,6 +438,30 @@ def check_model_config(
     return warnings
 
 
+def _architectures(config: dict[str, object] | None) -> str:
+    names = (config or {}).get("architectures")
+    return ", ".join(map(str, names)) if isinstance(names, list) else "no architecture"
+
+
+def write_generated_config(
+    storage: Storage, config: dict[str, object], dest: str, *, dtype: str
+) -> dict[str, Any]:
+    """Write `config` (a reader's `SourceDescription.model_config`) as `dest/config.json`,
+    atomically, with `torch_dtype` the output's; its manifest entry (no `source`: it was made,
+    not copied)."""
+    data = (json.dumps({**config, "torch_dtype": dtype}, indent=2, sort_keys=True) + "\n").encode()
+    with storage.sink(join_url(dest, "config.json")) as sink:
+        sink.write(data)
+    return {
+        "file": "config.json",
+        "size_bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "source": None,
+        "source_size_bytes": None,
+        "source_version": None,
+    }
+
+
 def model_files_report(
     storage: Storage,
     source: SourceDescription,
@@ -465,20 +489,27 @@ def model_files_report(
             f"(as save_pretrained writes), but it {what}; pass the folder holding them, or "
             "`--no-model-files`"
         )
-    if options.quantize is not None and "config.json" not in names:
+    generated = (
+        [f"config.json generated from the checkpoint ({_architectures(source.model_config)})"]
+        if source.model_config is not None and not options.adapter
+        else []
+    )
+    if options.quantize is not None and "config.json" not in names and not generated:
         raise ConfigError(
             f"{folder}: `quantize` {options.quantize} writes its `quantization_config` into the "
             "model's config.json, found none to copy (without it loaders read the FP8 weights "
             "unscaled); pass `--model-files DIR` with the model's config.json"
         )
     if not names:
-        return [
+        return generated or [
             f"no config.json or tokenizer files in {folder} to copy; from_pretrained needs a "
             "config: pass `--model-files DIR`"
         ], skipped
     notes = [f"copies {len(names)} model file(s) from {folder}: {', '.join(names)}"]
     if "config.json" not in names:
-        if not options.adapter:  # an adapter loads onto the base model, with its config
+        if generated:
+            notes += generated
+        elif not options.adapter:  # an adapter loads onto the base model, with its config
             notes.append(f"no config.json in {folder}; from_pretrained needs one")
         return notes, skipped
     where = join_url(folder, "config.json")

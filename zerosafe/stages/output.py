@@ -2,7 +2,8 @@
 
 An output folder holds `model.safetensors` or `model-0000K-of-0000N.safetensors` plus
 `model.safetensors.index.json` (transformers' sharded layout), the model files copied from
-the checkpoint folder (`config.json`, tokenizer files: `zerosafe.stages.model_files`),
+the checkpoint folder (`config.json`, tokenizer files: `zerosafe.stages.model_files`; a
+`config.json` the reader made from the checkpoint where they hold none),
 `zerosafe-manifest.json` (source identity, options, per-tensor checksums, each copied file's
 SHA-256, and with `file_sha256` each weight file's SHA-256) and `zerosafe-complete.json`, the completion marker, written last. Without the marker an output is not complete, whatever else is there.
 Work files (plan, intermediates) live in `.zerosafe-work/<job>/` unless placed elsewhere.
@@ -30,6 +31,7 @@ from zerosafe.stages.model_files import (
     copy_model_files,
     find_model_files,
     model_files_folder,
+    write_generated_config,
 )
 from zerosafe.stages.results import MergeResult, RunStats, VerifyResult
 
@@ -570,7 +572,7 @@ def _stage_model_files(
     folder = model_files_folder(plan.source, options)
     if folder is None:
         return []
-    return copy_model_files(
+    entries = copy_model_files(
         storage,
         folder,
         find_model_files(storage, folder, adapter=options.adapter),
@@ -580,6 +582,16 @@ def _stage_model_files(
             {"quantization_config": plan.quantization} if plan.quantization is not None else None
         ),
     )
+    config = plan.source.model_config
+    if config is not None and not options.adapter and "config.json" not in _names(entries):
+        if plan.quantization is not None:
+            config = {**config, "quantization_config": plan.quantization}
+        entries.append(write_generated_config(storage, config, pending, dtype=options.dtype))
+    return entries
+
+
+def _names(entries: Sequence[dict[str, Any]]) -> set[str]:
+    return {str(e.get("file")) for e in entries}
 
 
 def _published_model_files(

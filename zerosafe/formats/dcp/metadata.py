@@ -40,6 +40,9 @@ because it means the same bytes (tests/formats/dcp/test_metadata_drift.py writes
 - `_StorageInfo.transform_descriptors` (stream transforms such as compression, 2025):
   absent in older files and, since torch drops None fields when pickling it, in newer files
   that used no transform. A chunk with transforms is refused by the reader.
+- `Metadata.all_local_plans`: megatron-core's `torch_dist` (0.19.2) sets it on torch's
+  `Metadata` to every rank's `SavePlan` (of `WriteItem`s, `WriteItemType`s and
+  `TensorWriteData`: `PLANNER_CLASSES`), a cache for its next save; read as inert data, unused.
 - `StorageMeta.checkpoint_id` as a path: `pathlib.PosixPath(*parts)` up to Python 3.12,
   `pathlib._local.PosixPath(text)` from 3.13.
 Fields that would change where a chunk's bytes are (an unknown field of `_StorageInfo`,
@@ -65,6 +68,7 @@ from zerosafe.formats.torch_zip import DTypeToken, InertObject, TorchSize
 __all__ = [
     "ALLOWED_GLOBALS",
     "METADATA_CLASSES",
+    "PLANNER_CLASSES",
     "STORAGE_INFO_CLASSES",
     "DcpMetadata",
     "StorageInfo",
@@ -104,7 +108,14 @@ METADATA_CLASSES: dict[str, tuple[str, frozenset[str]]] = {
     f"{_METADATA}.Metadata": (
         "torch.distributed.checkpoint",
         frozenset(
-            {"state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"}
+            {
+                "state_dict_metadata",
+                "planner_data",
+                "storage_data",
+                "storage_meta",
+                "version",
+                "all_local_plans",
+            }
         ),
     ),
     f"{_BYTECHECKPOINT}.Metadata": (
@@ -144,8 +155,20 @@ STORAGE_INFO_CLASSES: dict[str, tuple[str, frozenset[str]]] = {
 pickles it, the fields it may carry). Each locates a chunk as bytes `[offset, offset +
 length)` of `relative_path`, a file in the checkpoint folder (see the module docstring)."""
 
+_PLANNER = "torch.distributed.checkpoint.planner"
+PLANNER_CLASSES = (
+    f"{_PLANNER}.SavePlan",
+    f"{_PLANNER}.WriteItem",
+    f"{_PLANNER}.WriteItemType",
+    f"{_PLANNER}.TensorWriteData",
+)
+"""torch's save-planner classes megatron-core pickles into `Metadata.all_local_plans` (every
+rank's `SavePlan` of the save, kept to skip planning on the next one): read as inert data and
+never used; where the bytes are is `storage_data`'s alone."""
+
 _INERT_CLASSES = (
     *METADATA_CLASSES,
+    *PLANNER_CLASSES,
     f"{_METADATA}.TensorStorageMetadata",
     f"{_METADATA}.BytesStorageMetadata",
     f"{_METADATA}.ChunkStorageMetadata",
@@ -173,10 +196,11 @@ ALLOWED_GLOBALS: dict[str, Any] = {
     **{f"torch.{name}": DTypeToken(name) for name in DTYPES},
 }
 """Every global a DCP `.metadata` pickle may name, and what it becomes. Anything else is
-refused. Seen in torch 2.13's, OLMo-core 3.0.0's and ByteCheckpoint 0.0.2's files: the DCP
-classes (ByteCheckpoint's own `Metadata` and `_StorageInfo` among them), `torch.Size`,
-dtypes, `torch.serialization._get_layout`, `pathlib.PosixPath` and OLMo-core's
-`_StorageInfo`; the older and newer forms of the module docstring's drift list."""
+refused. Seen in torch 2.13's, OLMo-core 3.0.0's, ByteCheckpoint 0.0.2's and megatron-core
+0.19.2's files: the DCP classes (ByteCheckpoint's own `Metadata` and `_StorageInfo` among
+them), `torch.Size`, dtypes, `torch.serialization._get_layout`, `pathlib.PosixPath`,
+OLMo-core's `_StorageInfo` and torch's planner classes (`PLANNER_CLASSES`); the older and
+newer forms of the module docstring's drift list."""
 seal_table(ALLOWED_GLOBALS)
 
 

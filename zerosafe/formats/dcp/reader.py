@@ -39,6 +39,7 @@ __all__ = [
     "Selected",
     "is_dcp_checkpoint",
     "read_dcp_layout",
+    "read_metadata",
     "select_tensors",
 ]
 
@@ -321,8 +322,14 @@ def _plan_chunks(meta: DcpMetadata, chosen: Sequence[tuple[str, str]]) -> _Plann
     return planned
 
 
-def _read_metadata(url: str, storage: Storage) -> tuple[DcpMetadata, str]:
-    """The parsed `.metadata` and the SHA-256 of its bytes."""
+def read_metadata(url: str, storage: Storage) -> tuple[DcpMetadata, str]:
+    """The parsed `.metadata` of the DCP folder `url` and the SHA-256 of its bytes.
+
+    Raises:
+        CheckpointFormatError: If it is missing (saying whether the save did not finish),
+            not DCP metadata, or too large.
+        UnsafePickleError: If it names a global outside the DCP allowlist.
+    """
     meta_url = join_url(url, METADATA_FILE)
     try:
         data = storage.read_small(
@@ -396,6 +403,7 @@ def read_dcp_layout(
     selection: DcpSelection | None = None,
     *,
     max_workers: int = 8,
+    metadata: tuple[DcpMetadata, str] | None = None,
 ) -> SourceLayout:
     """Read a DCP checkpoint's metadata and chunk headers into a `SourceLayout`.
 
@@ -404,6 +412,8 @@ def read_dcp_layout(
         storage: Opens its files.
         selection: Which tensors to convert; the default of `DcpSelection`.
         max_workers: Chunk headers read at once (each is a few small ranged reads).
+        metadata: `.metadata` as `read_metadata` returned it, where the caller has read it
+            (a format built on DCP: Megatron's `torch_dist`); else it is read here.
 
     Raises:
         CheckpointFormatError: If `.metadata` or a `.distcp` file is missing, truncated or
@@ -415,7 +425,7 @@ def read_dcp_layout(
     """
     url = normalize_url(url)
     read_before = storage.counter.bytes_read
-    meta, meta_sha = _read_metadata(url, storage)
+    meta, meta_sha = metadata or read_metadata(url, storage)
     selected = select_tensors(list(meta.tensors), selection or DcpSelection(), where=url)
     planned = _plan_chunks(meta, selected.pairs)
     names = sorted({info.relative_path for _, _, ch in planned for _, _, info in ch if info})

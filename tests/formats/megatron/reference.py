@@ -1,0 +1,34 @@
+"""The reference: the live Megatron weights mapped to Hugging Face Llama names with plain torch,
+independently of zerosafe's reader (which never builds a tensor)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def hf_reference(live: dict[str, torch.Tensor], args: dict[str, object]) -> dict[str, torch.Tensor]:
+    """`live` (Megatron's per-layer names, full size) as `LlamaForCausalLM` weights."""
+    heads, groups = int(args["num_attention_heads"]), int(args["num_query_groups"])  # type: ignore[call-overload]
+    d, vocab = int(args["kv_channels"]), int(args["vocab_size"])  # type: ignore[call-overload]
+    out = {"model.embed_tokens.weight": live["embedding.word_embeddings.weight"][:vocab]}
+    for i in range(int(args["num_layers"])):  # type: ignore[call-overload]
+        m, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = live[m + "self_attention.linear_qkv.weight"]
+        per_group = qkv.view(groups, (heads // groups + 2) * d, -1)
+        q, k, v = per_group.split([heads // groups * d, d, d], dim=1)
+        gate, up = live[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        out |= {
+            p + "self_attn.q_proj.weight": q.reshape(heads * d, -1),
+            p + "self_attn.k_proj.weight": k.reshape(groups * d, -1),
+            p + "self_attn.v_proj.weight": v.reshape(groups * d, -1),
+            p + "self_attn.o_proj.weight": live[m + "self_attention.linear_proj.weight"],
+            p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": live[m + "mlp.linear_fc2.weight"],
+            p + "input_layernorm.weight": live[m + "input_layernorm.weight"],
+            p + "post_attention_layernorm.weight": live[m + "pre_mlp_layernorm.weight"],
+        }
+    out["model.norm.weight"] = live["decoder.final_layernorm.weight"]
+    if "output_layer.weight" in live:  # tied: no head of its own, the config ties it
+        out["lm_head.weight"] = live["output_layer.weight"][:vocab]
+    return {k: v.contiguous() for k, v in out.items()}

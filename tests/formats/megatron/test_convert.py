@@ -1,0 +1,202 @@
+"""megatron-core `torch_dist` saves to Hugging Face Llama weights (issue 40), through the
+`zerosafe` command, against the live model's weights mapped with plain torch
+(`reference.py`), transformers' own `LlamaForCausalLM`, and `verify --against`."""
+
+from __future__ import annotations
+
+import enum
+import json
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.formats.megatron.conftest import live_weights, save_path, saved_args
+from tests.formats.megatron.reference import hf_reference
+from zerosafe.config import ConvertOptions
+from zerosafe.formats.base import SourceDescription
+from zerosafe.formats.registry import read_source
+from zerosafe.io.storage import Storage
+from zerosafe_app.cli import main
+
+ITER = "iter_0000003"
+
+
+def _convert(capsys: pytest.CaptureFixture[str], src: Path, out: Path, *args: str) -> str:
+    code = main(["convert", str(src), str(out), "--via", "local", *args])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return captured.out
+
+
+def _expected_config(args: dict[str, object]) -> dict[str, object]:
+    """The architecture fields of the `LlamaConfig` of the model the maker built."""
+    return {
+        "vocab_size": args["vocab_size"],
+        "hidden_size": args["hidden_size"],
+        "intermediate_size": args["ffn_hidden_size"],
+        "num_hidden_layers": args["num_layers"],
+        "num_attention_heads": args["num_attention_heads"],
+        "num_key_value_heads": args["num_query_groups"],
+        "head_dim": args["kv_channels"],
+        "hidden_act": "silu",
+        "max_position_embeddings": args["max_position_embeddings"],
+        "rms_norm_eps": args["norm_epsilon"],
+        "tie_word_embeddings": not args["untie_embeddings_and_output_weights"],
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
+def test_converts_bit_equal_and_loads_in_transformers(
+    megatron_save: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both layouts (TP=2; TP=1 x DP=2) give the live weights in HF names, bit for bit, a
+    `config.json` that transformers loads, and the same logits as a model built from them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path / "out"
+    said = _convert(capsys, save_path(megatron_save), out)
+    assert "the first 53 of" in said and "config.json generated" in said
+    args = saved_args(megatron_save)
+    want = hf_reference(live_weights(megatron_save), args)
+    got = load_file(str(out / "model.safetensors"))
+    assert list(got) == list(want)
+    for name, ref in want.items():
+        assert got[name].dtype == ref.dtype and torch.equal(got[name], ref), name
+    config = json.loads((out / "config.json").read_text())
+    expected = _expected_config(args)
+    assert {k: config[k] for k in expected} == expected
+    assert config["rope_theta"] == float(str(args["rotary_base"]))
+
+    model = LlamaForCausalLM.from_pretrained(str(out)).eval()
+    for key, value in expected.items():
+        assert getattr(model.config, key) == value, key
+    reference = LlamaForCausalLM(LlamaConfig.from_pretrained(str(out))).eval()
+    reference.load_state_dict(want, strict="lm_head.weight" in want)
+    if "lm_head.weight" not in want:  # tied by the config
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    ids = torch.tensor([[1, 5, 52, 0, 17, 33]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+    assert main(["verify", str(out), "--against", str(save_path(megatron_save))]) == 0
+    assert capsys.readouterr().out.startswith("OK")
+
+
+def test_the_save_folder_an_iteration_and_tag_read_alike() -> None:
+    """`SAVE` (via `latest_checkpointed_iteration.txt`), `SAVE/iter_N` and `SAVE --tag iter_N`
+    read the same save."""
+    storage, options = Storage(), ConvertOptions()
+    save = str(save_path("tp2"))
+    layouts = [
+        read_source(storage, save, tag=None, options=options),
+        read_source(storage, f"{save}/{ITER}", tag=None, options=options),
+        read_source(storage, save, tag=ITER, options=options),
+    ]
+    first = layouts[0]
+    assert first.format == "megatron" and first.tag == ITER
+    assert first.source.model_config is not None
+    # the generated config travels with the plan (the flow's tasks read it back from JSON)
+    again = SourceDescription.from_json(first.source.to_json(), first.source.reader_json())
+    assert again.model_config == first.source.model_config
+    for layout in layouts[1:]:
+        assert layout.tag == ITER and layout.order == first.order
+        assert {n: t.fragments for n, t in layout.tensors.items()} == {
+            n: t.fragments for n, t in first.tensors.items()
+        }
+    # optimizer buffers and non-tensor items are listed, never weights
+    facts = first.facts.to_json() if first.facts else {}
+    assert len(facts["optimizer_buffers"]) == 6  # type: ignore[arg-type]
+    assert any(k.startswith("common_state") for k in facts["non_tensor_items"])  # type: ignore[union-attr]
+    assert not any(n.startswith("optimizer") for n in first.order)
+
+
+class AttnBackend(enum.Enum):
+    """Stands in for megatron-core's enum of that name (same module, name and values), so the
+    fixture's args can be unpickled and pickled again here, where megatron-core is not
+    installed; zerosafe reads it as an inert record."""
+
+    flash = 1
+    fused = 2
+    unfused = 3
+    local = 4
+    auto = 5
+
+
+def _with_megatron_enums(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = "megatron.core.transformer.enums"
+    AttnBackend.__module__ = module
+    for depth in range(1, 5):
+        name = ".".join(module.split(".")[:depth])
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setattr(sys.modules[module], "AttnBackend", AttnBackend, raising=False)
+
+
+def _tampered(tmp_path: Path, name: str, **changes: object) -> Path:
+    """A copy of a committed save whose `common_state` args have `changes`: the new
+    `torch.save` bytes appended to its `.distcp` file, and `.metadata` pointed at them
+    (with `_with_megatron_enums` in force)."""
+    import io
+    import pickle
+
+    src = save_path(name)
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    meta_path = dst / ITER / ".metadata"
+    meta = pickle.loads(meta_path.read_bytes())  # the committed fixture: trusted
+    key = next(k for k in meta.storage_data if k.fqn.startswith("common_state"))
+    info = meta.storage_data[key]
+    distcp = dst / ITER / info.relative_path
+    data = distcp.read_bytes()
+    common = torch.load(
+        io.BytesIO(data[info.offset : info.offset + info.length]), weights_only=False
+    )
+    for field, value in changes.items():
+        setattr(common[0]["args"], field, value)
+    buf = io.BytesIO()
+    torch.save(common, buf)
+    distcp.write_bytes(data + buf.getvalue())
+    info.offset, info.length = len(data), len(buf.getvalue())
+    meta_path.write_bytes(pickle.dumps(meta))
+    return dst
+
+
+def _refusal(capsys: pytest.CaptureFixture[str], src: Path, out: Path) -> str:
+    code = main(["convert", str(src), str(out), "--via", "local"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert not out.exists() or not (out / "model.safetensors").exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"num_query_groups": 1}, "the args are not this model's"),
+        ({"ffn_hidden_size": 24}, "give [2, 48, 32]"),
+        ({"qk_layernorm": True}, "qk_layernorm=True: query/key norms"),
+        ({"num_experts": 8}, "num_experts=8: a mixture-of-experts model"),
+        ({"add_qkv_bias": True}, "add_qkv_bias=True"),
+        ({"normalization": "LayerNorm"}, "normalization='LayerNorm': not the Llama family"),
+        ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size=2"),
+    ],
+)
+def test_args_that_do_not_map_are_refused_in_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    changes: dict[str, object],
+    said: str,
+) -> None:
+    _with_megatron_enums(monkeypatch)
+    src = _tampered(tmp_path, "tp2", **changes)
+    line = _refusal(capsys, src, tmp_path / "out")
+    assert said in line, line
+    assert "__0_0.distcp" in line or ITER in line, line

@@ -1,0 +1,154 @@
+"""Megatron's stacked tensors as Hugging Face Llama tensors: pure integer math on element runs.
+
+megatron-core's `torch_dist` save (megatron/core/transformer/transformer_block.py,
+`sharded_state_dict`, 0.19.2) stores each per-layer parameter once, stacked: a leading layer
+dimension (`decoder.layers.self_attention.linear_qkv.weight` of shape `[num_layers, ...]`).
+A Hugging Face tensor is then a set of runs of that stacked tensor's row-major elements:
+- a layer's slice: one run (`num_layers` unstacks);
+- `linear_qkv` is interleaved per query group (megatron/core/transformer/attention.py,
+  `get_query_key_value_tensors`): for each of the `G` groups, its `n/G` query heads, then one
+  key head, then one value head, `kv_channels` rows each; `q_proj` is `G` runs, `k_proj` and
+  `v_proj` `G` runs each;
+- `linear_fc1` with SwiGLU is `[gate; up]` (the first `ffn_hidden_size` rows, then the rest);
+- the embedding and output layer keep their first `vocab_size` rows (Megatron-LM pads the
+  vocabulary, `_vocab_size_with_padding` in megatron/training/tokenizer).
+`compose` turns those runs and the stacked tensor's fragments (`zerosafe.formats.base`) into
+the Hugging Face tensor's fragments: every split is a slice of the stored bytes.
+
+Nothing here touches files (tests/formats/megatron/test_names.py).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from zerosafe.formats.base import Fragment
+
+__all__ = ["HfPiece", "LlamaShape", "compose", "llama_pieces"]
+
+Run = tuple[int, int, int]
+"""`(src_offset, numel, dst_offset)`: elements of the stacked Megatron tensor to elements of
+the output tensor."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LlamaShape:
+    """The sizes the mapping needs (from the args saved with the checkpoint)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    """The true vocabulary (the rows kept)."""
+    padded_vocab_size: int
+    """The rows stored (Megatron-LM's padding)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HfPiece:
+    """One Hugging Face tensor: which stacked Megatron tensor it comes from, and how."""
+
+    name: str
+    source: str
+    """The Megatron key (stacked) its elements come from."""
+    shape: tuple[int, ...]
+    runs: tuple[Run, ...]
+
+
+def _rows(layer: int, per_layer: int, row: int, count: int, width: int, dst: int) -> Run:
+    return (layer * per_layer + row * width, count * width, dst * width)
+
+
+def llama_pieces(shape: LlamaShape, keys: dict[str, str]) -> list[HfPiece]:
+    """Every Hugging Face Llama tensor, in `LlamaForCausalLM.state_dict()` order.
+
+    Args:
+        shape: The model's sizes.
+        keys: Megatron key of each role: `embedding`, `input_norm`, `qkv`, `proj`, `mlp_norm`,
+            `fc1`, `fc2`, `final_norm` and (untied) `output`.
+    """
+    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.kv_channels
+    n, g = shape.num_attention_heads, shape.num_query_groups
+    q_per_group = n // g
+    block = (q_per_group + 2) * d  # rows of one query group in linear_qkv
+    qkv_layer, fc1_layer = g * block * h, 2 * f * h
+    out = [_vocab("model.embed_tokens.weight", keys["embedding"], shape)]
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        q = tuple(
+            _rows(i, qkv_layer, k * block, q_per_group * d, h, k * q_per_group * d)
+            for k in range(g)
+        )
+        k_runs = tuple(
+            _rows(i, qkv_layer, k * block + q_per_group * d, d, h, k * d) for k in range(g)
+        )
+        v_runs = tuple(
+            _rows(i, qkv_layer, k * block + (q_per_group + 1) * d, d, h, k * d) for k in range(g)
+        )
+        out += [
+            HfPiece(name=p + "self_attn.q_proj.weight", source=keys["qkv"], shape=(n * d, h), runs=q),
+            HfPiece(name=p + "self_attn.k_proj.weight", source=keys["qkv"], shape=(g * d, h), runs=k_runs),
+            HfPiece(name=p + "self_attn.v_proj.weight", source=keys["qkv"], shape=(g * d, h), runs=v_runs),
+            _layer(p + "self_attn.o_proj.weight", keys["proj"], i, (h, n * d)),
+            HfPiece(
+                name=p + "mlp.gate_proj.weight", source=keys["fc1"], shape=(f, h),
+                runs=(_rows(i, fc1_layer, 0, f, h, 0),),
+            ),
+            HfPiece(
+                name=p + "mlp.up_proj.weight", source=keys["fc1"], shape=(f, h),
+                runs=(_rows(i, fc1_layer, f, f, h, 0),),
+            ),
+            _layer(p + "mlp.down_proj.weight", keys["fc2"], i, (h, f)),
+            _layer(p + "input_layernorm.weight", keys["input_norm"], i, (h,)),
+            _layer(p + "post_attention_layernorm.weight", keys["mlp_norm"], i, (h,)),
+        ]  # fmt: skip
+    out.append(
+        HfPiece(name="model.norm.weight", source=keys["final_norm"], shape=(h,), runs=((0, h, 0),))
+    )
+    if "output" in keys:
+        out.append(_vocab("lm_head.weight", keys["output"], shape))
+    return out
+
+
+def _layer(name: str, source: str, layer: int, shape: tuple[int, ...]) -> HfPiece:
+    numel = math.prod(shape)
+    return HfPiece(name=name, source=source, shape=shape, runs=((layer * numel, numel, 0),))
+
+
+def _vocab(name: str, source: str, shape: LlamaShape) -> HfPiece:
+    numel = shape.vocab_size * shape.hidden_size
+    return HfPiece(
+        name=name, source=source, shape=(shape.vocab_size, shape.hidden_size), runs=((0, numel, 0),)
+    )
+
+
+def compose(runs: Sequence[Run], fragments: Sequence[Fragment]) -> tuple[Fragment, ...]:
+    """The fragments of an output tensor made of `runs` of a stored tensor with `fragments`.
+
+    Args:
+        runs: `(src_offset, numel, dst_offset)` of the stored tensor's elements.
+        fragments: The stored tensor's fragments, tiling it (any order).
+
+    Returns:
+        The output's fragments, by destination offset: each a contiguous part of a slot.
+    """
+    ordered = sorted(fragments, key=lambda fr: fr[3])
+    starts = [fr[3] for fr in ordered]
+    out: list[Fragment] = []
+    for src, numel, dst in runs:
+        end = src + numel
+        i = max(bisect.bisect_right(starts, src) - 1, 0)
+        while i < len(ordered) and ordered[i][3] < end:
+            slot, slot_offset, count, at = ordered[i]
+            lo, hi = max(src, at), min(end, at + count)
+            if lo < hi:
+                out.append((slot, slot_offset + lo - at, hi - lo, dst + lo - src))
+            i += 1
+    out.sort(key=lambda fr: fr[3])
+    return tuple(out)
