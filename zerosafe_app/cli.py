@@ -227,6 +227,12 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         help="write the PEFT adapter the checkpoint holds: adapter_model.safetensors with "
         "PEFT's names and adapter_config.json, for PeftModel.from_pretrained(base, OUT)",
     )
+    _add_quantize_options(p)
+    _add_storage_option(p)
+
+
+def _add_quantize_options(p: argparse.ArgumentParser) -> None:
+    """`--quantize` and `--quantize-ignore`: the release formats (docs/output.md)."""
     p.add_argument(
         "--quantize",
         choices=["fp8-block", "fp8-dynamic"],
@@ -244,7 +250,6 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         help="with --quantize: leave weights whose name matches this regular expression "
         "(re.search) unquantized, e.g. 'layers\\.0\\.' (repeatable)",
     )
-    _add_storage_option(p)
 
 
 def _add_storage_option(p: argparse.ArgumentParser) -> None:

@@ -76,7 +76,10 @@ def read_local(
         parts: list[bytes] = []
         got = 0
         while cap is None or got < cap:
-            part = os.read(fd, READ_STEP_BYTES if cap is None else min(cap - got, READ_STEP_BYTES))
+            # os.read allocates what it is asked for before it reads: ask for what the file
+            # holds (plus a little, to see it end or grow), never a whole step for a small file
+            want = min(READ_STEP_BYTES, max(st.st_size - got, 0) + _GROWTH_BYTES)
+            part = os.read(fd, want if cap is None else min(cap - got, want))
             if not part:
                 break
             parts.append(part)
@@ -87,3 +90,7 @@ def read_local(
 
 
 READ_STEP_BYTES = 8 * 2**20
+"""The most one `os.read` asks for."""
+_GROWTH_BYTES = 64 * 2**10
+"""Asked for beyond a file's size as `stat` saw it: its end shows as a short read, and a file
+that grew meanwhile is read on in steps of this size."""
