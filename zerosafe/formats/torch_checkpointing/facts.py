@@ -4,7 +4,6 @@ the `SourceLayout` that carries it: `describe` is the one place the reader's `so
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from zerosafe.formats.base import InspectFacts, ReadLabels, SourceDescription, SourceLayout
+from zerosafe.formats.verl.shards import layout_lines, shards_fingerprint, tied_lines
 from zerosafe.io.storage import FileIdentity
 from zerosafe.units import format_bytes
 
@@ -96,15 +96,9 @@ def describe(
         f"file(s), {format_bytes(total)}"
         + (" (safetensors layout, placed by metadata.pkl)" if safetensors else ""),
         f"  other items (never read): {others}",
-        "  placements: "
-        + ", ".join(f"{p} x {n}" for p, n in sorted(built.placements.items()))
-        + (f" ({built.uneven} split unevenly over the ranks)" if built.uneven else ""),
-        "  dtypes: " + ", ".join(f"{d} x {n}" for d, n in dtypes.most_common()),
+        *layout_lines(built, dtypes),
     ]
-    if built.aliases:
-        about.append(
-            "  tied: " + ", ".join(f"{a} -> {t}" for a, t in sorted(built.aliases.items()))
-        )
+    about += tied_lines(built)
     facts = InspectFacts(
         fields={
             "checkpoint": url,
@@ -155,9 +149,4 @@ def _notes(built: Built) -> list[str]:
 
 
 def _fingerprint(files: Sequence[SourceFile], slots: Sequence[Slot]) -> str:
-    """SHA-256 over every local shard's name, record size and CRC-32 (zip directory form):
-    from headers only, the same after copies and moves, different for a changed shard."""
-    h = hashlib.sha256(f"{_FORMAT} {len(files)}\n".encode())
-    for s in sorted(slots, key=lambda s: s.name):
-        h.update(f"{s.name}\0{s.record_size_bytes}\0{s.record_crc32}\n".encode())
-    return h.hexdigest()
+    return shards_fingerprint(f"{_FORMAT} {len(files)}", slots)

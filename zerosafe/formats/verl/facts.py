@@ -4,7 +4,6 @@ are made."""
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerosafe.formats.base import InspectFacts, ReadLabels, SourceDescription, SourceLayout
+from zerosafe.formats.verl.shards import layout_lines, shards_fingerprint, tied_lines
 from zerosafe.io.storage import FileIdentity
 from zerosafe.units import format_bytes
 
@@ -99,16 +99,10 @@ def describe(
         f"  {len(built.tensors)} tensors ({params:,} elements) in {len(models)} model rank "
         f"file(s), {format_bytes(sum(f.size_bytes for f in models))}; optimizer and extra "
         "state files are never read",
-        "  placements: "
-        + ", ".join(f"{p} x {n}" for p, n in sorted(built.placements.items()))
-        + (f" ({built.uneven} split unevenly over the ranks)" if built.uneven else ""),
-        "  dtypes: " + ", ".join(f"{d} x {n}" for d, n in dtypes.most_common()),
+        *layout_lines(built, dtypes),
         f"  model files: {model_files or 'none (no huggingface/ folder)'}",
     ]
-    if built.aliases:
-        about.append(
-            "  tied: " + ", ".join(f"{a} -> {t}" for a, t in sorted(built.aliases.items()))
-        )
+    about += tied_lines(built)
     facts = InspectFacts(
         fields={
             "checkpoint": url,
@@ -179,9 +173,4 @@ def _notes(built: Built, config: dict[str, Any] | None) -> list[str]:
 
 
 def _fingerprint(files: Sequence[SourceFile], slots: Sequence[Slot]) -> str:
-    """SHA-256 over every local shard's name, record size and CRC-32 (zip directory form):
-    from headers only, the same after copies and moves, different for a changed shard."""
-    h = hashlib.sha256(f"verl {sum(f.role == 'model' for f in files)}\n".encode())
-    for s in sorted(slots, key=lambda s: s.name):
-        h.update(f"{s.name}\0{s.record_size_bytes}\0{s.record_crc32}\n".encode())
-    return h.hexdigest()
+    return shards_fingerprint(f"verl {sum(f.role == 'model' for f in files)}", slots)

@@ -13,7 +13,9 @@ refused by name.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,7 +27,16 @@ from zerosafe.formats.torch_pickle import DTensorRecord, InertObject, TensorReco
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.plan.model import Slot, SourceFile
 
-__all__ = ["VERL_FALLBACK", "Built", "RankFile", "build_tensors", "shard_rows"]
+__all__ = [
+    "VERL_FALLBACK",
+    "Built",
+    "RankFile",
+    "build_tensors",
+    "layout_lines",
+    "shard_rows",
+    "shards_fingerprint",
+    "tied_lines",
+]
 
 VERL_FALLBACK = "convert it with verl's model_merger"
 
@@ -283,3 +294,30 @@ def _resolve_slots(
 
     with ThreadPoolExecutor(max_workers=max_workers) as pool:
         return list(pool.map(one, range(len(pending)), pending))
+
+
+def shards_fingerprint(head: str, slots: Sequence[Slot]) -> str:
+    """SHA-256 of `head` and every local shard's name, record size and CRC-32 (zip directory
+    form): from headers only, the same after copies and moves, different for a changed shard
+    (the content identity of a folder of per-rank DTensor files: verl's, torch_checkpointing's)."""
+    h = hashlib.sha256(f"{head}\n".encode())
+    for s in sorted(slots, key=lambda s: s.name):
+        h.update(f"{s.name}\0{s.record_size_bytes}\0{s.record_crc32}\n".encode())
+    return h.hexdigest()
+
+
+def layout_lines(built: Built, dtypes: Counter[str]) -> list[str]:
+    """`inspect`'s lines on how the tensors are placed over the ranks, and their dtypes."""
+    return [
+        "  placements: "
+        + ", ".join(f"{p} x {n}" for p, n in sorted(built.placements.items()))
+        + (f" ({built.uneven} split unevenly over the ranks)" if built.uneven else ""),
+        "  dtypes: " + ", ".join(f"{d} x {n}" for d, n in dtypes.most_common()),
+    ]
+
+
+def tied_lines(built: Built) -> list[str]:
+    """`inspect`'s line on tied aliases, where there are any."""
+    if not built.aliases:
+        return []
+    return ["  tied: " + ", ".join(f"{a} -> {t}" for a, t in sorted(built.aliases.items()))]
