@@ -1,12 +1,14 @@
 """What every reader must survive as the DCP reader does (issue 39): a `zerosafe convert` killed
 with SIGKILL midway and run again, a conversion from S3 into S3 on the loopback moto server,
 and `verify --against` (passing, and failing on one flipped byte). The readers' test folders
-call these with their own framework-made saves."""
+call these with their own framework-made saves: a test module defines a `save` fixture (the
+folder a user passes) and a `TestRobust(RobustChecks)` class with the conversion's `ARGS`."""
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,3 +151,39 @@ def verify_then_flip_a_byte(capsys: pytest.CaptureFixture[str], out: Path, src: 
     assert code == 1, report
     failed = [(f["check"], f["file"]) for f in report["failures"]]
     assert any(c == "checksum" and shard.name in f for c, f in failed), failed
+
+
+class RobustChecks:
+    """The three checks on a module's `save` fixture, converted with `ARGS` (a subclass sets
+    them). The module imports the moto fixtures (`moto`, `bucket` and what they use)."""
+
+    ARGS: tuple[str, ...] = ()
+
+    @pytest.fixture(scope="class")
+    def reference(self, save: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        """An uninterrupted local conversion of the save with `ARGS`."""
+        out = tmp_path_factory.mktemp(f"{save.name}-reference") / "out"
+        assert main(["convert", str(save), str(out), "--via", "local", "-q", *self.ARGS]) == 0
+        return out
+
+    def test_sigkill_midway_then_resume(
+        self, save: Path, reference: Path, local_env: dict[str, str], tmp_path: Path
+    ) -> None:
+        kill_midway_then_resume(local_env, save, tmp_path / "out", reference, *self.ARGS)
+
+    def test_s3_to_s3(
+        self,
+        save: Path,
+        reference: Path,
+        moto: MotoServer,
+        bucket: str,
+        tmp_path: Path,
+        capsys: pytest.CaptureFixture[str],
+    ) -> None:
+        s3_to_s3_equals_local(capsys, moto, bucket, save, reference, tmp_path, *self.ARGS)
+
+    def test_verify_against_then_a_flipped_byte(
+        self, save: Path, reference: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        out = Path(shutil.copytree(reference, tmp_path / "out"))
+        verify_then_flip_a_byte(capsys, out, save)

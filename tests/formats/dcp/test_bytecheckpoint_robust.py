@@ -5,24 +5,14 @@ checks)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.formats.robust import (
-    kill_midway_then_resume,
-    s3_to_s3_equals_local,
-    verify_then_flip_a_byte,
-)
+from tests.formats.robust import RobustChecks
 from tests.io.s3.conftest import aws_environment, aws_home, bucket, moto  # noqa: F401 - fixtures
-from tests.io.s3.support import MotoServer
-from zerosafe_app.cli import main
 
 pytestmark = pytest.mark.slow
-
-ARGS = ("--dtype", "bf16", "--max-shard-size", "100B")
-"""bf16 in several shards: every merge casts, and a kill can land between shards."""
 
 
 @pytest.fixture(scope="module")
@@ -31,33 +21,6 @@ def save(bytecheckpoint_root: Path) -> Path:
     return bytecheckpoint_root / "ckpt" / "global_step_3"
 
 
-@pytest.fixture(scope="module")
-def reference(save: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted local conversion of the save with `ARGS`."""
-    out = tmp_path_factory.mktemp("bytecheckpoint-reference") / "out"
-    assert main(["convert", str(save), str(out), "--via", "local", "-q", *ARGS]) == 0
-    return out
-
-
-def test_sigkill_midway_then_resume(
-    save: Path, reference: Path, local_env: dict[str, str], tmp_path: Path
-) -> None:
-    kill_midway_then_resume(local_env, save, tmp_path / "out", reference, *ARGS)
-
-
-def test_s3_to_s3(
-    save: Path,
-    reference: Path,
-    moto: MotoServer,  # noqa: F811 - fixture
-    bucket: str,  # noqa: F811 - fixture
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    s3_to_s3_equals_local(capsys, moto, bucket, save, reference, tmp_path, *ARGS)
-
-
-def test_verify_against_then_a_flipped_byte(
-    save: Path, reference: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    out = Path(shutil.copytree(reference, tmp_path / "out"))
-    verify_then_flip_a_byte(capsys, out, save)
+class TestRobust(RobustChecks):
+    ARGS = ("--dtype", "bf16", "--max-shard-size", "100B")
+    """bf16 in several shards: every merge casts, and a kill can land between shards."""
