@@ -16,15 +16,14 @@ import functools
 import importlib
 import json
 import logging
-import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from zerosafe._version import __version__
 from zerosafe.errors import ConfigError, ConversionError, VerificationError
-from zerosafe.units import size_argument
+from zerosafe_app.arg_types import int_at_least, list_of, positive_size, seconds, size_argument
 
 if TYPE_CHECKING:
     from zerosafe.config import ConvertOptions
@@ -42,7 +41,7 @@ INTERRUPTED = (
 EXTRA_COMMANDS: list[str] = [
     "zerosafe_app.pt2st_cli",
     "zerosafe_app.lazify_cli",
-    "zerosafe.stages.clean",
+    "zerosafe_app.clean_cli",
 ]
 """Modules that add a command: each has `add_parser(subparsers, add_verbosity)`, which adds its
 parser and sets `handler=` (a function of the parsed args returning the exit code) as a default."""
@@ -63,43 +62,6 @@ def default_parallel() -> int:
     from zerosafe.stages.workers import usable_cores
 
     return max(2, min(4, usable_cores() // 2))
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
-        return value
-
-    return parse
-
-
-def _positive_size(text: str) -> int:
-    value = size_argument(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 bytes (got '{text}')")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
-    if not 0 <= value < math.inf:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got '{text}')")
-    return value
-
-
-def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
-    def parse_list(text: str) -> list[Any]:
-        return [parse(item) for item in text.split(",")]
-
-    return parse_list
 
 
 _FLAG_OF_FIELD = {
@@ -173,7 +135,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-shard-size",
-        type=_positive_size,
+        type=positive_size,
         default="5GB",
         metavar="SIZE",
         help="largest output file, e.g. 5GB, 500MB, 64MiB (default 5GB)",
@@ -351,11 +313,11 @@ def _add_inspect(sub: Any) -> None:
         help="YAML/JSON model description (see conf/simulate-80b.yaml) to plan instead of a checkpoint",
     )
     sim.add_argument(
-        "--world-size", type=_int_at_least(1),
+        "--world-size", type=int_at_least(1),
         help="with --simulate: override the spec's world size",
     )  # fmt: skip
     sim.add_argument(
-        "--parallel", type=_int_at_least(1), default=2, metavar="N",
+        "--parallel", type=int_at_least(1), default=2, metavar="N",
         help="tasks a worker runs at once, within --memory (default 2)",
     )  # fmt: skip
     sim.add_argument(
@@ -364,19 +326,19 @@ def _add_inspect(sub: Any) -> None:
         "this (default 2GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--workers", type=_list_of(_int_at_least(1)), metavar="N,...",
+        "--workers", type=list_of(int_at_least(1)), metavar="N,...",
         help="with --simulate: worker counts to predict wall time for (default 1,4,16,64)",
     )  # fmt: skip
     sim.add_argument(
-        "--bandwidth", type=_list_of(_positive_size), metavar="SIZE,...",
+        "--bandwidth", type=list_of(positive_size), metavar="SIZE,...",
         help="with --simulate: aggregate storage bandwidths per second (default 1GB,10GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--task-rate", type=_positive_size, metavar="SIZE",
+        "--task-rate", type=positive_size, metavar="SIZE",
         help="with --simulate: bytes one task moves per second at most (default: measured 1GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--request-latency", type=_seconds, metavar="SECONDS",
+        "--request-latency", type=seconds, metavar="SECONDS",
         help="with --simulate: wait per ranged read, e.g. 0.03 for an object store (default 0)",
     )  # fmt: skip
 
@@ -418,7 +380,7 @@ def _add_convert(sub: Any) -> None:
     parallel = default_parallel()
     p.add_argument(
         "--parallel",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=parallel,
         metavar="N",
         help="tasks at once, within the memory budget (default: half the usable cores, 2 to "
