@@ -212,19 +212,10 @@ def convert(
         destination: The output folder.
         conf: A YAML job file (see conf/example.yaml); the other parameters override it.
     """
+    # Every parameter but `conf` is a job field, by name (tests/app/test_option_table.py
+    # keeps this signature equal to `JOB_FIELDS`); taken before any other local exists.
+    params = {name: value for name, value in dict(locals()).items() if name != "conf"}
     log = get_run_logger()
-    params = dict(
-        source=source, destination=destination, tag=tag, select=select,
-        strip_prefix=strip_prefix, dtype=dtype, max_shard_size=max_shard_size, memory=memory,
-        max_parallel_tasks=max_parallel_tasks, mode=mode, tied=tied,
-        exclude_frozen=exclude_frozen, overwrite=overwrite, keep_work=keep_work,
-        allow_nonfinite=allow_nonfinite, check_lowp=check_lowp, file_sha256=file_sha256,
-        keep_fp32=keep_fp32, model_files=model_files, copy_model_files=copy_model_files,
-        adapter=adapter, quantize=quantize, quantize_ignore=quantize_ignore,
-        extract_part_size=extract_part_size, work_dir=work_dir, runner=runner,
-        dask_address=dask_address, storage_options=storage_options,
-        timeout_seconds=timeout_seconds,
-    )  # fmt: skip
     try:
         cfg = load_job_config(conf, **params)
     except ConversionError as e:
@@ -239,7 +230,7 @@ def convert(
     )
     with tags(*(flow_run.tags or [])):  # so filtering runs by tag finds the subflow too
         # A sync flow called with `return_state=True` returns its State.
-        state = cast("State[Any]", job_flow(cfg.model_dump(), return_state=True))
+        state = cast("State[Any]", job_flow(cfg, return_state=True))
     child = state.state_details.flow_run_id
     where = f"stages, logs and artifacts in subflow run {_run_ref(child)}"
     if child is not None:
@@ -337,14 +328,17 @@ class _Progress:
 
 
 @flow(name="convert-job", log_prints=False)
-def run_job(config: dict[str, Any]) -> Any:
+def run_job(config: JobConfig) -> Any:
     """The stages of one validated job (a subflow, so `convert` can pick the task runner).
+
+    `config` is the very value `convert` validated (a model instance is not validated
+    again), with the `ConvertOptions` computed then: every task gets that one value.
 
     A `ConversionError` (bad input, options or output: permanent, so never retried) ends the
     run in a Failed state whose message is the error's one line, with a failure artifact
     saying the same; any other error raises, with its traceback.
     """
-    cfg = JobConfig(**config)
+    cfg = config
     try:
         return _hand_back(_run_job(cfg))
     except ConversionError as e:
