@@ -156,15 +156,21 @@ CHECKPOINT_HELP = (
 )
 """The formats of `zerosafe.formats.registry.READERS`, written out so that the command's
 start-up does not import every reader (tests/app/test_cli.py checks each reader's title is
-here)."""
+here, and in `DESCRIPTION`, the flow's docstring and the engine's)."""
+
+DESCRIPTION = (
+    "Convert sharded training checkpoints (DeepSpeed ZeRO, DeepSpeed universal, PyTorch DCP, "
+    "Megatron-LM torch_dist, verl FSDP, torch_checkpointing, HuggingFaceStorageWriter rank "
+    "files, a safetensors model folder) into verified safetensors or training state, "
+    "streaming, without DeepSpeed or torch.distributed."
+)
+"""The command's description, its formats written out as `CHECKPOINT_HELP`'s are."""
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="zerosafe",
-        description="Convert sharded training checkpoints (DeepSpeed ZeRO, PyTorch DCP, verl, "
-        "ByteCheckpoint, torch's HuggingFaceStorageWriter, safetensors folders) into verified "
-        "safetensors or training state, streaming, without DeepSpeed or torch.distributed.",
+        description=DESCRIPTION,
     )
     parser.add_argument("--version", action="version", version=f"zerosafe {__version__}")
     _add_verbosity(parser, top=True)

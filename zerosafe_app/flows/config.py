@@ -41,8 +41,8 @@ class JobConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     source: str
-    """The checkpoint (path or URL, e.g. s3://...): DeepSpeed's folder holding `latest` or a
-    tag folder, or a PyTorch DCP folder holding `.metadata`."""
+    """The checkpoint's folder (path or URL, e.g. s3://...), of any format zerosafe reads
+    (`zerosafe convert --help` lists them), or the folder above one save."""
     destination: str
     """The output folder (path or URL)."""
     tag: str | None = None

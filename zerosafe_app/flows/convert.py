@@ -198,8 +198,9 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     timeout_seconds: int | None = None,
 ) -> Any:
-    """Convert one checkpoint (a DeepSpeed ZeRO tag or a PyTorch DCP save) into verified
-    safetensors.
+    """Convert one checkpoint (DeepSpeed ZeRO, DeepSpeed universal, PyTorch DCP, Megatron-LM
+    torch_dist, verl FSDP, torch_checkpointing, HuggingFaceStorageWriter rank files or a
+    safetensors model folder) into verified safetensors.
 
     The stages run in a subflow, `convert-job`, so this flow can pick its task runner. The
     subflow carries this run's tags; this run's state message and its link artifact name the
@@ -207,8 +208,8 @@ def convert(
     without a traceback.
 
     Args:
-        source: The checkpoint: DeepSpeed's folder (holding `latest`) or a tag folder, or a
-            PyTorch DCP folder (holding `.metadata`).
+        source: The checkpoint's folder, of one of the formats above (`zerosafe convert
+            --help` says what a folder of each holds), or the folder above one save.
         destination: The output folder.
         conf: A YAML job file (see conf/example.yaml); the other parameters override it.
     """
