@@ -14,7 +14,8 @@ of the same name (`zerosafe.config`). What each consumer makes of it:
 - `JobConfig`: which fields are sizes and URLs (its validators), and its `options()`.
 
 The flow's signature and `JobConfig`'s declarations (types and documentation, for Prefect's
-parameter schema and mypy) are written out; tests/app/test_option_table.py keeps both equal to
+parameter schema, which `Flow.from_source` parses from the source file, and for mypy) are
+written out; tests/app/test_option_table.py keeps both equal to
 this table, names, order, defaults and types. `conf/example.yaml` documents every field.
 
 This module is imported at the command's start-up: it imports nothing heavy.
