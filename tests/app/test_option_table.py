@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import enum
 import inspect
 import textwrap
+import typing
 
 import pytest
 
@@ -67,6 +69,19 @@ def test_job_config_is_the_table() -> None:
         else:
             assert info.get_default(call_default_factory=True) == field.default, field.name
     assert JobConfig.model_fields["mode"].annotation is Mode
+    for field in JOB_FIELDS:
+        if field.kind is Kind.CHOICE:  # the command's choices are the job config's
+            assert _choices(JobConfig.model_fields[field.name].annotation) == field.choices
+
+
+def _choices(annotation: object) -> tuple[str, ...]:
+    """The strings a `Literal[...]` (or `Literal[...] | None`, or a `StrEnum`) allows."""
+    if isinstance(annotation, type) and issubclass(annotation, enum.StrEnum):
+        return tuple(annotation)
+    found: list[str] = []
+    for arg in typing.get_args(annotation):
+        found += [arg] if isinstance(arg, str) else list(_choices(arg))
+    return tuple(found)
 
 
 def test_the_engine_options_are_the_table_s_engine_rows() -> None:
