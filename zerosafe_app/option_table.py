@@ -296,7 +296,9 @@ def add_job_flags(
     wanted = None if only is None else set(only)
     groups: dict[str, Any] = {}
     for field in JOB_FIELDS:
-        if field.scope != scope or field.name in skip or (wanted and field.name not in wanted):
+        if field.scope != scope or field.name in skip:
+            continue
+        if wanted is not None and field.name not in wanted:
             continue
         assert field.flag is not None, field.name  # a scoped field has a flag
         target: Any = parser
