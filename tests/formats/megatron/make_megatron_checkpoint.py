@@ -1,18 +1,21 @@
 """Write real megatron-core `torch_dist` checkpoints with megatron-core's own save code, on CPU.
 
-    /work/mcore-venv/bin/python tests/formats/megatron/make_megatron_checkpoint.py OUT_DIR
+    /work/mcore-venv/bin/python tests/formats/megatron/make_megatron_checkpoint.py OUT_DIR [NAME...]
 
 Runs in its own environment (Python >= 3.12, torch 2.13.0, megatron-core 0.19.2, psutil:
 `python3.12 -m venv V && V/bin/pip install torch==2.13.0 megatron-core==0.19.2 psutil
 safetensors`), never in the test suite's: the tests read the committed saves only
 (tests/formats/megatron/fixtures/, remade with the command above into that folder).
 
-Three saves of a tiny Llama-style `GPTModel` (2 layers, hidden 32, 4 query heads in 2 query
+Saves of a tiny Llama-style `GPTModel` (2 layers, hidden 32, 4 query heads in 2 query
 groups, SwiGLU FFN 48, RMSNorm, RoPE, no linear biases, vocab 53 padded as Megatron-LM pads
-it, to a multiple of 128 x TP), each on 2 gloo ranks:
+it, to a multiple of 128 x TP), each on 2 gloo ranks (`NAME`s: only those; default: all):
 - `tp2/`: tensor parallel 2, untied embeddings;
 - `tp1dp2/`: tensor parallel 1 x data parallel 2;
-- `tp2tied/`: tensor parallel 2, the output layer tied to the embedding (no `output_layer`).
+- `tp2tied/`: tensor parallel 2, the output layer tied to the embedding (no `output_layer`);
+- `qwen2tp2/`: tensor parallel 2 with QKV biases (`--add-qkv-bias`, Qwen2-style);
+- `qwen3tp2/`: tensor parallel 2 with query/key norms (`--qk-layernorm`, Qwen3-style) and
+  `kv_channels` 16, not hidden / heads (Qwen3's `head_dim`).
 Each is saved the way Megatron-LM's `save_checkpoint` saves it: the state dict of
 `generate_state_dict` (`args`, `checkpoint_version`, `iteration`, `model` as the model's
 `sharded_state_dict()`, `optimizer` as the `DistributedOptimizer`'s state in Megatron-LM's
@@ -83,7 +86,19 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _args(tp: int, tied: bool) -> argparse.Namespace:
+SAVES: dict[str, dict[str, object]] = {
+    "tp2": {"tp": 2},
+    "tp1dp2": {"tp": 1},
+    "tp2tied": {"tp": 2, "tied": True},
+    "qwen2tp2": {"tp": 2, "qkv_bias": True},
+    "qwen3tp2": {"tp": 2, "qk_norm": True, "kv_channels": 16},
+}
+"""Each save's variant of the model (`_args`' keywords)."""
+
+
+def _args(
+    tp: int, tied: bool = False, qkv_bias: bool = False, qk_norm: bool = False, kv_channels: int = 8
+) -> argparse.Namespace:
     """The architecture fields of Megatron-LM's args (megatron/training/arguments.py names),
     and an enum as Megatron-LM's args hold one (`--attention-backend`'s default)."""
     from megatron.core.transformer.enums import AttnBackend
@@ -92,12 +107,12 @@ def _args(tp: int, tied: bool) -> argparse.Namespace:
     padded = (VOCAB + multiple - 1) // multiple * multiple
     return argparse.Namespace(
         num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
-        group_query_attention=True, num_query_groups=2, kv_channels=8,
+        group_query_attention=True, num_query_groups=2, kv_channels=kv_channels,
         seq_length=64, max_position_embeddings=64, position_embedding_type="rope",
         rotary_base=10000, rotary_percent=1.0, rotary_interleaved=False,
         use_rope_scaling=False, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
-        untie_embeddings_and_output_weights=not tied, add_bias_linear=False, add_qkv_bias=False,
-        qk_layernorm=False, num_experts=None, vocab_size=VOCAB, padded_vocab_size=padded,
+        untie_embeddings_and_output_weights=not tied, add_bias_linear=False, add_qkv_bias=qkv_bias,
+        qk_layernorm=qk_norm, num_experts=None, vocab_size=VOCAB, padded_vocab_size=padded,
         make_vocab_size_divisible_by=DIVISIBLE_BY, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1, params_dtype=torch.float32, bf16=False, fp16=False,
         init_method_std=0.02, attention_dropout=0.0, hidden_dropout=0.0,
@@ -106,7 +121,7 @@ def _args(tp: int, tied: bool) -> argparse.Namespace:
     )  # fmt: skip
 
 
-def _worker(rank: int, out: str, port: int, tp: int, tied: bool) -> None:
+def _worker(rank: int, out: str, port: int, variant: dict[str, object]) -> None:
     _shim_cuda()
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -116,22 +131,26 @@ def _worker(rank: int, out: str, port: int, tp: int, tied: bool) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    args = _args(**variant)  # type: ignore[arg-type]
+    tp, tied = args.tensor_model_parallel_size, not args.untie_embeddings_and_output_weights
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-    args = _args(tp, tied)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, add_qkv_bias=False, tensor_model_parallel_size=tp,
+        add_bias_linear=False, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+        tensor_model_parallel_size=tp,
         use_cpu_initialization=True, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=args.init_method_std,
     )  # fmt: skip
     torch.manual_seed(0)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=args.qk_layernorm
+        ),
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=tied, position_embedding_type="rope",
         rotary_base=args.rotary_base,
@@ -214,10 +233,10 @@ def _gather_live(model: torch.nn.Module, tp: int) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     out = sys.argv[1]
-    for tp, tied, name in ((2, False, "tp2"), (1, False, "tp1dp2"), (2, True, "tp2tied")):
+    for name in sys.argv[2:] or SAVES:
         target = os.path.join(out, name)
         os.makedirs(target, exist_ok=True)
-        mp.spawn(_worker, args=(target, _free_port(), tp, tied), nprocs=WORLD_SIZE, join=True)
+        mp.spawn(_worker, args=(target, _free_port(), SAVES[name]), nprocs=WORLD_SIZE, join=True)
         print("wrote", target)
 
 

@@ -1,5 +1,5 @@
-"""The reference: the live Megatron weights mapped to Hugging Face Llama names with plain torch,
-independently of zerosafe's reader (which never builds a tensor)."""
+"""The reference: the live Megatron weights mapped to Hugging Face Llama (Qwen2, Qwen3) names
+with plain torch, independently of zerosafe's reader (which never builds a tensor)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import torch
 
 
 def hf_reference(live: dict[str, torch.Tensor], args: dict[str, object]) -> dict[str, torch.Tensor]:
-    """`live` (Megatron's per-layer names, full size) as `LlamaForCausalLM` weights."""
+    """`live` (Megatron's per-layer names, full size) as `LlamaForCausalLM` weights (or
+    Qwen2's, with the QKV biases, or Qwen3's, with `q_norm`/`k_norm`), in that model's
+    `state_dict()` order."""
     heads, groups = int(args["num_attention_heads"]), int(args["num_query_groups"])  # type: ignore[call-overload]
     d, vocab = int(args["kv_channels"]), int(args["vocab_size"])  # type: ignore[call-overload]
     out = {"model.embed_tokens.weight": live["embedding.word_embeddings.weight"][:vocab]}
@@ -16,12 +18,29 @@ def hf_reference(live: dict[str, torch.Tensor], args: dict[str, object]) -> dict
         qkv = live[m + "self_attention.linear_qkv.weight"]
         per_group = qkv.view(groups, (heads // groups + 2) * d, -1)
         q, k, v = per_group.split([heads // groups * d, d, d], dim=1)
+        bias = live.get(m + "self_attention.linear_qkv.bias")
+        if bias is None:
+            out |= {
+                p + "self_attn.q_proj.weight": q.reshape(heads * d, -1),
+                p + "self_attn.k_proj.weight": k.reshape(groups * d, -1),
+                p + "self_attn.v_proj.weight": v.reshape(groups * d, -1),
+            }
+        else:
+            qb, kb, vb = bias.view(groups, -1).split([heads // groups * d, d, d], dim=1)
+            out |= {
+                p + "self_attn.q_proj.weight": q.reshape(heads * d, -1),
+                p + "self_attn.q_proj.bias": qb.reshape(-1),
+                p + "self_attn.k_proj.weight": k.reshape(groups * d, -1),
+                p + "self_attn.k_proj.bias": kb.reshape(-1),
+                p + "self_attn.v_proj.weight": v.reshape(groups * d, -1),
+                p + "self_attn.v_proj.bias": vb.reshape(-1),
+            }
+        out[p + "self_attn.o_proj.weight"] = live[m + "self_attention.linear_proj.weight"]
+        if m + "self_attention.q_layernorm.weight" in live:
+            out[p + "self_attn.q_norm.weight"] = live[m + "self_attention.q_layernorm.weight"]
+            out[p + "self_attn.k_norm.weight"] = live[m + "self_attention.k_layernorm.weight"]
         gate, up = live[m + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         out |= {
-            p + "self_attn.q_proj.weight": q.reshape(heads * d, -1),
-            p + "self_attn.k_proj.weight": k.reshape(groups * d, -1),
-            p + "self_attn.v_proj.weight": v.reshape(groups * d, -1),
-            p + "self_attn.o_proj.weight": live[m + "self_attention.linear_proj.weight"],
             p + "mlp.gate_proj.weight": gate,
             p + "mlp.up_proj.weight": up,
             p + "mlp.down_proj.weight": live[m + "mlp.linear_fc2.weight"],

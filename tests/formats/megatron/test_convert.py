@@ -33,9 +33,24 @@ def _convert(capsys: pytest.CaptureFixture[str], src: Path, out: Path, *args: st
     return captured.out
 
 
+def _family(args: dict[str, object]) -> tuple[str, str]:
+    """`(architecture, model_type)` of the model the maker built."""
+    if args["add_qkv_bias"]:
+        return "Qwen2ForCausalLM", "qwen2"
+    if args["qk_layernorm"]:
+        return "Qwen3ForCausalLM", "qwen3"
+    return "LlamaForCausalLM", "llama"
+
+
 def _expected_config(args: dict[str, object]) -> dict[str, object]:
-    """The architecture fields of the `LlamaConfig` of the model the maker built."""
-    return {
+    """The architecture fields of the transformers config (`LlamaConfig`, `Qwen2Config`,
+    `Qwen3Config`) of the model the maker built."""
+    family = {
+        "llama": {"attention_bias": False, "mlp_bias": False},
+        "qwen2": {"use_sliding_window": False},  # q/k/v biases are Qwen2's, always
+        "qwen3": {"attention_bias": False, "use_sliding_window": False},
+    }[_family(args)[1]]
+    return family | {
         "vocab_size": args["vocab_size"],
         "hidden_size": args["hidden_size"],
         "intermediate_size": args["ffn_hidden_size"],
@@ -47,17 +62,16 @@ def _expected_config(args: dict[str, object]) -> dict[str, object]:
         "max_position_embeddings": args["max_position_embeddings"],
         "rms_norm_eps": args["norm_epsilon"],
         "tie_word_embeddings": not args["untie_embeddings_and_output_weights"],
-        "attention_bias": False,
-        "mlp_bias": False,
     }
 
 
 def test_converts_bit_equal_and_loads_in_transformers(
     megatron_save: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Both layouts (TP=2; TP=1 x DP=2) give the live weights in HF names, bit for bit, a
-    `config.json` that transformers loads, and the same logits as a model built from them."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Both layouts (TP=2; TP=1 x DP=2), tied or not, Llama, Qwen2 or Qwen3, give the live
+    weights in HF names, bit for bit, a `config.json` that transformers loads, and the same
+    logits as a model built from them."""
+    import transformers
 
     out = tmp_path / "out"
     said = _convert(capsys, save_path(megatron_save), out)
@@ -70,13 +84,21 @@ def test_converts_bit_equal_and_loads_in_transformers(
         assert got[name].dtype == ref.dtype and torch.equal(got[name], ref), name
     config = json.loads((out / "config.json").read_text())
     expected = _expected_config(args)
+    architecture, model_type = _family(args)
+    assert (config["architectures"], config["model_type"]) == ([architecture], model_type)
     assert {k: config[k] for k in expected} == expected
     assert config["rope_theta"] == float(str(args["rotary_base"]))
 
-    model = LlamaForCausalLM.from_pretrained(str(out)).eval()
+    auto = transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(str(out)).eval()
+    assert type(model).__name__ == architecture
     for key, value in expected.items():
         assert getattr(model.config, key) == value, key
-    reference = LlamaForCausalLM(LlamaConfig.from_pretrained(str(out))).eval()
+    assert model.config.rope_parameters["rope_theta"] == float(str(args["rotary_base"]))
+    assert list(model.state_dict()) == list(want) + (
+        [] if "lm_head.weight" in want else ["lm_head.weight"]
+    )
+    reference = auto.from_config(transformers.AutoConfig.from_pretrained(str(out))).eval()
     reference.load_state_dict(want, strict="lm_head.weight" in want)
     if "lm_head.weight" not in want:  # tied by the config
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -181,9 +203,13 @@ def _refusal(capsys: pytest.CaptureFixture[str], src: Path, out: Path) -> str:
     [
         ({"num_query_groups": 1}, "the args are not this model's"),
         ({"ffn_hidden_size": 24}, "give [2, 48, 32]"),
-        ({"qk_layernorm": True}, "qk_layernorm=True: query/key norms"),
+        ({"qk_layernorm": True}, "no tensor for ['q_norm', 'k_norm']"),
+        ({"add_qkv_bias": True}, "no tensor for ['qkv_bias']"),
+        (
+            {"qk_layernorm": True, "add_qkv_bias": True},
+            "QKV biases with query/key norms (neither Qwen2 nor Qwen3)",
+        ),
         ({"num_experts": 8}, "num_experts=8: a mixture-of-experts model"),
-        ({"add_qkv_bias": True}, "add_qkv_bias=True"),
         ({"normalization": "LayerNorm"}, "normalization='LayerNorm': not the Llama family"),
         ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size=2"),
     ],
@@ -200,3 +226,25 @@ def test_args_that_do_not_map_are_refused_in_one_line(
     line = _refusal(capsys, src, tmp_path / "out")
     assert said in line, line
     assert "__0_0.distcp" in line or ITER in line, line
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "said"),
+    [
+        ("qwen2tp2", {"add_qkv_bias": False}, "'decoder.layers.self_attention.linear_qkv.bias'"),
+        ("qwen3tp2", {"qk_layernorm": False}, "q_layernorm.weight' (2 tensor(s)"),
+        ("qwen3tp2", {"kv_channels": 8}, "the args are not this model's"),
+    ],
+)
+def test_qwen_tensors_the_args_do_not_name_are_refused(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    changes: dict[str, object],
+    said: str,
+) -> None:
+    """A bias or norm the args do not announce is never dropped: the save is refused."""
+    _with_megatron_enums(monkeypatch)
+    line = _refusal(capsys, _tampered(tmp_path, name, **changes), tmp_path / "out")
+    assert said in line, line

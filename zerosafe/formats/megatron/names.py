@@ -9,6 +9,7 @@ A Hugging Face tensor is then a set of runs of that stacked tensor's row-major e
   `get_query_key_value_tensors`): for each of the `G` groups, its `n/G` query heads, then one
   key head, then one value head, `kv_channels` rows each; `q_proj` is `G` runs, `k_proj` and
   `v_proj` `G` runs each;
+- `linear_qkv.bias` (Qwen2) is interleaved the same way, one element per row;
 - `linear_fc1` with SwiGLU is `[gate; up]` (the first `ffn_hidden_size` rows, then the rest);
 - the embedding and output layer keep their first `vocab_size` rows (Megatron-LM pads the
   vocabulary, `_vocab_size_with_padding` in megatron/training/tokenizer).
@@ -48,6 +49,10 @@ class LlamaShape:
     """The true vocabulary (the rows kept)."""
     padded_vocab_size: int
     """The rows stored (Megatron-LM's padding)."""
+    qkv_bias: bool = False
+    """`linear_qkv` has a bias (Qwen2), interleaved per query group like its weight."""
+    qk_norm: bool = False
+    """Query and key norms of `kv_channels` each (Qwen3: `q_norm`, `k_norm`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,31 +76,27 @@ def llama_pieces(shape: LlamaShape, keys: dict[str, str]) -> list[HfPiece]:
     Args:
         shape: The model's sizes.
         keys: Megatron key of each role: `embedding`, `input_norm`, `qkv`, `proj`, `mlp_norm`,
-            `fc1`, `fc2`, `final_norm` and (untied) `output`.
+            `fc1`, `fc2`, `final_norm`, (untied) `output`, and with `shape.qkv_bias`
+            `qkv_bias`, with `shape.qk_norm` `q_norm` and `k_norm`.
     """
     h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.kv_channels
-    n, g = shape.num_attention_heads, shape.num_query_groups
-    q_per_group = n // g
-    block = (q_per_group + 2) * d  # rows of one query group in linear_qkv
-    qkv_layer, fc1_layer = g * block * h, 2 * f * h
+    n = shape.num_attention_heads
+    fc1_layer = 2 * f * h
     out = [_vocab("model.embed_tokens.weight", keys["embedding"], shape)]
     for i in range(shape.num_layers):
         p = f"model.layers.{i}."
-        q = tuple(
-            _rows(i, qkv_layer, k * block, q_per_group * d, h, k * q_per_group * d)
-            for k in range(g)
-        )
-        k_runs = tuple(
-            _rows(i, qkv_layer, k * block + q_per_group * d, d, h, k * d) for k in range(g)
-        )
-        v_runs = tuple(
-            _rows(i, qkv_layer, k * block + (q_per_group + 1) * d, d, h, k * d) for k in range(g)
-        )
-        out += [
-            HfPiece(name=p + "self_attn.q_proj.weight", source=keys["qkv"], shape=(n * d, h), runs=q),
-            HfPiece(name=p + "self_attn.k_proj.weight", source=keys["qkv"], shape=(g * d, h), runs=k_runs),
-            HfPiece(name=p + "self_attn.v_proj.weight", source=keys["qkv"], shape=(g * d, h), runs=v_runs),
-            _layer(p + "self_attn.o_proj.weight", keys["proj"], i, (h, n * d)),
+        attn = [
+            _qkv(p + "self_attn." + proj, keys, shape, i, bias=bias)
+            for proj in ("q_proj", "k_proj", "v_proj")
+            for bias in ((False, True) if shape.qkv_bias else (False,))
+        ]  # `Qwen2Attention`'s order: each projection's weight, then its bias
+        attn.append(_layer(p + "self_attn.o_proj.weight", keys["proj"], i, (h, n * d)))
+        if shape.qk_norm:
+            attn += [
+                _layer(p + "self_attn.q_norm.weight", keys["q_norm"], i, (d,)),
+                _layer(p + "self_attn.k_norm.weight", keys["k_norm"], i, (d,)),
+            ]
+        out += attn + [
             HfPiece(
                 name=p + "mlp.gate_proj.weight", source=keys["fc1"], shape=(f, h),
                 runs=(_rows(i, fc1_layer, 0, f, h, 0),),
@@ -114,6 +115,28 @@ def llama_pieces(shape: LlamaShape, keys: dict[str, str]) -> list[HfPiece]:
     if "output" in keys:
         out.append(_vocab("lm_head.weight", keys["output"], shape))
     return out
+
+
+def _qkv(
+    module: str, keys: dict[str, str], shape: LlamaShape, layer: int, *, bias: bool
+) -> HfPiece:
+    """`module`'s (`...q_proj`, `k_proj`, `v_proj`) rows of `linear_qkv`'s weight or bias: one
+    run per query group."""
+    d, n, g = shape.kv_channels, shape.num_attention_heads, shape.num_query_groups
+    width = 1 if bias else shape.hidden_size
+    q_per_group = n // g
+    block = (q_per_group + 2) * d  # rows of one query group in linear_qkv
+    first, count = {"q_proj": (0, q_per_group * d), "k_proj": (q_per_group * d, d)}.get(
+        module.rsplit(".", 1)[1], ((q_per_group + 1) * d, d)
+    )
+    runs = tuple(_rows(layer, g * block * width, k * block + first, count, width, k * count)
+                 for k in range(g))  # fmt: skip
+    return HfPiece(
+        name=module + (".bias" if bias else ".weight"),
+        source=keys["qkv_bias" if bias else "qkv"],
+        shape=(g * count,) if bias else (g * count, width),
+        runs=runs,
+    )
 
 
 def _layer(name: str, source: str, layer: int, shape: tuple[int, ...]) -> HfPiece:

@@ -34,7 +34,7 @@ from zerosafe.formats.dcp.reader import (
 from zerosafe.formats.megatron.args import (
     MegatronArgs,
     check_llama,
-    llama_config,
+    hf_config,
     llama_shape,
     read_args,
 )
@@ -66,9 +66,13 @@ _ROLES: dict[str, tuple[str, ...]] = {
     "fc2": ("decoder.layers.mlp.linear_fc2.weight",),
     "final_norm": ("decoder.final_layernorm.weight",),
     "output": ("output_layer.weight",),
+    "qkv_bias": ("decoder.layers.self_attention.linear_qkv.bias",),
+    "q_norm": ("decoder.layers.self_attention.q_layernorm.weight",),
+    "k_norm": ("decoder.layers.self_attention.k_layernorm.weight",),
 }
 """The Megatron key of each role in the Llama mapping: the Transformer Engine spec's names
-(fused norms), which megatron-core also saves for its local spec, then the local spec's own."""
+(fused norms), which megatron-core also saves for its local spec, then the local spec's own.
+The last three only where the args say so (`--add-qkv-bias`, `--qk-layernorm`)."""
 
 
 class MegatronReader:
@@ -116,7 +120,7 @@ class MegatronReader:
         check_llama(args)
         shape = llama_shape(args)
         model_keys = [k for k in meta.tensors if not k.startswith(_OPTIMIZER)]
-        keys = _role_keys(iter_url, meta, model_keys, args)
+        keys = _role_keys(iter_url, meta, model_keys, args, shape)
         pieces = llama_pieces(shape, keys)
         _check_shapes(iter_url, meta, shape, keys)
         tops = tuple(dict.fromkeys(k.split(".", 1)[0] for k in model_keys))
@@ -129,7 +133,7 @@ class MegatronReader:
             dcp.source,
             format=self.name,
             num_params=sum(math.prod(t.shape) for t in tensors.values()),
-            model_config=llama_config(args, shape, dtype=_saved_dtype(tensors)),
+            model_config=hf_config(args, shape, dtype=_saved_dtype(tensors)),
         )
         dcp.tensors = tensors
         dcp.order = list(tensors)
@@ -211,20 +215,24 @@ def _tag_name(url: str) -> str:
 
 
 def _role_keys(
-    url: str, meta: DcpMetadata, model_keys: list[str], args: MegatronArgs
+    url: str, meta: DcpMetadata, model_keys: list[str], args: MegatronArgs, shape: LlamaShape
 ) -> dict[str, str]:
     """The Megatron key of each role (`_ROLES`); any other model tensor is refused.
 
     Raises:
         UnsupportedCheckpointError: A tensor the mapping does not know, or a role missing.
     """
+    tied = not args.get("untie_embeddings_and_output_weights", False)
+    wanted = [
+        r for r in _ROLES
+        if (r != "qkv_bias" or shape.qkv_bias) and (r not in ("q_norm", "k_norm") or shape.qk_norm)
+    ]  # fmt: skip
     keys: dict[str, str] = {}
-    for role, candidates in _ROLES.items():
-        found = [k for k in candidates if k in meta.tensors]
+    for role in wanted:
+        found = [k for k in _ROLES[role] if k in meta.tensors]
         if found:
             keys[role] = found[0]
-    tied = not args.get("untie_embeddings_and_output_weights", False)
-    missing = [r for r in _ROLES if r not in keys and not (r == "output" and tied)]
+    missing = [r for r in wanted if r not in keys and not (r == "output" and tied)]
     if missing:
         raise CheckpointFormatError(
             f"{url}: no tensor for {missing} ({_ROLES[missing[0]][0]}); the save holds "
@@ -262,6 +270,7 @@ def _check_shapes(url: str, meta: DcpMetadata, shape: LlamaShape, keys: dict[str
         "input_norm": (layers, h), "mlp_norm": (layers, h), "final_norm": (h,),
         "qkv": (layers, (n + 2 * g) * d, h), "proj": (layers, h, n * d),
         "fc1": (layers, 2 * f, h), "fc2": (layers, h, f),
+        "qkv_bias": (layers, (n + 2 * g) * d), "q_norm": (layers, d), "k_norm": (layers, d),
     }  # fmt: skip
     for role, key in keys.items():
         got = meta.tensors[key].size
@@ -303,7 +312,7 @@ def _facts(
     optimizer = [k for k in meta.tensors if k.startswith(_OPTIMIZER)]
     fields: dict[str, object] = {
         "iteration": args.iteration,
-        "architecture": llama_config(args, shape, dtype="float32"),
+        "architecture": hf_config(args, shape, dtype="float32"),
         "tensor_model_parallel_size": args.get("tensor_model_parallel_size"),
         "optimizer_buffers": optimizer,
         "non_tensor_items": list(meta.byte_entries),
