@@ -121,6 +121,7 @@ _FLAG_OF_FIELD = {
     "`check_lowp`": "`--check-lowp`",
     "`select`": "`--select`",
     "`strip_prefix`": "`--strip-prefix`",
+    "`keep_names`": "`--keep-names`",
 }
 """`ConvertOptions` fields as its errors name them -> the flag a user of the command typed."""
 
@@ -131,6 +132,15 @@ def with_flag_names(e: ConfigError) -> ConfigError:
     for field, flag in _FLAG_OF_FIELD.items():
         message = message.replace(field, flag)
     return ConfigError(message)
+
+
+def _add_megatron_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--keep-names",
+        action="store_true",
+        help="Megatron-LM: write Megatron's own names with the layers unstacked "
+        "(decoder.layers.0.self_attention.linear_qkv.weight), nothing split, no config.json",
+    )
 
 
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
@@ -165,6 +175,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         help="PyTorch DCP: remove this prefix from the output names (default: 'model' with "
         "the default selection, nothing with --select; '' strips nothing)",
     )
+    _add_megatron_options(p)
     p.add_argument(
         "--dtype",
         default="fp32",
@@ -486,6 +497,7 @@ def _options(args: argparse.Namespace) -> ConvertOptions:
             max_parallel_tasks=getattr(args, "parallel", 2),
             select=tuple(getattr(args, "select", None) or ()),
             strip_prefix=getattr(args, "strip_prefix", None),
+            keep_names=getattr(args, "keep_names", False),
             **(
                 {"extract_part_size": args.extract_part_size}
                 if getattr(args, "extract_part_size", None) is not None

@@ -41,6 +41,9 @@ class JobConfig(BaseModel):
     strip_prefix: str | None = None
     """PyTorch DCP: a prefix removed from the output names; null: `model` with the default
     selection, nothing with `select`; `""` strips nothing. Refused for DeepSpeed."""
+    keep_names: bool = False
+    """Megatron-LM: write Megatron's own names with the layers unstacked, nothing split, no
+    `config.json` generated. Refused for other formats."""
     work_dir: str | None = None
     """Where the plan, intermediates and cached task results go (default: DESTINATION/.zerosafe-work)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -173,6 +176,7 @@ class JobConfig(BaseModel):
             quantize_ignore=tuple(self.quantize_ignore),
             select=tuple(self.select),
             strip_prefix=self.strip_prefix,
+            keep_names=self.keep_names,
         )
 
 
@@ -206,7 +210,7 @@ def flow_parameters(
         extract_part_size=str(options.extract_part_size), keep_fp32=list(options.keep_fp32),
         model_files=options.model_files, copy_model_files=options.copy_model_files,
         adapter=options.adapter, quantize=options.quantize,
-        quantize_ignore=list(options.quantize_ignore),
+        quantize_ignore=list(options.quantize_ignore), keep_names=options.keep_names,
     )  # fmt: skip
 
 

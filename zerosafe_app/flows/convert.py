@@ -173,6 +173,7 @@ def convert(
     tag: str | None = None,
     select: list[str] | None = None,
     strip_prefix: str | None = None,
+    keep_names: bool | None = None,
     dtype: str | None = None,
     max_shard_size: str | None = None,
     memory: str | None = None,
@@ -215,7 +216,7 @@ def convert(
     log = get_run_logger()
     params = dict(
         source=source, destination=destination, tag=tag, select=select,
-        strip_prefix=strip_prefix, dtype=dtype, max_shard_size=max_shard_size, memory=memory,
+        strip_prefix=strip_prefix, keep_names=keep_names, dtype=dtype, max_shard_size=max_shard_size, memory=memory,
         max_parallel_tasks=max_parallel_tasks, mode=mode, tied=tied,
         exclude_frozen=exclude_frozen, overwrite=overwrite, keep_work=keep_work,
         allow_nonfinite=allow_nonfinite, check_lowp=check_lowp, file_sha256=file_sha256,

@@ -92,12 +92,18 @@ SAVES: dict[str, dict[str, object]] = {
     "tp2tied": {"tp": 2, "tied": True},
     "qwen2tp2": {"tp": 2, "qkv_bias": True},
     "qwen3tp2": {"tp": 2, "qk_norm": True, "kv_channels": 16},
+    "moetp1dp2": {"tp": 1, "experts": 4},
 }
 """Each save's variant of the model (`_args`' keywords)."""
 
 
 def _args(
-    tp: int, tied: bool = False, qkv_bias: bool = False, qk_norm: bool = False, kv_channels: int = 8
+    tp: int,
+    tied: bool = False,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
+    kv_channels: int = 8,
+    experts: int | None = None,
 ) -> argparse.Namespace:
     """The architecture fields of Megatron-LM's args (megatron/training/arguments.py names),
     and an enum as Megatron-LM's args hold one (`--attention-backend`'s default)."""
@@ -112,7 +118,8 @@ def _args(
         rotary_base=10000, rotary_percent=1.0, rotary_interleaved=False,
         use_rope_scaling=False, normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True,
         untie_embeddings_and_output_weights=not tied, add_bias_linear=False, add_qkv_bias=qkv_bias,
-        qk_layernorm=qk_norm, num_experts=None, vocab_size=VOCAB, padded_vocab_size=padded,
+        qk_layernorm=qk_norm, num_experts=experts,
+        moe_router_topk=2, moe_ffn_hidden_size=48 if experts else None, moe_grouped_gemm=False, vocab_size=VOCAB, padded_vocab_size=padded,
         make_vocab_size_divisible_by=DIVISIBLE_BY, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1, params_dtype=torch.float32, bf16=False, fp16=False,
         init_method_std=0.02, attention_dropout=0.0, hidden_dropout=0.0,
@@ -141,7 +148,9 @@ def _worker(rank: int, out: str, port: int, variant: dict[str, object]) -> None:
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         add_bias_linear=False, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
-        tensor_model_parallel_size=tp,
+        tensor_model_parallel_size=tp, num_moe_experts=args.num_experts,
+        moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_token_dispatcher_type="allgather",
         use_cpu_initialization=True, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=args.init_method_std,
     )  # fmt: skip
@@ -149,7 +158,8 @@ def _worker(rank: int, out: str, port: int, variant: dict[str, object]) -> None:
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=args.qk_layernorm
+            normalization="RMSNorm", qk_layernorm=args.qk_layernorm,
+            num_experts=args.num_experts, moe_grouped_gemm=False,
         ),
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=tied, position_embedding_type="rope",

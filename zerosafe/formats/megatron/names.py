@@ -28,7 +28,10 @@ from dataclasses import dataclass
 
 from zerosafe.formats.base import Fragment
 
-__all__ = ["HfPiece", "LlamaShape", "compose", "llama_pieces"]
+__all__ = ["STACKED", "HfPiece", "LlamaShape", "compose", "kept_pieces", "llama_pieces"]
+
+STACKED = "decoder.layers."
+"""The prefix of megatron-core's per-layer tensors, stacked along a first layer dimension."""
 
 Run = tuple[int, int, int]
 """`(src_offset, numel, dst_offset)`: elements of the stacked Megatron tensor to elements of
@@ -137,6 +140,29 @@ def _qkv(
         shape=(g * count,) if bias else (g * count, width),
         runs=runs,
     )
+
+
+def kept_pieces(shapes: dict[str, tuple[int, ...]], num_layers: int) -> list[HfPiece]:
+    """`--keep-names`: every tensor in Megatron's names, a stacked one (`decoder.layers.X`, of
+    shape `[num_layers, ...]`) as `decoder.layers.N.X` per layer, in the live model's order:
+    the tensors before the layers (`embedding.*`), layer by layer, then the rest.
+
+    Args:
+        shapes: Each model tensor's stored (global) shape, in the save's order.
+        num_layers: The stacked tensors' first dimension.
+    """
+    before = [k for k in shapes if k.startswith("embedding.")]
+    stacked = [k for k in shapes if k.startswith(STACKED)]
+    after = [k for k in shapes if k not in before and k not in stacked]
+    out = [HfPiece(name=k, source=k, shape=shapes[k], runs=((0, math.prod(shapes[k]), 0),))
+           for k in before]  # fmt: skip
+    for i in range(num_layers):
+        for key in stacked:
+            name = f"{STACKED}{i}.{key[len(STACKED) :]}"
+            out.append(_layer(name, key, i, shapes[key][1:]))
+    out += [HfPiece(name=k, source=k, shape=shapes[k], runs=((0, math.prod(shapes[k]), 0),))
+            for k in after]  # fmt: skip
+    return out
 
 
 def _layer(name: str, source: str, layer: int, shape: tuple[int, ...]) -> HfPiece:

@@ -38,7 +38,14 @@ from zerosafe.formats.megatron.args import (
     llama_shape,
     read_args,
 )
-from zerosafe.formats.megatron.names import HfPiece, LlamaShape, compose, llama_pieces
+from zerosafe.formats.megatron.names import (
+    STACKED,
+    HfPiece,
+    LlamaShape,
+    compose,
+    kept_pieces,
+    llama_pieces,
+)
 from zerosafe.io.storage import Storage, join_url, normalize_url
 
 __all__ = ["FORMAT_NAME", "LATEST_FILE", "MegatronReader"]
@@ -117,12 +124,16 @@ class MegatronReader:
         read_before = storage.counter.bytes_read
         meta, meta_sha = read_metadata(iter_url, storage)
         args = read_args(iter_url, meta, storage)
-        check_llama(args)
-        shape = llama_shape(args)
         model_keys = [k for k in meta.tensors if not k.startswith(_OPTIMIZER)]
-        keys = _role_keys(iter_url, meta, model_keys, args, shape)
-        pieces = llama_pieces(shape, keys)
-        _check_shapes(iter_url, meta, shape, keys)
+        shape: LlamaShape | None = None
+        if options.keep_names:
+            pieces = _kept_pieces(iter_url, meta, model_keys, args)
+        else:
+            check_llama(args)
+            shape = llama_shape(args)
+            keys = _role_keys(iter_url, meta, model_keys, args, shape)
+            pieces = llama_pieces(shape, keys)
+            _check_shapes(iter_url, meta, shape, keys)
         tops = tuple(dict.fromkeys(k.split(".", 1)[0] for k in model_keys))
         dcp = read_dcp_layout(
             iter_url, storage, DcpSelection(select=tops), metadata=(meta, meta_sha)
@@ -133,12 +144,14 @@ class MegatronReader:
             dcp.source,
             format=self.name,
             num_params=sum(math.prod(t.shape) for t in tensors.values()),
-            model_config=hf_config(args, shape, dtype=_saved_dtype(tensors)),
+            model_config=(
+                None if shape is None else hf_config(args, shape, dtype=_saved_dtype(tensors))
+            ),
         )
         dcp.tensors = tensors
         dcp.order = list(tensors)
         dcp.tag = _tag_name(iter_url)
-        dcp.ties_by_config = "output" not in keys
+        dcp.ties_by_config = shape is not None and "output" not in keys
         dcp.metadata_bytes = storage.counter.bytes_read - read_before
         dcp.notes = [n for n in dcp.notes if "not selected" not in n]
         optimizer = sum(1 for k in meta.tensors if k.startswith(_OPTIMIZER))
@@ -147,7 +160,10 @@ class MegatronReader:
                 f"{optimizer} DistributedOptimizer buffer(s) (optimizer.distributed...) not read: "
                 "optimizer state, never weights"
             )
-        dcp.notes.append(_vocab_note(shape))
+        dcp.notes.append(
+            _vocab_note(shape) if shape is not None else "`--keep-names`: Megatron's names, "
+            "layers unstacked, nothing split, the padded vocabulary kept, no config.json generated"
+        )  # fmt: skip
         dcp.facts = _facts(iter_url, args, shape, meta, dcp.facts)
         return dcp
 
@@ -243,8 +259,9 @@ def _role_keys(
     if other:
         raise UnsupportedCheckpointError(
             f"{url}: the save holds '{other[0]}' ({len(other)} tensor(s) the Llama mapping does "
-            "not know), which zerosafe does not map to Hugging Face names yet; convert with "
-            "Megatron-Bridge or Megatron-LM's own converter"
+            "not know), which zerosafe does not map to Hugging Face names yet; pass "
+            "`--keep-names` for Megatron's own names, or convert with Megatron-Bridge or "
+            "Megatron-LM's own converter"
         )
     return keys
 
@@ -302,17 +319,38 @@ def _vocab_note(shape: LlamaShape) -> str:
     )
 
 
+def _kept_pieces(
+    url: str, meta: DcpMetadata, model_keys: list[str], args: MegatronArgs
+) -> list[HfPiece]:
+    """`--keep-names`: every model tensor in Megatron's names, each stacked one
+    (`decoder.layers.X`) unstacked into `decoder.layers.N.X`; any architecture.
+
+    Raises:
+        CheckpointFormatError: If a stacked tensor's first dimension is not the args' layers.
+    """
+    num_layers = args.int_field("num_layers")
+    shapes = {k: meta.tensors[k].size for k in model_keys}
+    bad = [k for k, s in shapes.items() if k.startswith(STACKED) and s[:1] != (num_layers,)]
+    if bad:
+        raise CheckpointFormatError(
+            f"{url}: '{bad[0]}' is {list(shapes[bad[0]])}, expected the args' {num_layers} "
+            "layers stacked first; the args are not this model's, so it cannot be unstacked. "
+            "Convert the save as it was written"
+        )
+    return kept_pieces(shapes, num_layers)
+
+
 def _facts(
     url: str,
     args: MegatronArgs,
-    shape: LlamaShape,
+    shape: LlamaShape | None,
     meta: DcpMetadata,
     dcp: InspectFacts | None,
 ) -> InspectFacts:
     optimizer = [k for k in meta.tensors if k.startswith(_OPTIMIZER)]
     fields: dict[str, object] = {
         "iteration": args.iteration,
-        "architecture": hf_config(args, shape, dtype="float32"),
+        "architecture": None if shape is None else hf_config(args, shape, dtype="float32"),
         "tensor_model_parallel_size": args.get("tensor_model_parallel_size"),
         "optimizer_buffers": optimizer,
         "non_tensor_items": list(meta.byte_entries),
@@ -322,8 +360,12 @@ def _facts(
     return InspectFacts(
         fields=fields,
         about=[
-            f"Checkpoint  {url}  ({FORMAT_NAME}, iteration {args.iteration}, Llama: "
-            f"{shape.num_layers} layers, hidden {shape.hidden_size})"
+            f"Checkpoint  {url}  ({FORMAT_NAME}, iteration {args.iteration}, "
+            + (
+                "`--keep-names`: Megatron's names)"
+                if shape is None
+                else f"Llama: {shape.num_layers} layers, hidden {shape.hidden_size})"
+            )
         ],
         read_labels=ReadLabels(
             main="model chunks",
