@@ -248,3 +248,66 @@ def test_qwen_tensors_the_args_do_not_name_are_refused(
     _with_megatron_enums(monkeypatch)
     line = _refusal(capsys, _tampered(tmp_path, name, **changes), tmp_path / "out")
     assert said in line, line
+
+
+def _model_files(tmp_path: Path, name: str, **changes: object) -> Path:
+    """A `--model-files` folder with the transformers config of the save's model (as the
+    generated one, plus what a Hugging Face release adds), with `changes` (None: the field
+    left out, as transformers' default)."""
+    folder = tmp_path / "model-files"
+    folder.mkdir()
+    from zerosafe.formats.registry import read_source
+
+    layout = read_source(Storage(), str(save_path(name)), tag=None, options=ConvertOptions())
+    config = dict(layout.source.model_config or {}) | {"bos_token_id": 7} | changes
+    config = {k: v for k, v in config.items() if v is not None}  # None: left out
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_model_files_config_is_used_where_it_agrees_with_the_args(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A release config with the same architecture is copied instead of the generated one;
+    `rope_parameters` (transformers 5) counts as `rope_theta`."""
+    folder = _model_files(tmp_path, "qwen2tp2", rope_theta=None,
+                          rope_parameters={"rope_theta": 10000.0, "rope_type": "default"})  # fmt: skip
+    out = tmp_path / "out"
+    said = _convert(capsys, save_path("qwen2tp2"), out, "--model-files", str(folder))
+    assert "used, not the config generated from the checkpoint" in said
+    assert json.loads((out / "config.json").read_text())["bos_token_id"] == 7
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "said"),
+    [
+        ("tp2", {"num_hidden_layers": 3}, "`num_hidden_layers` is 3, but the checkpoint gives 2"),
+        (
+            "tp2",
+            {"rope_theta": 500000.0},
+            "`rope_theta` is 500000.0, but the checkpoint gives 10000.0",
+        ),
+        ("tp2", {"tie_word_embeddings": True}, "`tie_word_embeddings` is True"),
+        ("tp2", {"vocab_size": 256}, "`vocab_size` is 256, but the checkpoint gives 53"),
+        ("qwen2tp2", {"model_type": "llama"}, "`qkv_bias` is False, but the checkpoint gives True"),
+        ("qwen3tp2", {"head_dim": None}, "`head_dim` is 8, but the checkpoint gives 16"),
+        ("qwen3tp2", {"model_type": "qwen2"}, "`qkv_bias` is True"),
+    ],
+)
+def test_model_files_config_of_another_model_is_refused_in_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    changes: dict[str, object],
+    said: str,
+) -> None:
+    folder = _model_files(tmp_path, name, **changes)
+    out = tmp_path / "out"
+    code = main(["convert", str(save_path(name)), str(out), "--via", "local",
+                 "--model-files", str(folder)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and said in lines[0], err
+    assert "config.json" in lines[0] and "Pass `--model-files DIR`" in lines[0]
+    assert not (out / "model.safetensors").exists()
