@@ -443,7 +443,7 @@ def check_model_config(
 ARCHITECTURE_FIELDS = (
     "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
     "head_dim", "intermediate_size", "vocab_size", "rope_theta", "rms_norm_eps",
-    "tie_word_embeddings", "qkv_bias", "qk_norm",
+    "tie_word_embeddings", "qkv_bias", "qk_norm", "num_local_experts", "num_experts_per_tok",
 )  # fmt: skip
 """What `check_against_generated` compares: the sizes and the choices that decide which
 weights a transformers model has and how it reads them."""
@@ -474,6 +474,8 @@ def _architecture(config: Mapping[str, Any]) -> dict[str, object]:
         "tie_word_embeddings": config.get("tie_word_embeddings", False),
         "qkv_bias": model_type == "qwen2" or bool(config.get("attention_bias", False)),
         "qk_norm": model_type in ("qwen3", "qwen3_moe"),
+        "num_local_experts": config.get("num_local_experts"),
+        "num_experts_per_tok": config.get("num_experts_per_tok"),
     }
 
 

@@ -39,21 +39,29 @@ def _family(args: dict[str, object]) -> tuple[str, str]:
         return "Qwen2ForCausalLM", "qwen2"
     if args["qk_layernorm"]:
         return "Qwen3ForCausalLM", "qwen3"
+    if args.get("num_experts"):
+        return "MixtralForCausalLM", "mixtral"
     return "LlamaForCausalLM", "llama"
 
 
 def _expected_config(args: dict[str, object]) -> dict[str, object]:
     """The architecture fields of the transformers config (`LlamaConfig`, `Qwen2Config`,
     `Qwen3Config`) of the model the maker built."""
-    family = {
+    family: dict[str, object] = {
         "llama": {"attention_bias": False, "mlp_bias": False},
         "qwen2": {"use_sliding_window": False},  # q/k/v biases are Qwen2's, always
         "qwen3": {"attention_bias": False, "use_sliding_window": False},
+        "mixtral": {"sliding_window": None},
     }[_family(args)[1]]
+    if args.get("num_experts"):
+        family |= {
+            "num_local_experts": args["num_experts"],
+            "num_experts_per_tok": args["moe_router_topk"],
+        }
     return family | {
         "vocab_size": args["vocab_size"],
         "hidden_size": args["hidden_size"],
-        "intermediate_size": args["ffn_hidden_size"],
+        "intermediate_size": args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"],
         "num_hidden_layers": args["num_layers"],
         "num_attention_heads": args["num_attention_heads"],
         "num_key_value_heads": args["num_query_groups"],
@@ -63,6 +71,33 @@ def _expected_config(args: dict[str, object]) -> dict[str, object]:
         "rms_norm_eps": args["norm_epsilon"],
         "tie_word_embeddings": not args["untie_embeddings_and_output_weights"],
     }
+
+
+def _fused_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Mixtral releases' per-expert tensors (`block_sparse_moe.experts.N.w1/w2/w3`,
+    `block_sparse_moe.gate`) as transformers 5's `MixtralForCausalLM` parameters: `mlp.gate`,
+    `mlp.experts.gate_up_proj` (each expert `[w1; w3]`) and `down_proj` (each `w2`), stacked
+    by expert. Other models' weights are returned as they are."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in weights.items():
+        prefix, moe, rest = name.partition(".block_sparse_moe.")
+        if not moe:
+            out[name] = tensor
+        elif rest == "gate.weight":
+            experts = sorted(
+                {int(k.split(".experts.")[1].split(".")[0]) for k in weights
+                 if k.startswith(prefix + moe + "experts.")}
+            )  # fmt: skip
+            e = prefix + moe + "experts."
+            out[prefix + ".mlp.gate.weight"] = tensor
+            out[prefix + ".mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([weights[f"{e}{j}.w1.weight"], weights[f"{e}{j}.w3.weight"]])
+                 for j in experts]
+            )  # fmt: skip
+            out[prefix + ".mlp.experts.down_proj"] = torch.stack(
+                [weights[f"{e}{j}.w2.weight"] for j in experts]
+            )
+    return out
 
 
 def test_converts_bit_equal_and_loads_in_transformers(
@@ -95,11 +130,10 @@ def test_converts_bit_equal_and_loads_in_transformers(
     for key, value in expected.items():
         assert getattr(model.config, key) == value, key
     assert model.config.rope_parameters["rope_theta"] == float(str(args["rotary_base"]))
-    assert list(model.state_dict()) == list(want) + (
-        [] if "lm_head.weight" in want else ["lm_head.weight"]
-    )
+    in_model = _fused_experts(want)
+    assert set(model.state_dict()) == set(in_model) | {"lm_head.weight"}  # nothing left out
     reference = auto.from_config(transformers.AutoConfig.from_pretrained(str(out))).eval()
-    reference.load_state_dict(want, strict="lm_head.weight" in want)
+    reference.load_state_dict(in_model, strict="lm_head.weight" in want)
     if "lm_head.weight" not in want:  # tied by the config
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     ids = torch.tensor([[1, 5, 52, 0, 17, 33]])
@@ -209,7 +243,7 @@ def _refusal(capsys: pytest.CaptureFixture[str], src: Path, out: Path) -> str:
             {"qk_layernorm": True, "add_qkv_bias": True},
             "QKV biases with query/key norms (neither Qwen2 nor Qwen3)",
         ),
-        ({"num_experts": 8}, "num_experts=8: a mixture-of-experts model"),
+        ({"num_experts": 8}, "no tensor for ['router', 'experts_fc1', 'experts_fc2']"),
         ({"normalization": "LayerNorm"}, "normalization='LayerNorm': not the Llama family"),
         ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size=2"),
     ],
@@ -234,9 +268,16 @@ def test_args_that_do_not_map_are_refused_in_one_line(
         ("qwen2tp2", {"add_qkv_bias": False}, "'decoder.layers.self_attention.linear_qkv.bias'"),
         ("qwen3tp2", {"qk_layernorm": False}, "q_layernorm.weight' (2 tensor(s)"),
         ("qwen3tp2", {"kv_channels": 8}, "the args are not this model's"),
+        ("moeep2", {"num_experts": None}, "no tensor for ['fc1', 'fc2']"),
+        ("moeep2", {"num_experts": 8}, "give [2, 8, 32]"),
+        ("moeep2", {"moe_shared_expert_intermediate_size": 64}, "shared experts"),
+        ("moeep2", {"moe_router_pre_softmax": True}, "moe_router_pre_softmax=True"),
+        ("moeep2", {"moe_grouped_gemm": True}, "moe_grouped_gemm=True: grouped-GEMM experts"),
+        ("moeep2", {"moe_layer_freq": 2}, "dense layers between the MoE ones"),
+        ("moeep2", {"qk_layernorm": True}, "Qwen3-MoE-style"),
     ],
 )
-def test_qwen_tensors_the_args_do_not_name_are_refused(
+def test_qwen_and_moe_saves_the_mapping_does_not_cover_are_refused(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
@@ -244,7 +285,9 @@ def test_qwen_tensors_the_args_do_not_name_are_refused(
     changes: dict[str, object],
     said: str,
 ) -> None:
-    """A bias or norm the args do not announce is never dropped: the save is refused."""
+    """A bias, norm or router the args do not announce is never dropped, and an MoE that is
+    not Mixtral's (shared experts, other routing, dense layers between) is not written under
+    Mixtral's names: the save is refused in one line."""
     _with_megatron_enums(monkeypatch)
     line = _refusal(capsys, _tampered(tmp_path, name, **changes), tmp_path / "out")
     assert said in line, line

@@ -35,7 +35,6 @@ _COMMON_MAX_BYTES = 64 * 2**20
 """The common state is a few kilobytes (the args, the scheduler's numbers); read whole."""
 
 _UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
-    ("num_experts", None, "a mixture-of-experts model (MoE)"),
     ("add_bias_linear", False, "linear biases"),
     ("apply_layernorm_1p", False, "zero-centred norms (`--apply-layernorm-1p`)"),
     ("rotary_interleaved", False, "interleaved RoPE"),
@@ -46,6 +45,22 @@ _UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
 )
 """`(field, the value the mapping covers, what another value means)`: what `check_llama`
 refuses. A field the save does not have counts as the covered value."""
+
+_MOE_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
+    ("moe_shared_expert_intermediate_size", None, "shared experts (Qwen-MoE, DeepSeek-style)"),
+    ("moe_router_pre_softmax", False, "a softmax before the top-k (not Mixtral's routing)"),
+    ("moe_router_score_function", "softmax", "router scores other than Mixtral's softmax"),
+    ("moe_router_enable_expert_bias", False, "router expert biases (DeepSeek-V3-style)"),
+    ("moe_router_topk_scaling_factor", None, "scaled top-k weights (DeepSeek-style)"),
+    ("moe_router_num_groups", None, "group-limited routing (DeepSeek-style)"),
+    ("moe_layer_freq", 1, "dense layers between the MoE ones"),
+    ("moe_grouped_gemm", False, "grouped-GEMM experts (a layout not yet checked)"),
+    ("moe_use_legacy_grouped_gemm", False, "legacy grouped-GEMM experts"),
+    ("add_qkv_bias", False, "QKV biases with experts (Qwen2-MoE-style)"),
+    ("qk_layernorm", False, "query/key norms with experts (Qwen3-MoE-style)"),
+)
+"""With `num_experts`: what the Mixtral mapping (every layer MoE, softmax top-k routing
+renormalized over the chosen experts, no shared experts) does not cover."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,6 +156,11 @@ def check_llama(args: MegatronArgs) -> None:
             _refuse(
                 args, f"{name}={args.get(name)!r}", f"not the Llama family (which has {want!r})"
             )
+    if args.get("num_experts") is not None:
+        for name, covered, what in _MOE_UNSUPPORTED:
+            value = args.get(name)
+            if value is not None and value != covered:
+                _refuse(args, f"num_experts={args.get('num_experts')!r}, {name}={value!r}", what)
     percent = args.get("rotary_percent", 1.0)
     if percent != 1.0:
         _refuse(args, f"rotary_percent={percent!r}", "partial rotary embeddings")
@@ -154,8 +174,9 @@ def check_llama(args: MegatronArgs) -> None:
 def _refuse(args: MegatronArgs, found: str, what: str) -> None:
     raise UnsupportedCheckpointError(
         f"{args.url}: the saved args say {found}: {what}, which zerosafe does not map to Hugging "
-        "Face names yet (it maps dense Llama-family models: RMSNorm, SwiGLU, RoPE, no linear "
-        "biases but Qwen2's QKV ones, Qwen3's query/key norms, no pipeline parallel); convert "
+        "Face names yet (it maps Llama-family models: RMSNorm, SwiGLU, RoPE, no linear biases "
+        "but Qwen2's QKV ones, Qwen3's query/key norms, Mixtral-style experts, no pipeline "
+        "parallel); convert "
         "with Megatron-Bridge or Megatron-LM's own converter, or pass `--keep-names` for "
         "Megatron's own names"
     )
@@ -181,7 +202,18 @@ def llama_shape(args: MegatronArgs) -> LlamaShape:
         padded_vocab_size=padded,
         qkv_bias=bool(args.get("add_qkv_bias")),
         qk_norm=bool(args.get("qk_layernorm")),
+        num_experts=args.int_field("num_experts") if args.get("num_experts") is not None else 0,
+        moe_ffn_hidden_size=_moe_ffn(args),
     )
+
+
+def _moe_ffn(args: MegatronArgs) -> int:
+    """The experts' FFN size (`--moe-ffn-hidden-size`, which defaults to `ffn_hidden_size`)."""
+    if args.get("num_experts") is None:
+        return 0
+    if args.get("moe_ffn_hidden_size") is None:
+        return args.int_field("ffn_hidden_size")
+    return args.int_field("moe_ffn_hidden_size")
 
 
 def _float(args: MegatronArgs, name: str, default: float) -> float:
@@ -224,4 +256,15 @@ def hf_config(args: MegatronArgs, shape: LlamaShape, *, dtype: str) -> dict[str,
         del config["mlp_bias"]
         config |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
         config["use_sliding_window"] = False
+    elif shape.num_experts:  # Mixtral: no biases at all, the experts' FFN size
+        del config["attention_bias"], config["mlp_bias"]
+        config |= {
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": shape.moe_ffn_hidden_size,
+        }  # fmt: skip
+        config |= {
+            "num_local_experts": shape.num_experts,
+            "num_experts_per_tok": args.int_field("moe_router_topk"),
+            "sliding_window": None,
+        }
     return config

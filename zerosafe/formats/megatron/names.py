@@ -30,6 +30,8 @@ from zerosafe.formats.base import Fragment
 
 __all__ = ["STACKED", "HfPiece", "LlamaShape", "compose", "kept_pieces", "llama_pieces"]
 
+_EXPERTS = ".experts.experts."
+"""Where megatron-core's SequentialMLP keeps its experts stacked (`local_experts.J` live)."""
 STACKED = "decoder.layers."
 """The prefix of megatron-core's per-layer tensors, stacked along a first layer dimension."""
 
@@ -56,6 +58,10 @@ class LlamaShape:
     """`linear_qkv` has a bias (Qwen2), interleaved per query group like its weight."""
     qk_norm: bool = False
     """Query and key norms of `kv_channels` each (Qwen3: `q_norm`, `k_norm`)."""
+    num_experts: int = 0
+    """Experts of every layer's MLP (Mixtral); 0: a dense MLP."""
+    moe_ffn_hidden_size: int = 0
+    """Each expert's FFN size."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -99,7 +105,7 @@ def llama_pieces(shape: LlamaShape, keys: dict[str, str]) -> list[HfPiece]:
                 _layer(p + "self_attn.q_norm.weight", keys["q_norm"], i, (d,)),
                 _layer(p + "self_attn.k_norm.weight", keys["k_norm"], i, (d,)),
             ]
-        out += attn + [
+        out += attn + (_experts(p, keys, shape, i) if shape.num_experts else [
             HfPiece(
                 name=p + "mlp.gate_proj.weight", source=keys["fc1"], shape=(f, h),
                 runs=(_rows(i, fc1_layer, 0, f, h, 0),),
@@ -109,6 +115,7 @@ def llama_pieces(shape: LlamaShape, keys: dict[str, str]) -> list[HfPiece]:
                 runs=(_rows(i, fc1_layer, f, f, h, 0),),
             ),
             _layer(p + "mlp.down_proj.weight", keys["fc2"], i, (h, f)),
+        ]) + [
             _layer(p + "input_layernorm.weight", keys["input_norm"], i, (h,)),
             _layer(p + "post_attention_layernorm.weight", keys["mlp_norm"], i, (h,)),
         ]  # fmt: skip
@@ -142,14 +149,19 @@ def _qkv(
     )
 
 
-def kept_pieces(shapes: dict[str, tuple[int, ...]], num_layers: int) -> list[HfPiece]:
+def kept_pieces(
+    shapes: dict[str, tuple[int, ...]], num_layers: int, num_experts: int = 0
+) -> list[HfPiece]:
     """`--keep-names`: every tensor in Megatron's names, a stacked one (`decoder.layers.X`, of
-    shape `[num_layers, ...]`) as `decoder.layers.N.X` per layer, in the live model's order:
-    the tensors before the layers (`embedding.*`), layer by layer, then the rest.
+    shape `[num_layers, ...]`) as `decoder.layers.N.X` per layer, and the experts megatron-core
+    stacks after the layers (`mlp.experts.experts.X`, `[num_layers, num_experts, ...]`) as the
+    SequentialMLP's own `mlp.experts.local_experts.J.X`; in the live model's order: the
+    tensors before the layers (`embedding.*`), layer by layer, then the rest.
 
     Args:
         shapes: Each model tensor's stored (global) shape, in the save's order.
         num_layers: The stacked tensors' first dimension.
+        num_experts: The experts' second dimension (0: no experts).
     """
     before = [k for k in shapes if k.startswith("embedding.")]
     stacked = [k for k in shapes if k.startswith(STACKED)]
@@ -159,10 +171,38 @@ def kept_pieces(shapes: dict[str, tuple[int, ...]], num_layers: int) -> list[HfP
     for i in range(num_layers):
         for key in stacked:
             name = f"{STACKED}{i}.{key[len(STACKED) :]}"
-            out.append(_layer(name, key, i, shapes[key][1:]))
+            head, experts, leaf = name.partition(_EXPERTS)
+            if not experts or not num_experts:
+                out.append(_layer(name, key, i, shapes[key][1:]))
+                continue
+            each = shapes[key][2:]
+            out += [
+                _layer(f"{head}.experts.local_experts.{j}.{leaf}", key, i * num_experts + j, each)
+                for j in range(num_experts)
+            ]
     out += [HfPiece(name=k, source=k, shape=shapes[k], runs=((0, math.prod(shapes[k]), 0),))
             for k in after]  # fmt: skip
     return out
+
+
+def _experts(prefix: str, keys: dict[str, str], shape: LlamaShape, layer: int) -> list[HfPiece]:
+    """Mixtral's MoE block of `layer`: the router as `block_sparse_moe.gate`, each expert's
+    `linear_fc1` (`[gate; up]`) as `w1` and `w3`, its `linear_fc2` as `w2`. megatron-core
+    stacks the experts after the layers: `[num_layers, num_experts, ...]`."""
+    h, f, e = shape.hidden_size, shape.moe_ffn_hidden_size, shape.num_experts
+    moe = prefix + "block_sparse_moe."
+    out = []
+    for j in range(e):
+        fc1 = layer * e * 2 * f * h + j * 2 * f * h  # expert j's first element of linear_fc1
+        out += [
+            HfPiece(name=f"{moe}experts.{j}.w1.weight", source=keys["experts_fc1"], shape=(f, h),
+                    runs=((fc1, f * h, 0),)),
+            HfPiece(name=f"{moe}experts.{j}.w2.weight", source=keys["experts_fc2"], shape=(h, f),
+                    runs=(((layer * e + j) * h * f, h * f, 0),)),
+            HfPiece(name=f"{moe}experts.{j}.w3.weight", source=keys["experts_fc1"], shape=(f, h),
+                    runs=((fc1 + f * h, f * h, 0),)),
+        ]  # fmt: skip
+    return [*out, _layer(moe + "gate.weight", keys["router"], layer, (e, h))]
 
 
 def _layer(name: str, source: str, layer: int, shape: tuple[int, ...]) -> HfPiece:

@@ -55,7 +55,9 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 BACKEND_FILE = "metadata.json"
 _ITER = re.compile(r"iter_\d{7}|release")
 _LATEST_MAX_BYTES = 64
-_OPTIMIZER = "optimizer."
+_OPTIMIZER = re.compile(r"(chained_\d+\.)?optimizer\.")
+"""The DistributedOptimizer's keys; with experts megatron-core chains one optimizer for the
+dense parameters and one for the experts' (`chained_0.optimizer...`, `chained_1...`)."""
 
 _ROLES: dict[str, tuple[str, ...]] = {
     "embedding": ("embedding.word_embeddings.weight",),
@@ -76,10 +78,15 @@ _ROLES: dict[str, tuple[str, ...]] = {
     "qkv_bias": ("decoder.layers.self_attention.linear_qkv.bias",),
     "q_norm": ("decoder.layers.self_attention.q_layernorm.weight",),
     "k_norm": ("decoder.layers.self_attention.k_layernorm.weight",),
+    "router": ("decoder.layers.mlp.router.weight",),
+    "experts_fc1": ("decoder.layers.mlp.experts.experts.linear_fc1.weight",),
+    "experts_fc2": ("decoder.layers.mlp.experts.experts.linear_fc2.weight",),
 }
 """The Megatron key of each role in the Llama mapping: the Transformer Engine spec's names
 (fused norms), which megatron-core also saves for its local spec, then the local spec's own.
-The last three only where the args say so (`--add-qkv-bias`, `--qk-layernorm`)."""
+The QKV bias and query/key norms only where the args say so (`--add-qkv-bias`,
+`--qk-layernorm`); with `--num-experts` the router and the experts (SequentialMLP, stacked
+`[num_layers, num_experts, ...]`) instead of `fc1` and `fc2`."""
 
 
 class MegatronReader:
@@ -124,7 +131,7 @@ class MegatronReader:
         read_before = storage.counter.bytes_read
         meta, meta_sha = read_metadata(iter_url, storage)
         args = read_args(iter_url, meta, storage)
-        model_keys = [k for k in meta.tensors if not k.startswith(_OPTIMIZER)]
+        model_keys = [k for k in meta.tensors if not _OPTIMIZER.match(k)]
         shape: LlamaShape | None = None
         if options.keep_names:
             pieces = _kept_pieces(iter_url, meta, model_keys, args)
@@ -154,7 +161,7 @@ class MegatronReader:
         dcp.ties_by_config = shape is not None and "output" not in keys
         dcp.metadata_bytes = storage.counter.bytes_read - read_before
         dcp.notes = [n for n in dcp.notes if "not selected" not in n]
-        optimizer = sum(1 for k in meta.tensors if k.startswith(_OPTIMIZER))
+        optimizer = sum(1 for k in meta.tensors if _OPTIMIZER.match(k))
         if optimizer:
             dcp.notes.append(
                 f"{optimizer} DistributedOptimizer buffer(s) (optimizer.distributed...) not read: "
@@ -242,6 +249,8 @@ def _role_keys(
     wanted = [
         r for r in _ROLES
         if (r != "qkv_bias" or shape.qkv_bias) and (r not in ("q_norm", "k_norm") or shape.qk_norm)
+        and (r not in ("fc1", "fc2") or not shape.num_experts)
+        and (r not in ("router", "experts_fc1", "experts_fc2") or shape.num_experts)
     ]  # fmt: skip
     keys: dict[str, str] = {}
     for role in wanted:
@@ -288,6 +297,9 @@ def _check_shapes(url: str, meta: DcpMetadata, shape: LlamaShape, keys: dict[str
         "qkv": (layers, (n + 2 * g) * d, h), "proj": (layers, h, n * d),
         "fc1": (layers, 2 * f, h), "fc2": (layers, h, f),
         "qkv_bias": (layers, (n + 2 * g) * d), "q_norm": (layers, d), "k_norm": (layers, d),
+        "router": (layers, s.num_experts, h),
+        "experts_fc1": (layers, s.num_experts, 2 * s.moe_ffn_hidden_size, h),
+        "experts_fc2": (layers, s.num_experts, h, s.moe_ffn_hidden_size),
     }  # fmt: skip
     for role, key in keys.items():
         got = meta.tensors[key].size
@@ -329,15 +341,21 @@ def _kept_pieces(
         CheckpointFormatError: If a stacked tensor's first dimension is not the args' layers.
     """
     num_layers = args.int_field("num_layers")
+    experts = args.int_field("num_experts") if args.get("num_experts") is not None else 0
     shapes = {k: meta.tensors[k].size for k in model_keys}
-    bad = [k for k, s in shapes.items() if k.startswith(STACKED) and s[:1] != (num_layers,)]
+    bad = [
+        k for k, s in shapes.items()
+        if k.startswith(STACKED) and s[:1] != (num_layers,)
+        or ".experts.experts." in k and experts and s[1:2] != (experts,)
+    ]  # fmt: skip
     if bad:
         raise CheckpointFormatError(
             f"{url}: '{bad[0]}' is {list(shapes[bad[0]])}, expected the args' {num_layers} "
-            "layers stacked first; the args are not this model's, so it cannot be unstacked. "
+            f"layers stacked first (then {experts} experts for an expert's); the args are not "
+            "this model's, so it cannot be unstacked. "
             "Convert the save as it was written"
         )
-    return kept_pieces(shapes, num_layers)
+    return kept_pieces(shapes, num_layers, experts)
 
 
 def _facts(
@@ -347,7 +365,7 @@ def _facts(
     meta: DcpMetadata,
     dcp: InspectFacts | None,
 ) -> InspectFacts:
-    optimizer = [k for k in meta.tensors if k.startswith(_OPTIMIZER)]
+    optimizer = [k for k in meta.tensors if _OPTIMIZER.match(k)]
     fields: dict[str, object] = {
         "iteration": args.iteration,
         "architecture": None if shape is None else hf_config(args, shape, dtype="float32"),
