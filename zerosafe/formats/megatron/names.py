@@ -11,6 +11,9 @@ A Hugging Face tensor is then a set of runs of that stacked tensor's row-major e
   `v_proj` `G` runs each;
 - `linear_qkv.bias` (Qwen2) is interleaved the same way, one element per row;
 - `linear_fc1` with SwiGLU is `[gate; up]` (the first `ffn_hidden_size` rows, then the rest);
+- SequentialMLP experts are stacked after the layers, `[num_layers, num_experts, ...]`, each
+  expert's `linear_fc1` again `[gate; up]` (Mixtral's `w1`, `w3`), its `linear_fc2` Mixtral's
+  `w2`; the router is `[num_layers, num_experts, hidden]`;
 - the embedding and output layer keep their first `vocab_size` rows (Megatron-LM pads the
   vocabulary, `_vocab_size_with_padding` in megatron/training/tokenizer).
 `compose` turns those runs and the stacked tensor's fragments (`zerosafe.formats.base`) into
@@ -86,7 +89,8 @@ def llama_pieces(shape: LlamaShape, keys: dict[str, str]) -> list[HfPiece]:
         shape: The model's sizes.
         keys: Megatron key of each role: `embedding`, `input_norm`, `qkv`, `proj`, `mlp_norm`,
             `fc1`, `fc2`, `final_norm`, (untied) `output`, and with `shape.qkv_bias`
-            `qkv_bias`, with `shape.qk_norm` `q_norm` and `k_norm`.
+            `qkv_bias`, with `shape.qk_norm` `q_norm` and `k_norm`, with
+            `shape.num_experts` `router`, `experts_fc1` and `experts_fc2` (not `fc1`, `fc2`).
     """
     h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.kv_channels
     n = shape.num_attention_heads

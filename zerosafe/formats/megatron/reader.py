@@ -331,6 +331,14 @@ def _vocab_note(shape: LlamaShape) -> str:
     )
 
 
+def _family(shape: LlamaShape) -> str:
+    if shape.qkv_bias:
+        return "Qwen2"
+    if shape.qk_norm:
+        return "Qwen3"
+    return "Mixtral" if shape.num_experts else "Llama"
+
+
 def _kept_pieces(
     url: str, meta: DcpMetadata, model_keys: list[str], args: MegatronArgs
 ) -> list[HfPiece]:
@@ -382,7 +390,8 @@ def _facts(
             + (
                 "`--keep-names`: Megatron's names)"
                 if shape is None
-                else f"Llama: {shape.num_layers} layers, hidden {shape.hidden_size})"
+                else f"{_family(shape)}: {shape.num_layers} layers, hidden {shape.hidden_size}"
+                + (f", {shape.num_experts} experts)" if shape.num_experts else ")")
             )
         ],
         read_labels=ReadLabels(
