@@ -16,9 +16,11 @@ it, to a multiple of 128 x TP), each on 2 gloo ranks (`NAME`s: only those; defau
 - `qwen2tp2/`: tensor parallel 2 with QKV biases (`--add-qkv-bias`, Qwen2-style);
 - `qwen3tp2/`: tensor parallel 2 with query/key norms (`--qk-layernorm`, Qwen3-style) and
   `kv_channels` 16, not hidden / heads (Qwen3's `head_dim`);
-- `moeep2/`: a Mixtral-style MoE (`--num-experts 4 --moe-router-topk 2`, SequentialMLP
-  experts of FFN 48, megatron-core's default softmax top-k router) at expert parallel 2: each
-  rank holds 2 of the 4 experts (seeded per expert-parallel rank, so a misplaced expert shows);
+- `moetp2ep2/`: a Mixtral-style MoE (`--num-experts 4 --moe-router-topk 2`, SequentialMLP
+  experts of FFN 48, megatron-core's default softmax top-k router) at tensor parallel 2 and
+  expert parallel 2 with expert tensor parallel 1 (no sequence parallel: megatron-core's torch
+  norms refuse it): the attention is split over the two ranks, and each rank holds 2 of the 4
+  experts whole (seeded per expert-parallel rank, so a misplaced expert shows);
   the optimizer is megatron-core's chained one (`chained_0.optimizer...` for the dense
   parameters, `chained_1...` for the experts').
 Each is saved the way Megatron-LM's `save_checkpoint` saves it: the state dict of
@@ -98,7 +100,7 @@ SAVES: dict[str, dict[str, object]] = {
     "tp2tied": {"tp": 2, "tied": True},
     "qwen2tp2": {"tp": 2, "qkv_bias": True},
     "qwen3tp2": {"tp": 2, "qk_norm": True, "kv_channels": 16},
-    "moeep2": {"tp": 1, "experts": 4, "ep": 2},
+    "moetp2ep2": {"tp": 2, "experts": 4, "ep": 2},
 }
 """Each save's variant of the model (`_args`' keywords)."""
 
@@ -128,7 +130,7 @@ def _args(
         qk_layernorm=qk_norm, num_experts=experts,
         moe_router_topk=2, moe_ffn_hidden_size=48 if experts else None, moe_grouped_gemm=False, vocab_size=VOCAB, padded_vocab_size=padded,
         make_vocab_size_divisible_by=DIVISIBLE_BY, tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=1 if experts else None,
         pipeline_model_parallel_size=1, params_dtype=torch.float32, bf16=False, fp16=False,
         init_method_std=0.02, attention_dropout=0.0, hidden_dropout=0.0,
         apply_layernorm_1p=False, transformer_impl="local", iteration=ITERATION,
@@ -149,7 +151,9 @@ def _worker(rank: int, out: str, port: int, variant: dict[str, object]) -> None:
     args = _args(**variant)  # type: ignore[arg-type]
     tp, tied = args.tensor_model_parallel_size, not args.untie_embeddings_and_output_weights
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, expert_model_parallel_size=args.expert_model_parallel_size
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -160,6 +164,7 @@ def _worker(rank: int, out: str, port: int, variant: dict[str, object]) -> None:
         add_bias_linear=False, add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
         tensor_model_parallel_size=tp, num_moe_experts=args.num_experts,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_token_dispatcher_type="allgather",
         use_cpu_initialization=True, params_dtype=torch.float32,
