@@ -174,6 +174,11 @@ class ConvertOptions:
     None: `model` with the default selection, nothing with `select`. Dots around it are
     ignored; one that is only dots (`.`) is refused."""
 
+    keep_names: bool = False
+    """Megatron-LM: write Megatron's own tensor names, layers unstacked
+    (`decoder.layers.0.self_attention.linear_qkv.weight`), nothing split or trimmed, no
+    `config.json` generated; other formats refuse it."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", output_dtype(self.dtype))
         if isinstance(self.select, str) or not all(isinstance(p, str) for p in self.select):
@@ -332,6 +337,8 @@ class ConvertOptions:
             ident["strip_prefix"] = self.strip_prefix
         if self.adapter:
             ident["adapter"] = True
+        if self.keep_names:
+            ident["keep_names"] = True
         if self.quantize is not None:
             ident["quantize"] = self.quantize
             ident["quantize_ignore"] = list(self.quantize_ignore)

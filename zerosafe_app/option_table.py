@@ -140,6 +140,12 @@ JOB_FIELDS: tuple[JobField, ...] = (
         "the default selection, nothing with --select; '' strips nothing)",
     ),
     JobField(
+        name="keep_names", kind=Kind.SWITCH, default=False, engine=True, flag="--keep-names",
+        scope=Scope.PLAN,
+        help="Megatron-LM: write Megatron's own names with the layers unstacked "
+        "(decoder.layers.0.self_attention.linear_qkv.weight), nothing split, no config.json",
+    ),
+    JobField(
         name="dtype", kind=Kind.CHOICE, default="fp32", engine=True, flag="--dtype",
         scope=Scope.PLAN, choices=("fp32", "bf16", "fp16"),
         help="output dtype of floating tensors (default fp32)",

@@ -498,7 +498,8 @@ def _check_against(
 
     The output's manifest says how it was converted (`recorded_options`, the job key's
     options): with `exclude_frozen`, frozen params must be absent instead of present; a DCP
-    output is checked against the tensors its `select` and `strip_prefix` chose; a PEFT
+    output is checked against the tensors its `select` and `strip_prefix` chose, a Megatron
+    one against its names (`keep_names`); a PEFT
     adapter (`adapter`) against the checkpoint's adapter tensors under PEFT's names.
     """
     from zerosafe.config import ConvertOptions
@@ -509,6 +510,7 @@ def _check_against(
         exclude_frozen=exclude_frozen,
         select=tuple(recorded_options.get("select") or ()),
         strip_prefix=recorded_options.get("strip_prefix"),
+        keep_names=bool(recorded_options.get("keep_names")),
     )
     layout = read_source(storage, ckpt_url, tag=tag, options=options)
     if recorded_options.get("adapter"):  # a PEFT adapter: as its own copied config maps it

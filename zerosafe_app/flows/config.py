@@ -53,6 +53,9 @@ class JobConfig(BaseModel):
     strip_prefix: str | None = None
     """PyTorch DCP: a prefix removed from the output names; null: `model` with the default
     selection, nothing with `select`; `""` strips nothing. Refused for DeepSpeed."""
+    keep_names: bool = False
+    """Megatron-LM: write Megatron's own names with the layers unstacked, nothing split, no
+    `config.json` generated. Refused for other formats."""
     work_dir: str | None = None
     """Where the plan, intermediates and cached task results go (default: DESTINATION/.zerosafe-work)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"

@@ -173,6 +173,7 @@ def convert(
     tag: str | None = None,
     select: list[str] | None = None,
     strip_prefix: str | None = None,
+    keep_names: bool | None = None,
     dtype: str | None = None,
     max_shard_size: str | None = None,
     memory: str | None = None,
