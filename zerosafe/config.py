@@ -144,7 +144,7 @@ class ConvertOptions:
     `adapter_config.json` copied from the model-files folder."""
 
     quantize: str | None = None
-    """Write the weights quantized in this scheme (`fp8-block`, `fp8-dynamic`:
+    """Write the weights quantized in this scheme (`fp8-block`, `fp8-dynamic`, `nvfp4a16`:
     `zerosafe.quantize`); the tensors left unquantized (`quantize_skip_reason`) take `dtype`.
     None: no quantization."""
     quantize_ignore: tuple[str, ...] = ()
@@ -221,7 +221,8 @@ class ConvertOptions:
             if self.quantize_ignore:
                 raise ConfigError(
                     "`quantize_ignore` names weights to leave unquantized, but `quantize` is "
-                    "not given; add `quantize` (fp8-block, fp8-dynamic) or drop `quantize_ignore`"
+                    "not given; add `quantize` (fp8-block, fp8-dynamic, nvfp4a16) or drop "
+                    "`quantize_ignore`"
                 )
             return
         if self.quantize not in QUANTIZE_SCHEMES:
@@ -236,7 +237,7 @@ class ConvertOptions:
         if not self.copy_model_files:
             raise ConfigError(
                 f"`quantize` {self.quantize} writes its `quantization_config` into the copied "
-                "config.json (without it loaders read the FP8 weights unscaled), and with "
+                "config.json (without it loaders read the weights unscaled), and with "
                 "`copy_model_files` nothing is copied; drop it"
             )
         if self.dtype == "float16":

@@ -235,12 +235,14 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
     """`--quantize` and `--quantize-ignore`: the release formats (docs/output.md)."""
     p.add_argument(
         "--quantize",
-        choices=["fp8-block", "fp8-dynamic"],
+        choices=["fp8-block", "fp8-dynamic", "nvfp4a16"],
         help="write the weights quantized: fp8-block is float8_e4m3fn with a float32 "
         "weight_scale_inv per 128x128 block, as transformers' fine-grained FP8 writes it; "
         "fp8-dynamic is compressed-tensors' float-quantized (a float32 weight_scale per "
-        "output channel), as llm-compressor's FP8_DYNAMIC writes it (embeddings, lm_head, "
-        "norms, routers stay in --dtype)",
+        "output channel), as llm-compressor's FP8_DYNAMIC writes it; nvfp4a16 is "
+        "compressed-tensors' nvfp4-pack-quantized (FP4 packed two a byte, float8 scales per "
+        "16 values, a float32 global scale), as llm-compressor's NVFP4A16 writes it "
+        "(embeddings, lm_head, norms, routers stay in --dtype)",
     )
     p.add_argument(
         "--quantize-ignore",

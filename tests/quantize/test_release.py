@@ -241,3 +241,61 @@ def test_fp8_dynamic_release_is_bit_exact_and_loads(
             state_dict = {"weight": weight, "weight_scale": scale}
             want = FloatQuantizationCompressor.decompress(state_dict, SCHEME)["weight"]
             assert state[name].equal(want), name
+
+
+def test_nvfp4a16_release_is_bit_exact_and_loads(
+    run_dir: Path, outputs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`--quantize nvfp4a16`: every linear weight's packed FP4 codes, FP8 group scales and
+    global scale bit-exact against compressed-tensors applied to the fp32 masters (the global
+    scale from a first pass over the same bands), the `quantization_config` its
+    `ModelCompressor` writes, verify's checks (4.5 bits a parameter), and transformers
+    loading it on CPU through compressed-tensors with the reference dequantization."""
+    from tests.quantize.test_nvfp4 import SCHEME, reference_compress
+
+    out = tmp_path / "nvfp4"
+    options = ConvertOptions(dtype="bf16", quantize="nvfp4a16", direct=True)
+    assert convert_checkpoint(str(run_dir / "ckpt"), str(out), options).status == "converted"
+    masters = load_file(str(outputs["fp32"] / "model.safetensors"))
+    ours = load_file(str(out / "model.safetensors"))
+    linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    expected = set()
+    for name, master in masters.items():
+        if not any(p in name for p in linear):
+            assert torch.equal(ours[name], master.bfloat16()), name
+            expected.add(name)
+            continue
+        for key, value in reference_compress(master).items():
+            got = ours[name.removesuffix("weight") + key]
+            assert got.dtype == value.dtype and got.shape == value.shape, key
+            assert got.view(torch.uint8).equal(value.view(torch.uint8)), (name, key)
+            expected.add(name.removesuffix("weight") + key)
+    assert set(ours) == expected
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "nvfp4-pack-quantized" and config["ignore"] == [
+        "model.embed_tokens", "lm_head"
+    ]  # fmt: skip
+    report = verify_output(str(out), against=str(run_dir / "ckpt"))
+    assert report["ok"], report["failures"]
+    assert report["quantized"]["tensors"] == 2 * len(linear)
+    assert 4.5 <= report["quantized"]["bits_per_parameter"] < 4.51
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(str(outputs["bf16"])).eval()
+    input_ids = torch.arange(4, 4 + 2 * 11).reshape(2, 11) % 53
+    with torch.no_grad():
+        got_logits = model(input_ids=input_ids).logits.float()
+        want_logits = bf16(input_ids=input_ids).logits.float()
+    state = model.state_dict()
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+
+    for name in ours:
+        if name.endswith(".weight_packed"):
+            module = name.removesuffix("_packed")
+            compressed = {k.removeprefix(module): v for k, v in ours.items()
+                          if k.startswith(module)}  # fmt: skip
+            want = NVFP4PackedCompressor.decompress(
+                {"weight" + k: v for k, v in compressed.items()}, SCHEME
+            )["weight"]
+            assert state[module].equal(want.to(state[module].dtype)), module
+    # FP4 keeps one mantissa bit: the logits move far more than FP8's
+    assert (got_logits - want_logits).abs().max() <= 0.5 * want_logits.abs().max()
