@@ -151,6 +151,10 @@ class ConvertOptions:
     """Regular expressions on tensor names (`re.search`): matching weights stay unquantized,
     and their modules are listed in `quantization_config` (`modules_to_not_convert`, or
     `ignore` for compressed-tensors)."""
+    quantize_scale_fmt: str = "float"
+    """`fp8-block`'s scale format, as transformers' `scale_fmt`: `float` (a float32
+    `weight_scale_inv`) or `ue8m0` (powers of two, `float8_e8m0fnu`), which `--quantize-like`
+    takes from a base release's `quantization_config`."""
 
     select: tuple[str, ...] = ()
     """PyTorch DCP: key prefixes to convert (`model`, `optim.state`); a prefix matches whole
@@ -214,9 +218,16 @@ class ConvertOptions:
 
     def _check_quantize(self) -> None:
         """Refuse a `quantize` option the output cannot carry, before any I/O."""
-        from zerosafe.quantize import QUANTIZE_SCHEMES
+        from zerosafe.quantize import QUANTIZE_SCHEMES, SCALE_FORMATS
 
         object.__setattr__(self, "quantize_ignore", tuple(self.quantize_ignore))
+        if self.quantize_scale_fmt not in SCALE_FORMATS or (
+            self.quantize_scale_fmt != "float" and self.quantize != "fp8-block"
+        ):
+            raise ConfigError(
+                f"`quantize_scale_fmt` '{self.quantize_scale_fmt}': expected float, or ue8m0 "
+                f"with `quantize` fp8-block (got `quantize` {self.quantize})"
+            )
         if self.quantize is None:
             if self.quantize_ignore:
                 raise ConfigError(
@@ -324,6 +335,8 @@ class ConvertOptions:
         if self.quantize is not None:
             ident["quantize"] = self.quantize
             ident["quantize_ignore"] = list(self.quantize_ignore)
+        if self.quantize_scale_fmt != "float":
+            ident["quantize_scale_fmt"] = self.quantize_scale_fmt
         # Not the model files: which are copied is checked apart, file by file, so changing
         # them (or `--model-files`) only copies again instead of converting again.
         return ident

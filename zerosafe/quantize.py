@@ -8,7 +8,9 @@ becomes `float8_e4m3fn` (safetensors `F8_E4M3`), and beside it `<module>.weight_
 float32, one value per 128x128 block (`[rows / 128, cols / 128]`). Per block, in float32:
 `amax = max|w|`, `scale = 448 / amax` (448: the largest finite e4m3fn value), `inv = 1 / scale`
 (stored), `q = e4m3fn(clamp(w * scale, -448, 448))`, rounded to nearest even; an all-zero
-block gets `scale = inv = 1`. A weight whose shape does not divide by the block is left as it
+block gets `scale = inv = 1`. With the `ue8m0` scale format (`scale_fmt`, DeepSeek's
+power-of-two scales) `inv` is first rounded up to a power of two,
+`2^ceil(log2(max(inv, tiny)))`, stored as `float8_e8m0fnu` (one byte), and `scale = 1 / inv`. A weight whose shape does not divide by the block is left as it
 is, as the reference leaves it; the plan lists it in `modules_to_not_convert`.
 
 `fp8-dynamic` is compressed-tensors' `float-quantized` format, as llm-compressor's
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BAND_BYTES_PER_COLUMN",
     "FP4_GROUP",
+    "SCALE_FORMATS",
     "BAND_ROWS",
     "COMPRESSED_TENSORS_VERSION",
     "FP8_BLOCK",
@@ -87,6 +90,9 @@ FP8_DTYPE = "float8_e4m3fn"
 FP8_MAX = 448.0
 """The largest finite `float8_e4m3fn` value (`torch.finfo(torch.float8_e4m3fn).max`)."""
 SCALE_DTYPE = "float32"
+SCALE_FORMATS = ("float", "ue8m0")
+"""`fp8-block`'s scale formats (transformers' `scale_fmt`): float32, or powers of two stored as
+`float8_e8m0fnu`."""
 SCALE_SUFFIXES = {"fp8-block": "_scale_inv", "fp8-dynamic": "_scale", "nvfp4a16": "_scale"}
 """A quantized weight's scales are `<weight name><suffix>`: `<module>.weight_scale_inv`
 (transformers' fine-grained FP8) or `<module>.weight_scale` (compressed-tensors)."""
@@ -101,6 +107,8 @@ these midpoints: round to nearest, ties to the even code."""
 _FP8_EPS = 0.125
 """compressed-tensors' scale of an all-zero NVFP4 group (its `_get_dtype_eps` of e4m3fn)."""
 _FLOAT32_EPS = 2.0**-23
+_FLOAT32_TINY = 2.0**-126
+"""`torch.finfo(torch.float32).tiny`."""
 """`torch.finfo(torch.float32).eps`: compressed-tensors' scale of an all-zero row."""
 SKIPPED_MODULE = re.compile(
     r"(^|\.)(embed_tokens|embed_in|embed_out|embeddings?|wte|wpe|word_embeddings|lm_head"
@@ -128,13 +136,14 @@ def scale_shape(scheme: str, shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def quantized_tensors(
-    scheme: str, weight_name: str, shape: tuple[int, ...]
+    scheme: str, weight_name: str, shape: tuple[int, ...], scale_fmt: str = "float"
 ) -> list[tuple[str, str, tuple[int, ...]]]:
     """What weight `weight_name` of `shape` is stored as in `scheme`, in file order, as
     `(name, dtype, shape)`: its values, then its scales (`fp8-*`: the FP8 weight under its
-    own name and a float32 scale; `nvfp4a16`: `weight_packed`, `weight_scale` and
-    `weight_global_scale`)."""
-    scales = (scale_name(scheme, weight_name), SCALE_DTYPE, scale_shape(scheme, shape))
+    own name and a float32 scale, `float8_e8m0fnu` under `scale_fmt` ue8m0; `nvfp4a16`:
+    `weight_packed`, `weight_scale` and `weight_global_scale`)."""
+    dtype = "float8_e8m0fnu" if scale_fmt == "ue8m0" else SCALE_DTYPE
+    scales = (scale_name(scheme, weight_name), dtype, scale_shape(scheme, shape))
     if scheme != "nvfp4a16":
         return [(weight_name, FP8_DTYPE, shape), scales]
     rows, cols = shape
@@ -189,11 +198,16 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_band(
-    scheme: str, band: torch.Tensor, global_scale: torch.Tensor | None = None
+    scheme: str,
+    band: torch.Tensor,
+    global_scale: torch.Tensor | None = None,
+    *,
+    scale_fmt: str = "float",
 ) -> QuantizedBand:
     """Quantize `band` (float32, `[rows <= 128, cols]`) in `scheme`, computing in float32 as
-    the reference does (for `fp8-block`, cols a multiple of 128: one row of blocks; for
-    `nvfp4a16`, cols a multiple of 16, with the weight's `global_scale`)."""
+    the reference does (for `fp8-block`, cols a multiple of 128: one row of blocks, its
+    scales in `scale_fmt`; for `nvfp4a16`, cols a multiple of 16, with the weight's
+    `global_scale`)."""
     import torch
 
     if scheme == "nvfp4a16":
@@ -208,6 +222,11 @@ def quantize_band(
         one = torch.ones_like(amax)
         scale = torch.where(nonzero, FP8_MAX / torch.where(nonzero, amax, one), one)
         inv = (1.0 / scale).to(torch.float32)
+        if scale_fmt == "ue8m0":
+            inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=_FLOAT32_TINY))))
+            inv = inv.to(torch.float8_e8m0fnu)
+            scale = 1.0 / inv.to(torch.float32)
+            inv = inv.view(torch.uint8)
         scaled = blocks * scale.reshape(1, -1, 1)
         quantized = scaled.clamp(min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
         data = quantized.reshape(rows, cols).view(torch.uint8).numpy().tobytes()
@@ -221,7 +240,9 @@ def quantize_band(
     return QuantizedBand(quantized.view(torch.uint8).numpy().tobytes(), scale)
 
 
-def quantization_config(scheme: str, modules_to_not_convert: list[str]) -> dict[str, Any]:
+def quantization_config(
+    scheme: str, modules_to_not_convert: list[str], scale_fmt: str = "float"
+) -> dict[str, Any]:
     """The `quantization_config` a release in `scheme` carries in its `config.json`, as the
     reference writes it: DeepSeek-V3's keys, which transformers' `FineGrainedFP8Config`
     reads (`fp8-block`); or what compressed-tensors' `ModelCompressor.update_config` writes
@@ -233,6 +254,7 @@ def quantization_config(scheme: str, modules_to_not_convert: list[str]) -> dict[
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            **({"scale_fmt": scale_fmt} if scale_fmt != "float" else {}),
             "modules_to_not_convert": modules_to_not_convert,
         }
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}

@@ -117,6 +117,7 @@ _FLAG_OF_FIELD = {
     "`copy_model_files`": "`--no-model-files`",
     "`adapter`": "`--adapter`",
     "`quantize_ignore`": "`--quantize-ignore`",
+    "`quantize_like`": "`--quantize-like`",
     "`quantize`": "`--quantize`",
     "`check_lowp`": "`--check-lowp`",
     "`select`": "`--select`",
@@ -243,6 +244,13 @@ def _add_quantize_options(p: argparse.ArgumentParser) -> None:
         "compressed-tensors' nvfp4-pack-quantized (FP4 packed two a byte, float8 scales per "
         "16 values, a float32 global scale), as llm-compressor's NVFP4A16 writes it "
         "(embeddings, lm_head, norms, routers stay in --dtype)",
+    )
+    p.add_argument(
+        "--quantize-like",
+        metavar="DIR",
+        help="quantize as the release in DIR (local or s3://) is: the scheme, scale format and "
+        "ignore list of its config.json's quantization_config; what cannot be reproduced "
+        "exactly is refused, naming the field (not with --quantize)",
     )
     p.add_argument(
         "--quantize-ignore",
@@ -483,8 +491,7 @@ def _options(args: argparse.Namespace) -> ConvertOptions:
             model_files=args.model_files,
             copy_model_files=args.copy_model_files,
             adapter=getattr(args, "adapter", False),
-            quantize=getattr(args, "quantize", None),
-            quantize_ignore=tuple(getattr(args, "quantize_ignore", None) or ()),
+            **_quantize_options(args),
             max_parallel_tasks=getattr(args, "parallel", 2),
             select=tuple(getattr(args, "select", None) or ()),
             strip_prefix=getattr(args, "strip_prefix", None),
@@ -496,6 +503,21 @@ def _options(args: argparse.Namespace) -> ConvertOptions:
         )
     except ConfigError as e:
         raise with_flag_names(e) from e
+
+
+def _quantize_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`--quantize`, or the options `--quantize-like` reads from a base release."""
+    ignore = tuple(getattr(args, "quantize_ignore", None) or ())
+    like = getattr(args, "quantize_like", None)
+    if like is None:
+        return {"quantize": getattr(args, "quantize", None), "quantize_ignore": ignore}
+    if getattr(args, "quantize", None):
+        raise ConfigError("`--quantize-like` reads the scheme that `--quantize` gives: give one")
+    from zerosafe.quantize_like import read_quantize_like
+
+    base = read_quantize_like(_storage(args), like)
+    return {"quantize": base.quantize, "quantize_scale_fmt": base.scale_fmt,
+            "quantize_ignore": (*base.ignore, *ignore)}  # fmt: skip
 
 
 _SIMULATION_ONLY = ("world_size", "extract_part_size", "workers", "bandwidth", "task_rate",

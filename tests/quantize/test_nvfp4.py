@@ -6,6 +6,8 @@ scales and packed FP4 codes bit-exact against the `compressed-tensors` library's
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import compressed_tensors  # a test dependency (the `test` extra): a missing one fails
 import pytest
 import torch
@@ -121,3 +123,105 @@ def test_in_features_not_divisible_by_16_is_refused_naming_the_weight() -> None:
     plan = plan_layout(layout, options)
     assert [t.name for t in plan.tensors if t.quantized] == ["m.a.weight_packed"]
     assert plan.quantization is not None and plan.quantization["ignore"] == ["m.b"]
+
+
+def test_dequantized_values_within_e2m1_rounding_bound_and_a_changed_code_is_not() -> None:
+    import numpy as np
+
+    from zerosafe.verify.quantized import fp4_values, within_fp4_bound
+
+    w = tie_weight()[:128]
+    whole = global_scale(w.abs().amax())
+    band = quantize_band("nvfp4a16", w, whole)
+    scales = band.scales.view(torch.float8_e4m3fn).to(torch.float32) / whole
+    elements = np.arange(w.numel())
+    per_element = scales.numpy()[elements // 384, elements % 384 // 16]
+    master = w.reshape(-1).numpy()
+    assert within_fp4_bound(fp4_values(band.data), per_element, master)
+    for at in (0, 3 * 192 + 8, 100 * 192 + 77):  # a byte's low nibble: one code up or down
+        changed = bytearray(band.data)
+        code = changed[at] & 0x07
+        changed[at] = (changed[at] & 0xF8) | (code + 1 if code < 4 else code - 2)
+        assert not within_fp4_bound(fp4_values(bytes(changed)), per_element, master), at
+
+
+def test_verify_checks_each_nvfp4_weight_has_its_scales(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from zerosafe.io.storage import Storage
+    from zerosafe.verify.tensors import verify_shard
+
+    w = torch.randn(128, 256)
+    whole = global_scale(w.abs().amax())
+    band = quantize_band("nvfp4a16", w, whole)
+    packed = torch.frombuffer(bytearray(band.data), dtype=torch.uint8).reshape(128, 128)
+    scale = band.scales.view(torch.float8_e4m3fn)
+    zero = scale.clone()
+    zero[5, 3] = 0.0
+    good = {"m.weight_packed": packed, "m.weight_scale": scale, "m.weight_global_scale": whole}
+    cases = {
+        "good": good,
+        "zero": {**good, "m.weight_scale": zero},
+        "nan": {**good, "m.weight_global_scale": torch.tensor([float("nan")])},
+        "shape": {**good, "m.weight_scale": scale[:, :8].contiguous()},
+        "fp32": {**good, "m.weight_scale": scale.to(torch.float32)},
+        "missing": {"m.weight_packed": packed, "m.weight_scale": scale},
+    }
+    reports = {}
+    for case, tensors in cases.items():
+        save_file(tensors, str(tmp_path / f"{case}.safetensors"))
+        reports[case] = verify_shard(
+            Storage(), str(tmp_path / f"{case}.safetensors"), allow_nonfinite=True
+        )
+    assert reports["good"].ok and reports["good"].quantized == {
+        "tensors": 1, "params": 128 * 256, "bytes": 128 * 128 + 128 * 16 + 4,
+    }  # fmt: skip
+    for case in ("zero", "nan", "shape", "fp32", "missing"):
+        checks = [(f.tensor, f.check) for f in reports[case].failures]
+        assert checks and all(check == "scales" for _, check in checks), (case, checks)
+
+
+def test_verify_refuses_weights_the_quantization_config_does_not_describe(tmp_path: Path) -> None:
+    """The failure users report: an "NVFP4" release that holds FP8 (8.x bits a parameter)
+    loads without an error. verify reads `config.json`'s `quantization_config` and checks the
+    bits per parameter its format implies, its group size and its ignore list."""
+    import json
+
+    from zerosafe.io.storage import Storage
+    from zerosafe.quantize import quantization_config
+    from zerosafe.verify.quantized import check_scheme
+
+    fp8 = {"m.weight": ("model.safetensors", {"dtype": "float8_e4m3fn", "shape": [64, 256]}),
+           "m.weight_scale": ("model.safetensors", {"dtype": "float32", "shape": [64, 1]})}  # fmt: skip
+    nvfp4 = {
+        "m.weight_packed": ("model.safetensors", {"dtype": "uint8", "shape": [64, 128]}),
+        "m.weight_scale": ("model.safetensors", {"dtype": "float8_e4m3fn", "shape": [64, 16]}),
+        "m.weight_global_scale": ("model.safetensors", {"dtype": "float32", "shape": [1]}),
+    }
+    bits = {"fp8": {"tensors": 1, "params": 16384, "bits_per_parameter": 8.125},
+            "nvfp4": {"tensors": 1, "params": 16384, "bits_per_parameter": 4.502}}  # fmt: skip
+
+    def check(scheme: str | None, stored: object, quantized: dict[str, object]) -> list[str]:
+        config = {"model_type": "llama"}
+        if scheme is not None:
+            config["quantization_config"] = quantization_config(scheme, ["lm_head"])  # type: ignore[assignment]
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        found = check_scheme(Storage(), str(tmp_path), stored, quantized)  # type: ignore[arg-type]
+        return [f.detail for f in found]
+
+    assert check("nvfp4a16", nvfp4, bits["nvfp4"]) == []
+    assert check("fp8-dynamic", fp8, bits["fp8"]) == []
+    assert check(None, {}, {}) == []
+    (wrong,) = check("nvfp4a16", fp8, bits["fp8"])
+    assert "says nvfp4-pack-quantized, expected 4.5 to 4.6 bits" in wrong and "8.125" in wrong
+    (wrong,) = check("fp8-block", nvfp4, bits["nvfp4"])
+    assert "says fp8, expected 8.0" in wrong
+    (wrong,) = check(None, nvfp4, bits["nvfp4"])
+    assert "no `quantization_config`" in wrong
+    (wrong,) = check("nvfp4a16", {}, {})
+    assert "found 0" in wrong  # a release that claims NVFP4 and holds no quantized weight
+    (tmp_path / "config.json").write_text(
+        json.dumps({"quantization_config": quantization_config("nvfp4a16", ["m"])})
+    )
+    (ignored,) = check_scheme(Storage(), str(tmp_path), nvfp4, bits["nvfp4"])  # type: ignore[arg-type]
+    assert ignored.tensor == "m.weight_packed" and "lists 'm' as not converted" in ignored.detail

@@ -115,7 +115,9 @@ def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
     ]
     scheme = options.quantize or ""
     stored = [
-        quantized_tensors(scheme, n, layout.tensors[n].shape) if q else [(n, d, ())]
+        quantized_tensors(scheme, n, layout.tensors[n].shape, options.quantize_scale_fmt)
+        if q
+        else [(n, d, ())]
         for n, d, q in zip(names, dtypes, quantized, strict=True)
     ]  # a quantized weight is stored as its values, then its scales
     sizes = [
@@ -418,7 +420,7 @@ def _plan_quantization(plan: Plan, layout: SourceLayout, options: ConvertOptions
         for a, target in plan.aliases.items()
         if a.endswith(".weight") and len(layout.tensors[target].shape) == 2
     ]
-    plan.quantization = quantization_config(options.quantize, modules)
+    plan.quantization = quantization_config(options.quantize, modules, options.quantize_scale_fmt)
     params = sum(math.prod(t.source_shape) for t in quantized)
     stored_bits = 8 * sum(t.out_nbytes for t in plan.tensors if t.quantized)
     stored_bits += 8 * sum(t.out_nbytes for t in plan.tensors if t.role == SCALE_ROLE)

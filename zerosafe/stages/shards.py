@@ -413,7 +413,10 @@ def _quantize_tensor(
     scales = []
     for lo, hi in bands:
         read += _read_band(plan, tensor, lo, hi, band, locator, ledger, on_bytes)
-        quantized = quantize_band(scheme, band[: hi - lo].view(-1, cols), whole)
+        quantized = quantize_band(
+            scheme, band[: hi - lo].view(-1, cols), whole,
+            scale_fmt=str(plan.options.get("quantize_scale_fmt", "float")),
+        )  # fmt: skip
         writer.write(ordinal, quantized.data)
         scales.append(quantized.scales)
     writer.write(ordinal + 1, torch.cat(scales).numpy().tobytes())

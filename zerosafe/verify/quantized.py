@@ -1,6 +1,6 @@
 """Checks of quantized weights (`--quantize`, `zerosafe.quantize`) that need no source: each
 `F8_E4M3` weight has its scales in the same file (`_scale_inv` of the 128x128 block grid's
-shape, or `_scale` `[rows, 1]`), each NVFP4 `_packed` weight its `float8_e4m3fn` `_scale`
+shape, float32 or ue8m0, or `_scale` `[rows, 1]`), each NVFP4 `_packed` weight its `float8_e4m3fn` `_scale`
 `[rows, cols / 16]` and float32 `_global_scale` `[1]`, every scale finite and positive; the
 bits per parameter the file's quantized weights take with their scales; and the stored
 weights against the `quantization_config` of the output's `config.json` (`check_scheme`: an
@@ -25,6 +25,7 @@ __all__ = [
     "as_checkpoint_names",
     "check_quantized",
     "check_scheme",
+    "decode_scales",
     "find_scale",
     "fp4_values",
     "quantized_report",
@@ -74,7 +75,9 @@ def check_quantized(
             weight = name
             rows, cols = shape if len(shape) == 2 else (0, 0)
             suffix = find_scale(name, header)
-            scales = [(suffix, "F32", expected_scale_shape(suffix, shape))]
+            found = (header.get(name + suffix) or {}).get("dtype")
+            dtype = "F8_E8M0" if suffix == "_scale_inv" and found == "F8_E8M0" else "F32"
+            scales = [(suffix, dtype, expected_scale_shape(suffix, shape))]
         size = entry["data_offsets"][1] - entry["data_offsets"][0]
         for suffix, dtype, grid in scales:
             scale = header.get(weight + suffix)
@@ -88,7 +91,7 @@ def check_quantized(
                 break
             begin, end = scale["data_offsets"]
             raw = source.read_range(data_start + begin, data_start + end)
-            values = _decode(raw, dtype)
+            values = decode_scales(raw, dtype)
             bad = int(np.count_nonzero(~(np.isfinite(values) & (values > 0))))
             if bad:
                 failures.append(
@@ -105,14 +108,15 @@ def check_quantized(
     return failures, ({"tensors": tensors, "params": params, "bytes": nbytes} if tensors else {})
 
 
-def _decode(raw: bytes, dtype: str) -> Any:
-    """Float64 values of little-endian `F32` or `F8_E4M3` bytes."""
+def decode_scales(raw: bytes, dtype: str) -> Any:
+    """Float64 values of little-endian `F32`, `F8_E4M3` or `F8_E8M0` (ue8m0) bytes."""
     import ml_dtypes
     import numpy as np
 
     if dtype == "F32":
         return np.frombuffer(raw, dtype="<f4").astype(np.float64)
-    return np.frombuffer(raw, dtype=ml_dtypes.float8_e4m3fn).astype(np.float64)
+    kind = ml_dtypes.float8_e4m3fn if dtype == "F8_E4M3" else ml_dtypes.float8_e8m0fnu
+    return np.frombuffer(raw, dtype=kind).astype(np.float64)
 
 
 def quantized_report(parts: list[dict[str, int]]) -> dict[str, Any]:

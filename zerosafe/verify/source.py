@@ -140,7 +140,7 @@ def _within_bound(
     the weight's scales are missing."""
     import numpy as np
 
-    from zerosafe.verify.quantized import find_scale, within_rounding_bound
+    from zerosafe.verify.quantized import decode_scales, find_scale, within_rounding_bound
 
     suffix = find_scale(name, entries)
     scale = entries.get(name + suffix)
@@ -148,9 +148,8 @@ def _within_bound(
         return False
     begin, end = scale["data_offsets"]
     grid = [int(n) for n in scale["shape"]]
-    scales = np.frombuffer(
-        out_src.read_range(data_start + begin, data_start + end), dtype="<f4"
-    ).reshape(grid)
+    raw_scales = out_src.read_range(data_start + begin, data_start + end)
+    scales = decode_scales(raw_scales, scale["dtype"]).reshape(grid)
     master = np.frombuffer(cast_bytes(raw, src_dtype, "float32"), dtype="<f4")
     elements = np.arange(dst_offset, dst_offset + len(got))
     rows, cols = elements // shape[1], elements % shape[1]

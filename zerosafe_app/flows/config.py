@@ -91,6 +91,9 @@ class JobConfig(BaseModel):
     nvfp4-pack-quantized, as llm-compressor's NVFP4A16 writes it); null: not quantized."""
     quantize_ignore: list[str] = Field(default_factory=list)
     """With `quantize`: regular expressions on tensor names (`re.search`) left unquantized."""
+    quantize_scale_fmt: Literal["float", "ue8m0"] = "float"
+    """With `quantize` fp8-block: `float` (float32 `weight_scale_inv`) or `ue8m0` (powers of
+    two as float8_e8m0fnu, transformers' `scale_fmt`; what `--quantize-like` reads)."""
     extract_part_size: int = Field(default=2 * 10**9, gt=0)
     """Staged mode: a rank's fp32 bytes are extracted in parts of at most this size."""
     runner: Literal["threads", "dask"] = "threads"
@@ -172,6 +175,7 @@ class JobConfig(BaseModel):
             adapter=self.adapter,
             quantize=self.quantize,
             quantize_ignore=tuple(self.quantize_ignore),
+            quantize_scale_fmt=self.quantize_scale_fmt,
             select=tuple(self.select),
             strip_prefix=self.strip_prefix,
         )
@@ -208,6 +212,7 @@ def flow_parameters(
         model_files=options.model_files, copy_model_files=options.copy_model_files,
         adapter=options.adapter, quantize=options.quantize,
         quantize_ignore=list(options.quantize_ignore),
+        quantize_scale_fmt=options.quantize_scale_fmt,
     )  # fmt: skip
 
 

@@ -191,6 +191,7 @@ def convert(
     adapter: bool | None = None,
     quantize: str | None = None,
     quantize_ignore: list[str] | None = None,
+    quantize_scale_fmt: str | None = None,
     extract_part_size: str | None = None,
     work_dir: str | None = None,
     runner: str | None = None,
@@ -221,7 +222,7 @@ def convert(
         allow_nonfinite=allow_nonfinite, check_lowp=check_lowp, file_sha256=file_sha256,
         keep_fp32=keep_fp32, model_files=model_files, copy_model_files=copy_model_files,
         adapter=adapter, quantize=quantize, quantize_ignore=quantize_ignore,
-        extract_part_size=extract_part_size, work_dir=work_dir, runner=runner,
+        quantize_scale_fmt=quantize_scale_fmt, extract_part_size=extract_part_size, work_dir=work_dir, runner=runner,
         dask_address=dask_address, storage_options=storage_options,
         timeout_seconds=timeout_seconds,
     )  # fmt: skip
