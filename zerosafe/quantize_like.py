@@ -28,7 +28,7 @@ from typing import Any
 
 from zerosafe.errors import ConfigError
 from zerosafe.io.storage import Storage, join_url
-from zerosafe.quantize import FP8_BLOCK, quantization_config
+from zerosafe.quantize import FP8_BLOCK, SCALE_FORMATS, quantization_config
 
 __all__ = ["QuantizeLike", "quantize_like", "read_quantize_like"]
 
@@ -89,13 +89,15 @@ def quantize_like(scheme: dict[str, Any], *, where: str) -> QuantizeLike:
     method = scheme.get("quant_method")
     if method == "fp8":
         fmt = scheme.get("scale_fmt") or "float"
+        if fmt not in SCALE_FORMATS:
+            _refuse(where, "scale_fmt", " or ".join(SCALE_FORMATS), fmt)
         expected = {"fmt": "e4m3", "activation_scheme": "dynamic",
-                    "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "scale_fmt": fmt}  # fmt: skip
+                    "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}  # fmt: skip
         for key, want in expected.items():
-            got = scheme.get(key, "e4m3" if key == "fmt" else "dynamic")
+            got = scheme.get(key, want if key != "weight_block_size" else None)
             got = list(got) if isinstance(got, (list, tuple)) else got
-            if got != want or (key == "scale_fmt" and fmt not in ("float", "ue8m0")):
-                _refuse(where, key, "float or ue8m0" if key == "scale_fmt" else want, got)
+            if got != want:
+                _refuse(where, key, want, got)
         ignore = scheme.get("modules_to_not_convert") or scheme.get("ignored_layers") or []
         if scheme.get("modules_to_convert"):
             _refuse(where, "modules_to_convert", None, scheme["modules_to_convert"])
@@ -141,11 +143,13 @@ def _without_defaults(value: Any) -> Any:
 
 def _patterns(modules: list[str]) -> tuple[str, ...]:
     """`quantize_ignore` patterns (re.search on tensor names) for an ignore list of module
-    names and compressed-tensors' `re:` expressions (matched at the name's start)."""
+    names and compressed-tensors' `re:` expressions (matched at the name's start; their `$`,
+    the module name's end, becomes the place before `.weight`)."""
     out = []
     for module in modules:
         if module.startswith("re:"):
-            out.append(rf"^(?:{module[3:]}).*\.weight$")
+            expression = re.sub(r"(?<!\\)\$", r"(?=\\.weight$)", module[3:])
+            out.append(rf"^(?:{expression}).*\.weight$")
         else:
             out.append(rf"^{re.escape(module)}\.weight$")
     return tuple(out)

@@ -299,3 +299,44 @@ def test_nvfp4a16_release_is_bit_exact_and_loads(
             assert state[module].equal(want.to(state[module].dtype)), module
     # FP4 keeps one mantissa bit: the logits move far more than FP8's
     assert (got_logits - want_logits).abs().max() <= 0.5 * want_logits.abs().max()
+
+
+def test_quantize_like_an_ue8m0_release_is_bit_exact_and_verifies(
+    run_dir: Path, outputs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`--quantize-like BASE` where BASE's config.json carries transformers'
+    `FineGrainedFP8Config(scale_fmt="ue8m0")` with its own skip list: the command writes
+    fp8-block with power-of-two `float8_e8m0fnu` scales, bit-exact against transformers'
+    `Fp8Quantize` under that config, BASE's skips left unquantized, and verify passes."""
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    from tests.quantize.test_quantize_like import _release, transformers_config
+    from zerosafe_app.cli import main as cli_main
+
+    skip = ["lm_head", "model.layers.1.mlp.down_proj"]
+    base = _release(tmp_path / "base", transformers_config(scale_fmt="ue8m0",
+                                                           modules_to_not_convert=skip))  # fmt: skip
+    out = tmp_path / "ue8m0"
+    argv = ["convert", "--via", "local", str(run_dir / "ckpt"), str(out), "--dtype", "bf16",
+            "--quantize-like", str(base)]  # fmt: skip
+    assert cli_main(argv) == 0
+    op = Fp8Quantize(FineGrainedFP8HfQuantizer(FineGrainedFP8Config(scale_fmt="ue8m0")))
+    masters = load_file(str(outputs["fp32"] / "model.safetensors"))
+    ours = load_file(str(out / "model.safetensors"))
+    quantized = 0
+    for name, master in masters.items():
+        want = dict(op.convert({name: master}))
+        if len(want) == 1 or "layers.1.mlp.down_proj" in name:
+            assert torch.equal(ours[name], master.bfloat16()), name
+            continue
+        quantized += 1
+        for key, value in want.items():
+            assert ours[key].dtype == value.dtype, key
+            assert ours[key].view(torch.uint8).equal(value.view(torch.uint8)), key
+    assert quantized == 2 * len(QUANTIZED) - 1
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["scale_fmt"] == "ue8m0"
+    assert "model.layers.1.mlp.down_proj" in config["modules_to_not_convert"]
+    report = verify_output(str(out), against=str(run_dir / "ckpt"))
+    assert report["ok"], report["failures"]
+    assert report["quantized"]["bits_per_parameter"] == round(8 + 8 / 128**2, 4)
