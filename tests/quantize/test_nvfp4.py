@@ -207,7 +207,7 @@ def test_verify_refuses_weights_the_quantization_config_does_not_describe(tmp_pa
             config["quantization_config"] = quantization_config(scheme, ["lm_head"])  # type: ignore[assignment]
         (tmp_path / "config.json").write_text(json.dumps(config))
         found = check_scheme(Storage(), str(tmp_path), stored, quantized)  # type: ignore[arg-type]
-        return [f.detail for f in found]
+        return [detail for _, _, detail in found]
 
     assert check("nvfp4a16", nvfp4, bits["nvfp4"]) == []
     assert check("fp8-dynamic", fp8, bits["fp8"]) == []
@@ -224,4 +224,4 @@ def test_verify_refuses_weights_the_quantization_config_does_not_describe(tmp_pa
         json.dumps({"quantization_config": quantization_config("nvfp4a16", ["m"])})
     )
     (ignored,) = check_scheme(Storage(), str(tmp_path), nvfp4, bits["nvfp4"])  # type: ignore[arg-type]
-    assert ignored.tensor == "m.weight_packed" and "lists 'm' as not converted" in ignored.detail
+    assert ignored[1] == "m.weight_packed" and "lists 'm' as not converted" in ignored[2]

@@ -297,8 +297,8 @@ def test_nvfp4a16_release_is_bit_exact_and_loads(
                 {"weight" + k: v for k, v in compressed.items()}, SCHEME
             )["weight"]
             assert state[module].equal(want.to(state[module].dtype)), module
-    # FP4 keeps one mantissa bit: the logits move far more than FP8's
-    assert (got_logits - want_logits).abs().max() <= 0.5 * want_logits.abs().max()
+    # FP4 keeps one mantissa bit: the logits moved 12% of their range here (FP8: 1.5%)
+    assert (got_logits - want_logits).abs().max() <= 0.2 * want_logits.abs().max()
 
 
 def test_quantize_like_an_ue8m0_release_is_bit_exact_and_verifies(
@@ -340,3 +340,10 @@ def test_quantize_like_an_ue8m0_release_is_bit_exact_and_verifies(
     report = verify_output(str(out), against=str(run_dir / "ckpt"))
     assert report["ok"], report["failures"]
     assert report["quantized"]["bits_per_parameter"] == round(8 + 8 / 128**2, 4)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(str(outputs["bf16"])).eval()
+    input_ids = torch.arange(4, 4 + 2 * 11).reshape(2, 11) % 53
+    with torch.no_grad():  # transformers dequantizes the ue8m0 blocks on CPU: 2.2% here
+        got = model(input_ids=input_ids).logits.float()
+        want_logits = bf16(input_ids=input_ids).logits.float()
+    assert (got - want_logits).abs().max() <= 0.05 * want_logits.abs().max()

@@ -126,7 +126,10 @@ def verify_output(
     tensors = {t: info for r in reports for t, info in r.tensors.items()}
     quantized = quantized_report([r.quantized for r in reports])
     stored = {t: (r.file, info) for r in reports for t, info in r.tensors.items()}
-    failures.extend(check_scheme(storage, out_url, stored, quantized.get("quantized", {})))
+    for file, name, detail in check_scheme(
+        storage, out_url, stored, quantized.get("quantized", {})
+    ):
+        failures.append(Failure(file, name, "quantization", detail))
     return {
         "output": out_url,
         "ok": not failures,

@@ -19,7 +19,6 @@ from typing import Any
 
 from zerosafe.io.storage import ByteSource, Storage, join_url
 from zerosafe.quantize import FP4_GROUP, SCALE_SUFFIXES, expected_scale_shape
-from zerosafe.verify.tensors import Failure
 
 __all__ = [
     "as_checkpoint_names",
@@ -140,8 +139,9 @@ def check_scheme(
     out_url: str,
     stored: dict[str, tuple[str, dict[str, Any]]],
     quantized: dict[str, Any],
-) -> list[Failure]:
-    """The stored weights against the `quantization_config` of the output's `config.json`:
+) -> list[tuple[str, str, str]]:
+    """The stored weights against the `quantization_config` of the output's `config.json`, as
+    `(file, tensor, detail)` of its `quantization` check:
     quantized weights without one (loaders would read them unscaled), a config whose format
     the weights do not have (FP8 values in an NVFP4 release: its bits per parameter), a
     quantized module the config's ignore list names, or an NVFP4 group size other than 16.
@@ -161,7 +161,7 @@ def check_scheme(
         return []
     if not isinstance(scheme, dict):
         return [
-            Failure("config.json", "*", "quantization",
+            ("config.json", "*",
                     f"{quantized['tensors']} quantized weight(s) but no `quantization_config`; "
                     "loaders would read them unscaled. Convert again")
         ]  # fmt: skip
@@ -171,14 +171,14 @@ def check_scheme(
     failures = []
     if not low <= bits < high:
         failures.append(
-            Failure("config.json", "*", "quantization",
+            ("config.json", "*",
                     f"`quantization_config` says {form}, expected {low} to {high} bits per "
                     f"parameter, found {bits} in the weights; the release holds another format")
         )  # fmt: skip
     groups = [g.get("weights") or {} for g in (scheme.get("config_groups") or {}).values()]
     if form == "nvfp4-pack-quantized" and any(g.get("group_size") != FP4_GROUP for g in groups):
         failures.append(
-            Failure("config.json", "*", "quantization",
+            ("config.json", "*",
                     f"`quantization_config` groups of {[g.get('group_size') for g in groups]}, "
                     f"expected {FP4_GROUP}: the scales stored are per {FP4_GROUP} values")
         )  # fmt: skip
@@ -188,7 +188,7 @@ def check_scheme(
         values = info["dtype"] == "float8_e4m3fn" and name.endswith(".weight")
         if (values or name.endswith(".weight_packed")) and module in ignored:
             failures.append(
-                Failure(file, name, "quantization",
+                (file, name,
                         f"quantized, but `quantization_config` lists '{module}' as not "
                         "converted; loaders would read its values unscaled")
             )  # fmt: skip
