@@ -156,26 +156,30 @@ def quantize_then_die(*args, **kwargs):
     return quantize_tensor(*args, **kwargs)
 
 shards._quantize_tensor = quantize_then_die
-options = ConvertOptions(dtype="bf16", quantize="fp8-block", max_shard_size=70_000,
+options = ConvertOptions(dtype="bf16", quantize=sys.argv[3], max_shard_size=int(sys.argv[4]),
                          max_parallel_tasks=1, direct=True)
 convert_checkpoint(sys.argv[1], sys.argv[2], options, workers="threads")
 """
 
 
+@pytest.mark.parametrize(("scheme", "shard_bytes"), [("fp8-block", 70_000), ("nvfp4a16", 36_000)])
 def test_sigkill_midway_then_resume_bit_identical(
-    run_dir: Path, outputs: dict[str, Path], tmp_path: Path
+    run_dir: Path, outputs: dict[str, Path], tmp_path: Path, scheme: str, shard_bytes: int
 ) -> None:
     """Killed while quantizing its 4th weight (a file each): the rerun keeps the files whose
     merge finished, writes the rest, and the output is byte for byte the uninterrupted one."""
     ckpt, out, reference = str(run_dir / "ckpt"), tmp_path / "out", tmp_path / "reference"
     options = ConvertOptions(
-        dtype="bf16", quantize="fp8-block", max_shard_size=70_000, max_parallel_tasks=1,
+        dtype="bf16", quantize=scheme, max_shard_size=shard_bytes, max_parallel_tasks=1,
         direct=True,
     )  # fmt: skip
     convert_checkpoint(ckpt, str(reference), options, workers="threads")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-c", _KILL_AFTER, ckpt, str(out)], env=env, timeout=300, cwd=REPO
+        [sys.executable, "-c", _KILL_AFTER, ckpt, str(out), scheme, str(shard_bytes)],
+        env=env,
+        timeout=300,
+        cwd=REPO,
     )
     assert proc.returncode == -9 and not (out / "zerosafe-complete.json").exists()
     summary = convert_checkpoint(ckpt, str(out), options, workers="threads")
