@@ -96,3 +96,28 @@ def test_no_config_json_to_carry_the_quantization_config_is_refused(
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     with pytest.raises(ConfigError, match="`copy_model_files` nothing is copied"):
         ConvertOptions(quantize="fp8-block", copy_model_files=False)
+
+
+def test_nvfp4_on_in_features_not_divisible_by_16_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model whose MLP down projection takes 200 in-features (not a multiple of 16, which
+    compressed-tensors refuses too): exit 2 before anything is written, naming the weight and
+    the `--quantize-ignore` pattern that leaves it unquantized; with that pattern it converts."""
+    from zerosafe_app.cli import main as cli_main
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    shapes = transformer_shapes(vocab=64, width=64, layers=1, ffn=200, kv_width=32)
+    forge_dcp_checkpoint(tmp_path / "step-1", shapes, world_size=2, optimizer=False)
+    argv = ["convert", "--via", "local", str(tmp_path / "step-1"), str(tmp_path / "out"),
+            "--dtype", "bf16", "--quantize", "nvfp4a16", "--model-files",
+            str(tmp_path / "model")]  # fmt: skip
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "down_proj.weight' [64, 200] in groups of 16" in err, err
+    assert "quantize_ignore` '" in err and not any((tmp_path / "out").iterdir())
+    pattern = err.rsplit("quantize_ignore` '", 1)[1].split("'")[0]
+    assert cli_main([*argv, "--quantize-ignore", pattern]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "layers.0.mlp.down_proj" in config["quantization_config"]["ignore"]
