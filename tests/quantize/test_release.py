@@ -275,6 +275,11 @@ def test_nvfp4a16_release_is_bit_exact_and_loads(
             assert got.view(torch.uint8).equal(value.view(torch.uint8)), (name, key)
             expected.add(name.removesuffix("weight") + key)
     assert set(ours) == expected
+    staged = tmp_path / "staged"  # from the intermediates an extract writes: the same bytes
+    options = ConvertOptions(dtype="bf16", quantize="nvfp4a16", direct=False)
+    convert_checkpoint(str(run_dir / "ckpt"), str(staged), options)
+    for file in ("model.safetensors", "config.json"):
+        assert (staged / file).read_bytes() == (out / file).read_bytes(), file
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["format"] == "nvfp4-pack-quantized" and config["ignore"] == [
         "model.embed_tokens", "lm_head"
