@@ -192,6 +192,7 @@ def convert(
     adapter: bool | None = None,
     quantize: str | None = None,
     quantize_ignore: list[str] | None = None,
+    quantize_scale_fmt: str | None = None,
     extract_part_size: str | None = None,
     work_dir: str | None = None,
     runner: str | None = None,
