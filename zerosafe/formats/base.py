@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from zerosafe.config import ConvertOptions
+from zerosafe.dtypes import dtype_info
 from zerosafe.io.storage import FileIdentity
 
 if TYPE_CHECKING:
     from zerosafe.io.storage import ByteSource, Storage
-    from zerosafe.plan.model import Plan, Slot, SourceFile
+    from zerosafe.plan.model import Plan
 
 __all__ = [
     "FormatReader",
@@ -30,6 +31,8 @@ __all__ = [
     "LowpWitness",
     "ReadLabels",
     "ReadsLowpCopies",
+    "Slot",
+    "SourceFile",
     "SourceDescription",
     "SourceDetails",
     "SourceLayout",
@@ -44,6 +47,52 @@ a slot to element `dst_offset` of the flattened output tensor."""
 ROLES = ("param", "frozen", "buffer")
 """A source tensor's role: a trained parameter, a frozen (requires_grad=False) parameter, or a
 buffer. `exclude_frozen` leaves out the frozen ones; `inspect` counts each."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SourceFile:
+    """One file a conversion reads, with its identity (size, mtime or ETag) when planned."""
+
+    index: int
+    url: str
+    role: str
+    rank: int
+    size_bytes: int
+    version: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Slot:
+    """A contiguous run of elements in a source file that fragments read from."""
+
+    index: int
+    file: int
+    rank: int
+    kind: str
+    """`fp32` (master partition), `frozen` (16-bit frozen param) or `buffer`."""
+    name: str
+    record: str
+    record_offset: int
+    """Absolute file offset of the zip record's data."""
+    record_size_bytes: int
+    record_crc32: int
+    element_offset: int
+    """Offset of the slot's first element inside the record."""
+    numel: int
+    dtype: str
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_info(self.dtype).itemsize
+
+    @property
+    def byte_offset(self) -> int:
+        """Absolute file offset of the slot's first byte."""
+        return self.record_offset + self.element_offset * self.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -28,7 +28,7 @@ from zerosafe._version import __version__
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError
-from zerosafe.formats.base import SourceDescription
+from zerosafe.formats.base import Slot, SourceDescription, SourceFile
 from zerosafe.io.storage import Storage, join_url
 
 __all__ = [
@@ -38,8 +38,6 @@ __all__ = [
     "FragmentTable",
     "Plan",
     "ShardSpec",
-    "Slot",
-    "SourceFile",
     "TensorSpec",
     "job_key_of",
     "load_plan",
@@ -52,50 +50,6 @@ log = logging.getLogger(__name__)
 PLAN_FORMAT = 1
 SCALE_ROLE = "scale"
 """`TensorSpec.role` of a quantized weight's scales (`zerosafe.quantize`), the tensor after it."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SourceFile:
-    index: int
-    url: str
-    role: str
-    rank: int
-    size_bytes: int
-    version: str
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Slot:
-    """A contiguous run of elements in a source file that fragments read from."""
-
-    index: int
-    file: int
-    rank: int
-    kind: str
-    """`fp32` (master partition), `frozen` (16-bit frozen param) or `buffer`."""
-    name: str
-    record: str
-    record_offset: int
-    """Absolute file offset of the zip record's data."""
-    record_size_bytes: int
-    record_crc32: int
-    element_offset: int
-    """Offset of the slot's first element inside the record."""
-    numel: int
-    dtype: str
-
-    @property
-    def itemsize(self) -> int:
-        return dtype_info(self.dtype).itemsize
-
-    @property
-    def byte_offset(self) -> int:
-        """Absolute file offset of the slot's first byte."""
-        return self.record_offset + self.element_offset * self.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -270,8 +224,6 @@ def job_key_of(tag: str, identities: list[dict[str, Any]], options: ConvertOptio
 
 
 # -- persistence ----------------------------------------------------------------------------------
-
-_TABLES = ("files", "slots", "tensors", "shards")
 
 
 def _rows_to_parquet(rows: list[Any], cls: type) -> bytes:

@@ -21,13 +21,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from zerosafe.dtypes import dtype_info, torch_dtype
+from zerosafe.dtypes import torch_dtype
 from zerosafe.errors import IntegrityError
+from zerosafe.formats.base import Slot
 from zerosafe.formats.crc import CrcLedger, LedgerCheck, crc32
 from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, read_header
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, PositionalSink, Storage, join_url
-from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, Slot, TensorSpec
+from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, TensorSpec
 from zerosafe.quantize import BAND_ROWS, FP8_DTYPE, quantize_band
 from zerosafe.stages.results import ExtractResult, MergeResult
 from zerosafe.stages.streaming import CopyJob, copy_in_streams, copy_stream, fusable
@@ -615,7 +616,3 @@ def check_integrity(
             "The files are corrupt or changed during the run; copy them again and re-run."
         )
     return result
-
-
-def slot_bytes(plan: Plan, slots: list[int]) -> int:
-    return sum(plan.slots[s].numel * dtype_info(plan.slots[s].dtype).itemsize for s in slots)

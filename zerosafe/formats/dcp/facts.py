@@ -13,10 +13,10 @@ from zerosafe.io.storage import FileIdentity
 from zerosafe.units import format_bytes
 
 if TYPE_CHECKING:
+    from zerosafe.formats.base import Slot, SourceFile
     from zerosafe.formats.dcp.metadata import DcpMetadata, TensorMeta
     from zerosafe.formats.dcp.reader import Selected
     from zerosafe.formats.dcp.stored import StoredChunk
-    from zerosafe.plan.model import Slot, SourceFile
 
 __all__ = [
     "DcpSource",

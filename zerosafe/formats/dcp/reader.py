@@ -22,14 +22,13 @@ from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, ConfigError, UnsupportedCheckpointError
-from zerosafe.formats.base import Fragment, SourceLayout, SourceTensor
+from zerosafe.formats.base import Fragment, Slot, SourceFile, SourceLayout, SourceTensor
 from zerosafe.formats.dcp.chunks import ChunkBox, ChunkRuns, check_chunk_cover
 from zerosafe.formats.dcp.facts import dcp_facts, dcp_notes, dcp_source_block
 from zerosafe.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorMeta, parse_metadata
 from zerosafe.formats.dcp.stored import StoredChunk, locate_chunk
 from zerosafe.formats.optimizer_state import is_optimizer_state
 from zerosafe.io.storage import ByteSource, FileIdentity, Storage, join_url, normalize_url
-from zerosafe.plan.model import Slot, SourceFile
 
 __all__ = [
     "FORMAT_NAME",

@@ -41,6 +41,7 @@ from zerosafe.formats.base import (
     LowpWitness,
     ReadLabels,
     SourceDescription,
+    SourceFile,
     SourceLayout,
     SourceTensor,
 )
@@ -81,7 +82,6 @@ from zerosafe.io.storage import (
     join_url,
     normalize_url,
 )
-from zerosafe.plan.model import SourceFile
 from zerosafe.units import format_bytes
 
 if TYPE_CHECKING:

@@ -13,13 +13,14 @@ from typing import ClassVar
 from zerosafe.formats.base import (
     InspectFacts,
     ReadLabels,
+    Slot,
     SourceDescription,
+    SourceFile,
     SourceLayout,
     SourceTensor,
 )
 from zerosafe.formats.hf.headers import SafetensorsHeader
 from zerosafe.io.storage import FileIdentity
-from zerosafe.plan.model import Slot, SourceFile
 from zerosafe.units import format_bytes
 
 __all__ = ["Described", "HfSource", "describe"]

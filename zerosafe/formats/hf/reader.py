@@ -19,14 +19,13 @@ from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConfigError
-from zerosafe.formats.base import SourceLayout, SourceTensor
+from zerosafe.formats.base import Slot, SourceFile, SourceLayout, SourceTensor
 from zerosafe.formats.hf.facts import Described, describe
 from zerosafe.formats.hf.folder import INDEX_NAME, SINGLE_NAME, SUFFIX, read_folder, weight_files
 from zerosafe.formats.hf.headers import SafetensorsHeader, read_checked_header
 from zerosafe.formats.hf.sharded import RANK_FILE, rank_files, reassemble
 from zerosafe.formats.nested import OUTPUT_MARKER, OUTPUT_WORK_DIR
 from zerosafe.io.storage import Storage, join_url, normalize_url
-from zerosafe.plan.model import Slot, SourceFile
 
 __all__ = ["HfShardedReader", "SafetensorsReader"]
 

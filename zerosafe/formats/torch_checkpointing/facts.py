@@ -16,8 +16,8 @@ from zerosafe.io.storage import FileIdentity
 from zerosafe.units import format_bytes
 
 if TYPE_CHECKING:
+    from zerosafe.formats.base import Slot, SourceFile
     from zerosafe.formats.verl.shards import Built
-    from zerosafe.plan.model import Slot, SourceFile
 
 __all__ = ["describe"]
 

@@ -26,14 +26,13 @@ from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, ConfigError
-from zerosafe.formats.base import SourceLayout
+from zerosafe.formats.base import SourceFile, SourceLayout
 from zerosafe.formats.torch_checkpointing.facts import describe
 from zerosafe.formats.torch_checkpointing.safetensors_layout import read_safetensors_save
 from zerosafe.formats.torch_pickle import DTensorRecord, InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.formats.verl.shards import RankFile, build_tensors
 from zerosafe.io.storage import Storage, join_url, normalize_url
-from zerosafe.plan.model import SourceFile
 
 __all__ = ["FORMAT_NAME", "MODEL_ITEM", "TorchCheckpointingReader", "item_files"]
 

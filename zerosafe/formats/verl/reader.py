@@ -34,12 +34,11 @@ from zerosafe.errors import (
     UnsafePickleError,
     UnsupportedCheckpointError,
 )
-from zerosafe.formats.base import SourceLayout
+from zerosafe.formats.base import SourceFile, SourceLayout
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.formats.verl.facts import describe
 from zerosafe.formats.verl.shards import RankFile, build_tensors
 from zerosafe.io.storage import Storage, join_url, normalize_url
-from zerosafe.plan.model import SourceFile
 
 __all__ = ["CONFIG_FILE", "FORMAT_NAME", "HF_FOLDER", "VerlReader", "rank_file_names"]
 
