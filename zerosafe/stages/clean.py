@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zerosafe.io.lease import destination_lease_url, lease_is_stale
+from zerosafe.io.lease import destination_lease_url, lease_is_stale, parse_lease
 from zerosafe.io.owned_folders import PRIVATE_SERVER_PREFIX, find_owned_folders
 from zerosafe.io.s3 import (
     STORAGE_OPTION_HELP,
@@ -123,11 +123,8 @@ def _lease_is_live(storage: Storage, work_url: str, now: float) -> bool:
 def _lease_file_is_live(storage: Storage, url: str, now: float) -> bool:
     if not storage.exists(url):
         return False
-    try:
-        lease = json.loads(storage.read_bytes(url))
-    except ValueError:
-        return False  # a torn lease file: nobody holds it
-    return isinstance(lease, dict) and not lease_is_stale(lease, now)
+    lease = parse_lease(storage.read_bytes(url))  # None for a torn lease file: nobody holds it
+    return lease is not None and not lease_is_stale(lease, now)
 
 
 def _kept_by_complete_output(storage: Storage, work_url: str) -> bool:
