@@ -653,8 +653,8 @@ def _publish_checked(
         integrity=integrity, stats=stats, lowp=lowp,
     )  # fmt: skip
     return PublishResult(
-        files=tuple(f["file"] for f in manifest["files"]),
-        num_tensors=len(manifest["tensors"]),
+        files=manifest.file_names,
+        num_tensors=len(manifest.tensors),
         integrity=integrity,
         stats=stats,
     )
@@ -664,13 +664,13 @@ def _already_published(storage: Storage, destination: str, job_key: str) -> Publ
     """The result a publish of `job_key` returned, if its marker is written (a repair removes
     the marker at plan time, so a marker of this job here is this run's)."""
     manifest = read_complete_manifest(storage, destination)
-    if manifest is None or manifest.get("job_key") != job_key:
+    if manifest is None or manifest.job_key != job_key or manifest.stats is None:
         return None
     return PublishResult(
-        files=tuple(f["file"] for f in manifest["files"]),
-        num_tensors=len(manifest["tensors"]),
-        integrity=manifest["integrity"],
-        stats=RunStats.from_json(manifest["stats"]),
+        files=manifest.file_names,
+        num_tensors=len(manifest.tensors),
+        integrity=manifest.integrity,
+        stats=manifest.stats,
     )
 
 

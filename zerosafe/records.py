@@ -11,6 +11,8 @@ order, by `to_json` and read back by `from_json`, driven by the type hints:
   (a key written only when set);
 - `json_meta(absent=value)`: what a key missing from the JSON reads as, where the field itself
   has no default (records written before the key existed);
+- `json_meta(encode=f, decode=g)`: a field whose JSON is not derived from its type: `f(value)`
+  is written and `g(json)` read back;
 - `json_meta(skip=True)`: a field the record writes itself (its own `to_json`).
 
 Reading ignores keys the record does not know (a newer writer's, or a flattened parent's),
@@ -27,7 +29,7 @@ import enum
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 from zerosafe.errors import CheckpointFormatError
@@ -58,6 +60,8 @@ class _FieldJson:
     omit_default: bool = False
     absent: Any = _NO_ABSENT
     skip: bool = False
+    encode: Callable[[Any], Any] | None = None
+    decode: Callable[[Any], Any] | None = None
 
 
 def json_meta(
@@ -66,10 +70,12 @@ def json_meta(
     omit_default: bool = False,
     absent: Any = _NO_ABSENT,
     skip: bool = False,
+    encode: Callable[[Any], Any] | None = None,
+    decode: Callable[[Any], Any] | None = None,
 ) -> Mapping[str, object]:
     """A field's `metadata=` for `dataclasses.field`: how the field appears in JSON (see the
     module docstring)."""
-    return {_META: _FieldJson(key=key, omit_default=omit_default, absent=absent, skip=skip)}
+    return {_META: _FieldJson(key, omit_default, absent, skip, encode, decode)}
 
 
 def _field_json(f: dataclasses.Field[Any]) -> _FieldJson:
@@ -95,7 +101,7 @@ def to_json(obj: Any) -> JsonObject:
         value = getattr(obj, f.name)
         if meta.omit_default and value == _default(f):
             continue
-        out[meta.key or f.name] = _dump(value)
+        out[meta.key or f.name] = meta.encode(value) if meta.encode else _dump(value)
     return out
 
 
@@ -144,7 +150,9 @@ def from_json(cls: type[_R], data: object) -> _R:
         if not f.init or meta.skip:
             continue
         key = meta.key or f.name
-        if key in data:
+        if key in data and meta.decode is not None:
+            kwargs[f.name] = meta.decode(data[key])
+        elif key in data:
             kwargs[f.name] = _load(hints[f.name], data[key], f"{cls.__name__}.{key}")
         elif meta.absent is not _NO_ABSENT:
             kwargs[f.name] = copy.copy(meta.absent)

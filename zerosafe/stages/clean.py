@@ -139,11 +139,7 @@ def _kept_by_complete_output(storage: Storage, work_url: str) -> bool:
     job = posixpath.basename(work_url.rstrip("/"))
     # A run whose cleanup failed after publishing leaves its work area too; manifests record
     # whether `--keep-work` asked to keep it (before they did, every one counts as kept).
-    return (
-        manifest is not None
-        and str(manifest.get("job_key", "")).startswith(job)
-        and bool(manifest.get("keep_work", True))
-    )
+    return manifest is not None and (manifest.job_key or "").startswith(job) and manifest.keep_work
 
 
 def find_leftovers(
