@@ -60,6 +60,10 @@ class SourceFile:
     size_bytes: int
     version: str
 
+    @property
+    def identity(self) -> FileIdentity:
+        return FileIdentity(url=self.url, size_bytes=self.size_bytes, version=self.version)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Slot:
@@ -208,7 +212,7 @@ class SourceDescription:
             "tag_url": self.tag_url,
             "num_params": self.num_params,
             "checkpoint_bytes": self.checkpoint_bytes,
-            "files": [f.as_dict() for f in self.files] if with_files else None,
+            "files": [f.to_json() for f in self.files] if with_files else None,
             "content_sha256": self.content_sha256,
             **self.details.fields(),
         }
@@ -233,10 +237,7 @@ class SourceDescription:
     ) -> SourceDescription:
         """A description read back from `to_json()` (and `reader_json()`, where kept)."""
         reader = reader or {}
-        files = tuple(
-            FileIdentity(url=f["url"], size_bytes=f["size_bytes"], version=f["version"])
-            for f in block.get("files") or ()
-        )
+        files = tuple(FileIdentity.from_json(f) for f in block.get("files") or ())
         own = tuple((k, v) for k, v in block.items() if k not in _COMMON)
         return cls(
             format=str(reader.get("format") or block.get("format") or ""),
@@ -387,11 +388,9 @@ class SourceLayout:
     reader that made it reads it (in its optional capabilities, `ReadsLowpCopies`)."""
 
     @property
-    def identities(self) -> list[dict[str, Any]]:
+    def identities(self) -> list[FileIdentity]:
         """The source files' identities (URL, size, version): part of the job key."""
-        return [
-            {"url": f.url, "size_bytes": f.size_bytes, "version": f.version} for f in self.files
-        ]
+        return [f.identity for f in self.files]
 
 
 class FormatReader(Protocol):
@@ -422,7 +421,7 @@ class FormatReader(Protocol):
 
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[FileIdentity]]:
         """`(tag, identities)` of the files a conversion reads, from listings and stats only,
         in `SourceLayout.files` order, so a job key can be computed without opening a file."""
         ...

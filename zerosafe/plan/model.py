@@ -29,7 +29,7 @@ from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError
 from zerosafe.formats.base import Slot, SourceDescription, SourceFile
-from zerosafe.io.storage import Storage, join_url
+from zerosafe.io.storage import FileIdentity, Storage, join_url
 
 __all__ = [
     "PLAN_FORMAT",
@@ -209,13 +209,13 @@ def shard_file_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
-def job_key_of(tag: str, identities: list[dict[str, Any]], options: ConvertOptions) -> str:
+def job_key_of(tag: str, identities: Sequence[FileIdentity], options: ConvertOptions) -> str:
     """Identity of a conversion: which files (URL, size, version) and which output options."""
     blob = json.dumps(
         {
             "plan_format": PLAN_FORMAT,
             "tag": tag,
-            "files": identities,
+            "files": [i.to_json() for i in identities],
             "options": options.identity(),
         },
         sort_keys=True,

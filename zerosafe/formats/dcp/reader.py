@@ -73,11 +73,11 @@ class DcpReader:
 
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[FileIdentity]]:
         url = normalize_url(url)
         resolved = _tag_of(url, tag)
         names = [METADATA_FILE, *_distcp_names(storage, url)]
-        return resolved, [storage.identity(join_url(url, n)).as_dict() for n in names]
+        return resolved, [storage.identity(join_url(url, n)) for n in names]
 
     def read(
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions

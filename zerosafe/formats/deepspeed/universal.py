@@ -142,10 +142,10 @@ class UniversalReader:
 
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[FileIdentity]]:
         resolved, tag_url = find_universal_tag(storage, url, tag)
         scan = _scan(storage, tag_url)
-        return resolved, [i.as_dict() for i in scan.identities]
+        return resolved, list(scan.identities)
 
     def read(
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
