@@ -24,7 +24,7 @@ from zerosafe.cast import cast_bytes
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError, ConversionError
 from zerosafe.io.lease import DESTINATION_LEASE_NAME
-from zerosafe.io.storage import Storage, join_url, normalize_url
+from zerosafe.io.storage import ByteSource, Storage, join_url, normalize_url
 from zerosafe.plan.adapter import ADAPTER_WEIGHTS_NAME, adapter_layout, read_adapter_config
 from zerosafe.quantize import FP8_DTYPE, SCALE_SUFFIXES
 from zerosafe.records import RecordError
@@ -40,7 +40,12 @@ from zerosafe.stages.output import (
     shard_location,
 )
 from zerosafe.verify.source import sample_values
-from zerosafe.verify.tensors import Failure, parse_safetensors_header, verify_shard
+from zerosafe.verify.tensors import (
+    Failure,
+    SafetensorsHeader,
+    parse_safetensors_header,
+    verify_shard,
+)
 
 if TYPE_CHECKING:
     from zerosafe.formats.base import LowpCopy, LowpWitness, SourceDescription, SourceLayout
@@ -690,7 +695,7 @@ def lowp_cross_check(
         return 0, 0, witness.missing
     checked = mismatched = 0
     skipped_why = None
-    sources: dict[str, Any] = {}
+    sources: dict[str, tuple[ByteSource, SafetensorsHeader, dict[str, str], int]] = {}
     try:
         for copy in witness.copies:
             if copy.name not in stored:
@@ -726,11 +731,16 @@ def lowp_cross_check(
     return checked, mismatched, skipped_why
 
 
-def _compare_lowp(src_info: Any, out_dtype: str, copy: LowpCopy, chunk_bytes: int) -> bool:
+def _compare_lowp(
+    src_info: tuple[ByteSource, SafetensorsHeader, dict[str, str], int],
+    out_dtype: str,
+    copy: LowpCopy,
+    chunk_bytes: int,
+) -> bool:
     """Output elements `[offset, offset + numel)` of `copy.name`, cast, against the copy."""
     src, header, _, data_start = src_info
     out_size = dtype_info(out_dtype).itemsize
-    begin = header[copy.name]["data_offsets"][0] + copy.element_offset * out_size
+    begin = header[copy.name].data_offsets[0] + copy.element_offset * out_size
     lowp = copy.dtype
     low_size = dtype_info(lowp).itemsize
     step = max(1, chunk_bytes // out_size)

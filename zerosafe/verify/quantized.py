@@ -10,9 +10,12 @@ compressed-tensors' `float-quantized`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zerosafe.io.storage import ByteSource
+
+if TYPE_CHECKING:
+    from zerosafe.verify.tensors import SafetensorsHeader
 from zerosafe.quantize import SCALE_SUFFIXES, expected_scale_shape
 
 __all__ = ["check_quantized", "find_scale", "within_rounding_bound"]
@@ -23,7 +26,7 @@ _E4M3_MANTISSA_BITS = 3
 
 
 def check_quantized(
-    source: ByteSource, data_start: int, header: dict[str, Any]
+    source: ByteSource, data_start: int, header: SafetensorsHeader
 ) -> tuple[list[tuple[str, str]], dict[str, int]]:
     """The problems of one file's quantized weights, as `(tensor, detail)` of its `scales`
     check, and `{"tensors", "params", "bytes"}` (weights and scales) for the bits per
@@ -33,20 +36,20 @@ def check_quantized(
     failures: list[tuple[str, str]] = []
     tensors = params = nbytes = 0
     for name, entry in header.items():
-        if entry["dtype"] != "F8_E4M3":
+        if entry.dtype != "F8_E4M3":
             continue
-        shape = list(entry["shape"])
+        shape = list(entry.shape)
         suffix = find_scale(name, header)
         scale = header.get(name + suffix)
         grid = expected_scale_shape(suffix, shape)
-        if scale is None or scale["dtype"] != "F32" or list(scale["shape"]) != grid:
-            found = "none" if scale is None else f"{scale['dtype']} {list(scale['shape'])}"
+        if scale is None or scale.dtype != "F32" or list(scale.shape) != grid:
+            found = "none" if scale is None else f"{scale.dtype} {list(scale.shape)}"
             failures.append(
                 (name, f"expected '{name}{suffix}' F32 {grid} beside it, found "
                  f"{found}; loaders would read the FP8 values unscaled. Convert again")
             )  # fmt: skip
             continue
-        begin, end = scale["data_offsets"]
+        begin, end = scale.data_offsets
         values = np.frombuffer(source.read_range(data_start + begin, data_start + end), dtype="<f4")
         bad = int(np.count_nonzero(~(np.isfinite(values) & (values > 0))))
         if bad:
@@ -57,11 +60,11 @@ def check_quantized(
             )  # fmt: skip
         tensors += 1
         params += int(np.prod(shape))
-        nbytes += entry["data_offsets"][1] - entry["data_offsets"][0] + end - begin
+        nbytes += entry.data_offsets[1] - entry.data_offsets[0] + end - begin
     return failures, ({"tensors": tensors, "params": params, "bytes": nbytes} if tensors else {})
 
 
-def find_scale(name: str, header: dict[str, Any]) -> str:
+def find_scale(name: str, header: SafetensorsHeader) -> str:
     """The suffix of weight `name`'s scales in `header` (`_scale_inv` or `_scale`; the first
     where there is none)."""
     found = [s for s in SCALE_SUFFIXES.values() if name + s in header]

@@ -25,7 +25,7 @@ from zerosafe.cast import cast_bytes
 from zerosafe.dtypes import dtype_info
 from zerosafe.io.storage import ByteSource, Storage, join_url
 from zerosafe.quantize import FP8_BLOCK, FP8_DTYPE, SCALE_SUFFIXES
-from zerosafe.verify.tensors import Failure, parse_safetensors_header
+from zerosafe.verify.tensors import Failure, SafetensorsHeader, parse_safetensors_header
 
 if TYPE_CHECKING:
     from zerosafe.formats.base import SourceLayout
@@ -60,7 +60,7 @@ def sample_values(
     # `exclude_frozen` lists without fragments).
     plan = plan_layout(layout, ConvertOptions(dtype="float32", tied="copy", exclude_frozen=True))
     locator = DirectLocator(plan, storage)
-    outputs: dict[str, tuple[ByteSource, dict[str, Any], int]] = {}
+    outputs: dict[str, tuple[ByteSource, SafetensorsHeader, int]] = {}
     compared = 0
     try:
         for tensor in plan.tensors:
@@ -77,7 +77,7 @@ def sample_values(
             if entry is None or dtype_info(out_dtype).itemsize == 0:
                 continue
             out_item = dtype_info(out_dtype).itemsize
-            begin = data_start + int(entry["data_offsets"][0])
+            begin = data_start + entry.data_offsets[0]
             sampled: set[int] = set()
             for slot, src_offset, numel, dst_offset in plan.fragments.for_tensor(tensor.index):
                 count = min(numel, SAMPLE_ELEMENTS)
@@ -120,7 +120,7 @@ def sample_values(
 def _within_bound(
     out_src: ByteSource,
     data_start: int,
-    entries: dict[str, Any],
+    entries: SafetensorsHeader,
     name: str,
     got: bytes,
     raw: bytes,
@@ -139,8 +139,8 @@ def _within_bound(
     scale = entries.get(name + suffix)
     if scale is None or len(shape) != 2:
         return False
-    begin, end = scale["data_offsets"]
-    grid = [int(n) for n in scale["shape"]]
+    begin, end = scale.data_offsets
+    grid = list(scale.shape)
     scales = np.frombuffer(
         out_src.read_range(data_start + begin, data_start + end), dtype="<f4"
     ).reshape(grid)
