@@ -16,6 +16,7 @@ from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
 from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import VerificationError
+from zerosafe.formats.crc import IntegrityReport
 from zerosafe.io.lease import LeaseHeldError
 from zerosafe.io.storage import Storage
 from zerosafe.pipeline import (
@@ -136,7 +137,7 @@ def test_parts_to_extract_skips_what_only_kept_shards_read() -> None:
         PublishResult(
             files=("m",),
             num_tensors=1,
-            integrity={"records_checked": 3},
+            integrity=IntegrityReport(records_checked=3, records_skipped=(), records_failed=()),
             stats=RunStats(
                 mode="direct",
                 mode_reason="",

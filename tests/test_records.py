@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from zerosafe.formats.crc import IntegrityReport, RecordNote
 from zerosafe.records import Record, RecordError, from_json, json_meta, to_json
 from zerosafe.stages.results import (
     ExtractResult,
@@ -95,6 +96,10 @@ def test_wrong_records_are_refused_with_one_line(data: object, message: str) -> 
         Outer.from_json(data)
 
 
+INTEGRITY = IntegrityReport(
+    records_checked=2, records_skipped=(RecordNote(record="a.pt#x", why="no CRC"),),
+    records_failed=(),
+)  # fmt: skip
 STATS = RunStats(
     mode="direct", mode_reason="local", source_bytes_read=10, source_bytes_needed=8,
     intermediate_bytes_written=0, output_bytes_written=6, bytes_read=16, bytes_written=6,
@@ -169,8 +174,10 @@ GOLDEN = [
         '"sha256": "ab"}',
     ),
     (
-        PublishResult(files=("m.st",), num_tensors=1, integrity={"crc": 1}, stats=STATS),
-        '{"files": ["m.st"], "num_tensors": 1, "integrity": {"crc": 1}, "stats": {"mode": '
+        PublishResult(files=("m.st",), num_tensors=1, integrity=INTEGRITY, stats=STATS),
+        '{"files": ["m.st"], "num_tensors": 1, "integrity": {"records_checked": 2, '
+        '"records_skipped": [{"record": "a.pt#x", "why": "no CRC"}], "records_failed": []}, '
+        '"stats": {"mode": '
         '"direct", "mode_reason": "local", "source_bytes_read": 10, "source_bytes_needed": 8, '
         '"intermediate_bytes_written": 0, "output_bytes_written": 6, "bytes_read": 16, '
         '"bytes_written": 6, "fp32_bytes": 12, "rss_growth_bytes_by_stage": {}, '

@@ -642,7 +642,7 @@ def _publish_checked(
     integrity = check_integrity(
         plan, storage, [e.ledger for e in extracts] + [m.ledger for m in merges],
         intermediate_url=None if options.direct else work.intermediate,
-    ).as_dict()  # fmt: skip
+    ).report()  # fmt: skip
     # CRC checks read the few source bytes no copy covered: count them with the rest.
     stats = _with_gap_bytes(stats, storage.counter.bytes_read_from(source_urls) - read_before)
     lowp = None
@@ -665,6 +665,8 @@ def _already_published(storage: Storage, destination: str, job_key: str) -> Publ
     the marker at plan time, so a marker of this job here is this run's)."""
     manifest = read_complete_manifest(storage, destination)
     if manifest is None or manifest.job_key != job_key or manifest.stats is None:
+        return None
+    if manifest.integrity is None:
         return None
     return PublishResult(
         files=manifest.file_names,

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerosafe.formats.base import SourceDescription
+from zerosafe.formats.crc import IntegrityReport
 from zerosafe.records import JsonObject, Record, json_meta
-from zerosafe.stages.results import RunStats, TensorRecords
+from zerosafe.stages.results import INTEGRITY_JSON, RunStats, TensorRecords
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -139,8 +140,8 @@ class Manifest(Record):
     aliases: dict[str, str] = field(metadata=json_meta(absent={}))
     model_files_from: str | None = field(metadata=json_meta(absent=None))
     model_files: tuple[ModelFileEntry, ...] = field(metadata=json_meta(absent=()))
-    integrity: dict[str, Any] = field(metadata=json_meta(absent={}))
-    """What the CRC checks covered (`zerosafe.formats.crc.LedgerCheck.as_dict`)."""
+    integrity: IntegrityReport | None = field(metadata=INTEGRITY_JSON)
+    """What the CRC checks covered."""
     checks: Checks = field(metadata=json_meta(absent=Checks(verified_tensors=0)))
     notes: tuple[str, ...] = field(metadata=json_meta(absent=()))
     warnings: tuple[str, ...] = field(metadata=json_meta(absent=()))

@@ -22,6 +22,7 @@ from typing import Any
 from zerosafe._version import __version__
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import OutputExistsError, VerificationError
+from zerosafe.formats.crc import IntegrityReport
 from zerosafe.io.storage import JSON_MAX_BYTES, FileIdentity, Storage, is_local, join_url
 from zerosafe.plan.adapter import ADAPTER_WEIGHTS_NAME
 from zerosafe.plan.model import Plan
@@ -701,7 +702,7 @@ def publish(
     options: ConvertOptions,
     merges: Sequence[MergeResult],
     verifies: Sequence[VerifyResult],
-    integrity: dict[str, Any],
+    integrity: IntegrityReport,
     stats: RunStats | None = None,
     lowp: LowpCheck | None = None,
 ) -> Manifest:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from zerosafe.formats.base import SourceDescription
+from zerosafe.formats.crc import IntegrityReport
 from zerosafe.records import JsonObject, Record, from_json, json_meta, to_json
 
 __all__ = [
@@ -213,14 +214,26 @@ class RunStats(Record):
     """`source_bytes_read / source_bytes_needed` (1.0 is the least possible)."""
 
 
+def _integrity_json(report: IntegrityReport | None) -> JsonObject:
+    return report.to_json() if report is not None else {}
+
+
+def _integrity_from_json(data: object) -> IntegrityReport | None:
+    return IntegrityReport.from_json(data) if data else None
+
+
+INTEGRITY_JSON = json_meta(encode=_integrity_json, decode=_integrity_from_json, absent=None)
+"""An optional `IntegrityReport` field, `{}` in JSON where there is none."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PublishResult(Record):
     """A verified output published: the marker is written."""
 
     files: tuple[str, ...]
     num_tensors: int
-    integrity: dict[str, Any]
-    """What the CRC checks covered (`zerosafe.formats.crc.LedgerCheck.as_dict`)."""
+    integrity: IntegrityReport
+    """What the CRC checks covered."""
     stats: RunStats
     """The run's stats as the manifest records them (with the bytes the CRC checks read)."""
 
@@ -240,7 +253,8 @@ class RunSummary(Record):
     files: tuple[str, ...] = ()
     num_tensors: int = 0
     aliases: dict[str, str] = field(default_factory=dict)
-    integrity: dict[str, Any] = field(default_factory=dict)
+    integrity: IntegrityReport | None = field(default=None, metadata=INTEGRITY_JSON)
+    """What the CRC checks covered (`{}` in JSON where nothing says)."""
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     checks_passed: int = 0
