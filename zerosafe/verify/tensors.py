@@ -80,19 +80,6 @@ class ShardReport:
     def ok(self) -> bool:
         return not self.failures
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "ok": self.ok,
-            "num_tensors": len(self.tensors),
-            "tensors": self.tensors,
-            "metadata": self.metadata,
-            "failures": [f.as_dict() for f in self.failures],
-            "bytes_read": self.bytes_read,
-            **({"sha256": self.sha256} if self.sha256 is not None else {}),
-            **({"quantized": self.quantized} if self.quantized else {}),
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class HeaderEntry:
