@@ -518,7 +518,7 @@ def intermediate_is_present(
 ) -> bool:
     """Whether part `part`'s intermediate is on disk, whole, with the recorded content."""
     sums = read_intermediate_sums(storage, work.intermediate, plan.parts[part])
-    return sums is not None and (content_sha256 is None or sums["content_sha256"] == content_sha256)
+    return sums is not None and (content_sha256 is None or sums.content_sha256 == content_sha256)
 
 
 def expected_shard_bytes(plan: Plan, shard: int) -> int:

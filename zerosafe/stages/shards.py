@@ -30,6 +30,7 @@ from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, PositionalSink, Storage, join_url
 from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, TensorSpec
 from zerosafe.quantize import BAND_ROWS, FP8_DTYPE, quantize_band
+from zerosafe.records import Record
 from zerosafe.stages.results import ExtractResult, MergeResult
 from zerosafe.stages.streaming import CopyJob, copy_in_streams, copy_stream, fusable
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
@@ -125,6 +126,20 @@ def intermediate_tensor_name(slot: int, start: int, numel: int) -> str:
 
 def _sidecar_url(file_url: str) -> str:
     return file_url.removesuffix(".safetensors") + ".json"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IntermediateSums(Record):
+    """An intermediate's sidecar (`<part>.json`): what its extract wrote, for the merges'
+    cache keys and the CRC checks."""
+
+    job_key: str
+    file: str
+    file_bytes: int
+    content_sha256: str
+    """Hash of the intermediate's tensor bytes (`ExtractResult.content_sha256`)."""
+    crc32: dict[str, int]
+    """Tensor name -> its CRC-32."""
 
 
 class StagedLocator:
@@ -261,14 +276,14 @@ def extract_part(
     finally:
         locator.close()
     content = _content_hash(writer.digests)
-    sums = {
-        "job_key": plan.job_key,
-        "file": part.file_name,
-        "file_bytes": writer.file_bytes,
-        "content_sha256": content,
-        "crc32": {e.name: c for e, c in zip(entries, writer.crc32, strict=True)},
-    }
-    storage.write_bytes(_sidecar_url(url), json.dumps(sums).encode())
+    sums = IntermediateSums(
+        job_key=plan.job_key,
+        file=part.file_name,
+        file_bytes=writer.file_bytes,
+        content_sha256=content,
+        crc32={e.name: c for e, c in zip(entries, writer.crc32, strict=True)},
+    )
+    storage.write_bytes(_sidecar_url(url), json.dumps(sums.to_json()).encode())
     log.info(
         "extract rank %d part %d: %d bytes into %s in %.1f s",
         part.rank, part.number, writer.file_bytes, part.file_name, time.monotonic() - started,
@@ -293,15 +308,19 @@ def _content_hash(tensor_hashes: list[str]) -> str:
 
 def read_intermediate_sums(
     storage: Storage, intermediate_url: str, part: ExtractPart
-) -> dict[str, Any] | None:
-    """The sidecar of an intermediate, or None if the file or its sidecar is missing."""
+) -> IntermediateSums | None:
+    """The sidecar of an intermediate, or None if the file or its sidecar is missing, torn,
+    or does not match the file's size (then the part is extracted again)."""
     url = join_url(intermediate_url, part.file_name)
     if not storage.exists(url) or not storage.exists(_sidecar_url(url)):
         return None
-    sums = json.loads(storage.read_bytes(_sidecar_url(url)))
-    if storage.identity(url).size_bytes != sums.get("file_bytes"):
+    try:  # a RecordError is a ValueError
+        sums = IntermediateSums.from_json(json.loads(storage.read_bytes(_sidecar_url(url))))
+    except ValueError:
         return None
-    return dict(sums)
+    if storage.identity(url).size_bytes != sums.file_bytes:
+        return None
+    return sums
 
 
 # -- merge ---------------------------------------------------------------------------------------
@@ -592,7 +611,7 @@ def check_integrity(
             src = storage.open_source(url)
             header, _, data_start = read_header(src)
             src.close()
-            for name, crc in sums["crc32"].items():
+            for name, crc in sums.crc32.items():
                 begin, end = header[name]["data_offsets"]
                 expected[f"{url}#{name}"] = (end - begin, int(crc))
                 where[f"{url}#{name}"] = (url, data_start + begin)
