@@ -19,13 +19,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from zerosafe.dtypes import torch_dtype
 from zerosafe.errors import IntegrityError
 from zerosafe.formats.base import Slot
 from zerosafe.formats.crc import CrcLedger, LedgerCheck, crc32
-from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, read_header
+from zerosafe.formats.safetensors import (
+    HeaderEntry,
+    SafetensorsHeader,
+    SafetensorsStreamWriter,
+    read_entries,
+)
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, PositionalSink, Storage, join_url
 from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, TensorSpec
@@ -155,13 +160,13 @@ class StagedLocator:
                 self._by_slot.setdefault(slot, []).append((start, numel, part.index))
         for pieces in self._by_slot.values():
             pieces.sort()
-        self._open: dict[int, tuple[ByteSource, dict[str, Any], int]] = {}
+        self._open: dict[int, tuple[ByteSource, SafetensorsHeader, int]] = {}
         self._lock = threading.Lock()
 
     def part_url(self, part: ExtractPart) -> str:
         return join_url(self.folder, part.file_name)
 
-    def _part(self, index: int) -> tuple[ByteSource, dict[str, Any], int]:
+    def _part(self, index: int) -> tuple[ByteSource, SafetensorsHeader, int]:
         with self._lock:
             hit = self._open.get(index)
             if hit is not None:
@@ -169,7 +174,7 @@ class StagedLocator:
             part = self.plan.parts[index]
             url = self.part_url(part)
             src = map_source(self.storage.open_source(url), self.storage.counter)
-            header, metadata, data_start = read_header(src)
+            header, metadata, data_start = read_entries(src)
             if metadata.get("job_key") != self.plan.job_key:
                 raise IntegrityError(
                     f"{url}: intermediate of plan '{metadata.get('job_key')}', not of this plan "
@@ -189,7 +194,7 @@ class StagedLocator:
                 continue
             src, header, data_start = self._part(part)
             name = intermediate_tensor_name(slot, p_start, p_numel)
-            base = data_start + header[name]["data_offsets"][0]
+            base = data_start + header[name].data_offsets[0]
             rel = (lo - p_start) * itemsize
             out.append(Segment(src, base + rel, (hi - lo) * itemsize, f"{src.url}#{name}", rel))
         if sum(s.nbytes for s in out) != numel * itemsize:
@@ -609,10 +614,10 @@ def check_integrity(
             if sums is None:
                 raise IntegrityError(f"{url}: intermediate or its checksum sidecar is missing")
             src = storage.open_source(url)
-            header, _, data_start = read_header(src)
+            header, _, data_start = read_entries(src)
             src.close()
             for name, crc in sums.crc32.items():
-                begin, end = header[name]["data_offsets"]
+                begin, end = header[name].data_offsets
                 expected[f"{url}#{name}"] = (end - begin, int(crc))
                 where[f"{url}#{name}"] = (url, data_start + begin)
     sources: dict[str, ByteSource] = {}

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from zerosafe.cast import cast_bytes
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError, ConversionError
+from zerosafe.formats.safetensors import SafetensorsHeader
 from zerosafe.io.lease import DESTINATION_LEASE_NAME
 from zerosafe.io.storage import ByteSource, Storage, join_url, normalize_url
 from zerosafe.plan.adapter import ADAPTER_WEIGHTS_NAME, adapter_layout, read_adapter_config
@@ -40,12 +41,7 @@ from zerosafe.stages.output import (
     shard_location,
 )
 from zerosafe.verify.source import sample_values
-from zerosafe.verify.tensors import (
-    Failure,
-    SafetensorsHeader,
-    parse_safetensors_header,
-    verify_shard,
-)
+from zerosafe.verify.tensors import Failure, parse_safetensors_header, verify_shard
 
 if TYPE_CHECKING:
     from zerosafe.formats.base import LowpCopy, LowpWitness, SourceDescription, SourceLayout

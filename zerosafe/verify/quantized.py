@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from zerosafe.io.storage import ByteSource
 
 if TYPE_CHECKING:
-    from zerosafe.verify.tensors import SafetensorsHeader
+    from zerosafe.formats.safetensors import SafetensorsHeader
 from zerosafe.quantize import SCALE_SUFFIXES, expected_scale_shape
 
 __all__ = ["check_quantized", "find_scale", "within_rounding_bound"]

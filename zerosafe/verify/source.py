@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 from zerosafe.cast import cast_bytes
 from zerosafe.dtypes import dtype_info
+from zerosafe.formats.safetensors import SafetensorsHeader
 from zerosafe.io.storage import ByteSource, Storage, join_url
 from zerosafe.quantize import FP8_BLOCK, FP8_DTYPE, SCALE_SUFFIXES
-from zerosafe.verify.tensors import Failure, SafetensorsHeader, parse_safetensors_header
+from zerosafe.verify.tensors import Failure, parse_safetensors_header
 
 if TYPE_CHECKING:
     from zerosafe.formats.base import SourceLayout

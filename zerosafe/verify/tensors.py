@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerosafe.dtypes import from_safetensors_code, torch_dtype
+from zerosafe.formats.safetensors import SafetensorsHeader, StoredEntry
 from zerosafe.io.buffers import allocate_buffer, pin_mmap_threshold
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, Storage, is_local, local_path
@@ -32,8 +33,6 @@ from zerosafe.verify.checksum import TENSOR_CHECKSUM, Digest, new_digest, record
 
 __all__ = [
     "Failure",
-    "HeaderEntry",
-    "SafetensorsHeader",
     "ShardReport",
     "parse_safetensors_header",
     "verify_shard",
@@ -79,21 +78,6 @@ class ShardReport:
     @property
     def ok(self) -> bool:
         return not self.failures
-
-
-@dataclass(frozen=True, slots=True)
-class HeaderEntry:
-    """One tensor of a safetensors header, as this parser checked it."""
-
-    dtype: str
-    """The safetensors code (`BF16`)."""
-    shape: tuple[int, ...]
-    data_offsets: tuple[int, int]
-    """`(begin, end)` in the data region."""
-
-
-SafetensorsHeader = dict[str, HeaderEntry]
-"""Tensor name -> its header entry, in the header's order."""
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -145,7 +129,7 @@ def parse_safetensors_header(source: ByteSource) -> tuple[SafetensorsHeader, dic
                 f"tensor '{name}': data_offsets span {end - begin} bytes but {dtype.name}{shape} needs {want}"
             )
         spans.append((begin, end, name))
-        entries[name] = HeaderEntry(str(entry["dtype"]), tuple(shape), (begin, end))
+        entries[name] = StoredEntry(str(entry["dtype"]), tuple(shape), (begin, end))
     spans.sort()
     pos = 0
     for begin, end, name in spans:
@@ -438,11 +422,11 @@ def _library_handle(
 def _scan_in_order(
     source: Any,
     data_start: int,
-    ordered: list[tuple[str, HeaderEntry]],
+    ordered: list[tuple[str, StoredEntry]],
     expected: dict[str, dict[str, Any]] | None,
     chunk_bytes: int,
     file_digest: Digest | None = None,
-) -> Iterator[tuple[tuple[str, HeaderEntry], _TensorScan]]:
+) -> Iterator[tuple[tuple[str, StoredEntry], _TensorScan]]:
     """Every tensor's checksum and non-finite counts, hashed in parallel and yielded in file
     order, as a serial scan would. With `file_digest`, one tensor after another in this
     thread instead: the whole file's hash needs its bytes in order."""
@@ -451,7 +435,7 @@ def _scan_in_order(
     for _ in range(workers):
         buffers.put(allocate_buffer(chunk_bytes))
 
-    def scan(tensor: str, entry: HeaderEntry) -> _TensorScan:
+    def scan(tensor: str, entry: StoredEntry) -> _TensorScan:
         dtype = from_safetensors_code(entry.dtype)
         begin, end = entry.data_offsets
         # The algorithm the record names (SHA-256 in outputs of earlier versions).
@@ -483,7 +467,7 @@ def _scan_in_order(
 def _record_tensor(
     report: ShardReport,
     tensor: str,
-    entry: HeaderEntry,
+    entry: StoredEntry,
     scanned: _TensorScan,
     handle: Any,
     allow_nonfinite: bool,
