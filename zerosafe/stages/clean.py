@@ -18,7 +18,6 @@ Nothing is removed without `--apply`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import posixpath
