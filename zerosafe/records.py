@@ -94,6 +94,7 @@ def _default(f: dataclasses.Field[Any]) -> Any:
 def to_json(obj: Any) -> JsonObject:
     """The JSON object of dataclass `obj`: its fields in order, under their JSON keys."""
     out: JsonObject = {}
+    plain = _plain_fields(type(obj))
     for f in dataclasses.fields(obj):
         meta = _field_json(f)
         if meta.skip:
@@ -101,8 +102,50 @@ def to_json(obj: Any) -> JsonObject:
         value = getattr(obj, f.name)
         if meta.omit_default and value == _default(f):
             continue
-        out[meta.key or f.name] = meta.encode(value) if meta.encode else _dump(value)
+        if meta.encode is not None:
+            value = meta.encode(value)
+        elif f.name in plain:  # JSON values already: a manifest's tensors are not walked
+            value = plain[f.name](value)
+        else:
+            value = _dump(value)
+        out[meta.key or f.name] = value
     return out
+
+
+_PLAIN_TYPES = (str, int, float, bool, type(None))
+_PLAIN: dict[type, dict[str, Callable[[Any], Any]]] = {}
+
+
+def _is_plain(hint: Any) -> bool:
+    """Whether values of `hint` are JSON values as they are (no record, enum or tuple)."""
+    if hint is Any or hint is object or hint in _PLAIN_TYPES:
+        return True
+    origin = get_origin(hint)
+    if origin is Literal:
+        return True
+    if origin in (typing.Union, types.UnionType, list, dict):
+        return all(_is_plain(a) for a in get_args(hint) if a is not Ellipsis)
+    return False
+
+
+def _plain_fields(cls: type) -> dict[str, Callable[[Any], Any]]:
+    """The fields of `cls` written without walking their values: field -> how (as they
+    are, or a tuple of plain values as a list)."""
+    plain = _PLAIN.get(cls)
+    if plain is None:
+        plain = {}
+        for name, hint in _hints(cls).items():
+            args = get_args(hint)
+            if _is_plain(hint):
+                plain[name] = _same
+            elif get_origin(hint) is tuple and args[1:] == (Ellipsis,) and _is_plain(args[0]):
+                plain[name] = list
+        _PLAIN[cls] = plain
+    return plain
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _dump(value: Any) -> Any:
@@ -203,12 +246,20 @@ def _load(hint: Any, value: Any, where: str) -> Any:
                 _wrong(where, f"an array of {len(args)}", value)
             return tuple(_load(a, v, where) for a, v in zip(args, value, strict=True))
         item = args[0] if args else Any
+        if item is Any:
+            return tuple(value) if origin is tuple else list(value)
         loaded = [_load(item, v, where) for v in value]
         return tuple(loaded) if origin is tuple else loaded
     if origin is dict:
         if not isinstance(value, Mapping):
             _wrong(where, "an object", value)
         _, item = get_args(hint) or (str, Any)
+        if item is Any:
+            return dict(value)
+        if get_origin(item) is dict and get_args(item)[1:] == (Any,):  # records by name
+            if not all(isinstance(v, Mapping) for v in value.values()):
+                _wrong(where, "an object of objects", value)
+            return {k: dict(v) for k, v in value.items()}
         return {k: _load(item, v, where) for k, v in value.items()}
     if isinstance(hint, type):
         return _load_type(hint, value, where)
