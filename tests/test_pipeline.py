@@ -16,6 +16,7 @@ from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
 from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import VerificationError
+from zerosafe.formats.crc import IntegrityReport
 from zerosafe.io.lease import LeaseHeldError
 from zerosafe.io.storage import Storage
 from zerosafe.pipeline import (
@@ -24,6 +25,7 @@ from zerosafe.pipeline import (
     extract_unit,
     finish_job,
     hold_work,
+    intermediate_is_present,
     merge_unit,
     parts_to_extract,
     plan_job,
@@ -136,7 +138,7 @@ def test_parts_to_extract_skips_what_only_kept_shards_read() -> None:
         PublishResult(
             files=("m",),
             num_tensors=1,
-            integrity={"records_checked": 3},
+            integrity=IntegrityReport(records_checked=3, records_skipped=(), records_failed=()),
             stats=RunStats(
                 mode="direct",
                 mode_reason="",
@@ -216,6 +218,27 @@ def test_the_lifecycle_step_by_step(tmp_path: Path) -> None:
     summary = summarize(job, published, verifies, seconds=2.0)
     assert summary.checks_passed == sum(v.num_tensors for v in verifies)
     assert plan_job(storage, str(SAMPLE_CKPT), out, STAGED).state == "done"
+
+
+def test_a_torn_intermediate_sidecar_reads_as_missing(tmp_path: Path) -> None:
+    """The sidecar (`IntermediateSums`) vouches for an intermediate; a torn one sends the
+    part back to extract instead of stopping the run on a JSON error."""
+    storage, out = Storage(), str(tmp_path / "out")
+    job, plan = plan_job_and_load(storage, str(SAMPLE_CKPT), out, STAGED)
+    assert plan is not None
+    work = WorkLayout(job.work_url)
+    with hold_work(storage, job):
+        done = extract_unit(plan, 0, storage, work, STAGED)
+    assert intermediate_is_present(plan, storage, work, 0, done.content_sha256)
+    assert not intermediate_is_present(plan, storage, work, 0, "another")
+    (sidecar,) = (tmp_path / "out").rglob(
+        plan.parts[0].file_name.removesuffix(".safetensors") + ".json"
+    )
+    assert list(json.loads(sidecar.read_text())) == [
+        "job_key", "file", "file_bytes", "content_sha256", "crc32",
+    ]  # fmt: skip
+    sidecar.write_text('{"job_key": ')
+    assert not intermediate_is_present(plan, storage, work, 0)
 
 
 def test_a_failed_verify_publishes_nothing_and_discards_the_run(tmp_path: Path) -> None:

@@ -518,7 +518,7 @@ def intermediate_is_present(
 ) -> bool:
     """Whether part `part`'s intermediate is on disk, whole, with the recorded content."""
     sums = read_intermediate_sums(storage, work.intermediate, plan.parts[part])
-    return sums is not None and (content_sha256 is None or sums["content_sha256"] == content_sha256)
+    return sums is not None and (content_sha256 is None or sums.content_sha256 == content_sha256)
 
 
 def expected_shard_bytes(plan: Plan, shard: int) -> int:
@@ -642,7 +642,7 @@ def _publish_checked(
     integrity = check_integrity(
         plan, storage, [e.ledger for e in extracts] + [m.ledger for m in merges],
         intermediate_url=None if options.direct else work.intermediate,
-    ).as_dict()  # fmt: skip
+    ).report()  # fmt: skip
     # CRC checks read the few source bytes no copy covered: count them with the rest.
     stats = _with_gap_bytes(stats, storage.counter.bytes_read_from(source_urls) - read_before)
     lowp = None
@@ -653,8 +653,8 @@ def _publish_checked(
         integrity=integrity, stats=stats, lowp=lowp,
     )  # fmt: skip
     return PublishResult(
-        files=tuple(f["file"] for f in manifest["files"]),
-        num_tensors=len(manifest["tensors"]),
+        files=manifest.file_names,
+        num_tensors=len(manifest.tensors),
         integrity=integrity,
         stats=stats,
     )
@@ -664,13 +664,15 @@ def _already_published(storage: Storage, destination: str, job_key: str) -> Publ
     """The result a publish of `job_key` returned, if its marker is written (a repair removes
     the marker at plan time, so a marker of this job here is this run's)."""
     manifest = read_complete_manifest(storage, destination)
-    if manifest is None or manifest.get("job_key") != job_key:
+    if manifest is None or manifest.job_key != job_key or manifest.stats is None:
+        return None
+    if manifest.integrity is None:
         return None
     return PublishResult(
-        files=tuple(f["file"] for f in manifest["files"]),
-        num_tensors=len(manifest["tensors"]),
-        integrity=manifest["integrity"],
-        stats=RunStats.from_json(manifest["stats"]),
+        files=manifest.file_names,
+        num_tensors=len(manifest.tensors),
+        integrity=manifest.integrity,
+        stats=manifest.stats,
     )
 
 

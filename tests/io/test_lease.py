@@ -103,3 +103,20 @@ def test_a_run_whose_lease_was_taken_fails_before_publishing(tmp_path: Path) -> 
     assert not (out / "zerosafe-complete.json").exists()
     assert not list(out.glob("model*.safetensors"))
     assert os.path.exists(next((out / ".zerosafe-work").glob("*/lease.json")))
+
+
+def test_the_lease_record_keeps_its_bytes_and_a_torn_one_holds_nothing(tmp_path: Path) -> None:
+    """`LeaseRecord` writes the keys leases always had, in their order (`job` only on an
+    output folder's); content that is no lease reads as None, which holds nothing."""
+    out = tmp_path / "out"
+    with lease_module.destination_lease(Storage(), str(out), job="k fp32"):
+        held = json.loads((out / lease_module.DESTINATION_LEASE_NAME).read_bytes())
+    assert list(held) == ["job", "run_id", "host", "pid", "heartbeat"]
+    assert held["job"] == "k fp32" and held["pid"] == os.getpid()
+    with work_lease(Storage(), str(tmp_path / "work")):
+        held = json.loads((tmp_path / "work" / "lease.json").read_bytes())
+    assert list(held) == ["run_id", "host", "pid", "heartbeat"]
+    record = lease_module.parse_lease(json.dumps(held).encode())
+    assert record is not None and record.to_json() == held
+    for torn in (b'{"run_id": "x", "pi', b"[1]", b'{"pid": "12"}'):
+        assert lease_module.parse_lease(torn) is None

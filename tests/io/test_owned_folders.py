@@ -106,3 +106,20 @@ def test_clean_lists_the_folders_of_killed_owners_only(
         assert found[0].size_bytes == len("a log") + (left / OWNER_FILE).stat().st_size
         assert find_server_folders(older_than_seconds=3600)[0].action == "recent"
         assert Path(mine).exists()
+
+
+def test_the_owner_record_keeps_its_keys_and_an_unreadable_one_counts_as_alive(
+    tmp_path: Path,
+) -> None:
+    """`OwnerRecord` writes the keys owner files always had; values that are no owner's
+    (a record of another kind) say nothing, so the folder is never taken for a dead one's."""
+    with owned_temp_folder(PRIVATE_SERVER_PREFIX, parent=str(tmp_path)) as mine:
+        written = json.loads((Path(mine) / OWNER_FILE).read_text())
+        assert list(written) == ["pid", "start_ticks", "uid", "host"]
+        assert written["pid"] == os.getpid()
+    odd = tmp_path / f"{PRIVATE_SERVER_PREFIX}odd"
+    odd.mkdir()
+    (odd / OWNER_FILE).write_text(json.dumps({"pid": "12", "host": os.uname().nodename}))
+    os.utime(odd, (time.time() - 7200, time.time() - 7200))
+    (found,) = find_owned_folders(PRIVATE_SERVER_PREFIX, parent=str(tmp_path))
+    assert found.owner_alive and found.owner_pid is None

@@ -13,7 +13,7 @@ import pytest
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
-from zerosafe.formats.base import SourceDescription, SourceLayout, SourceTensor, StoredDetails
+from zerosafe.formats.base import Slot, SourceDescription, SourceLayout, SourceTensor, StoredDetails
 from zerosafe.plan.adapter import (
     ADAPTER_WEIGHTS_NAME,
     LoraTargets,
@@ -23,7 +23,6 @@ from zerosafe.plan.adapter import (
     looks_like_adapter,
 )
 from zerosafe.plan.build import plan_layout
-from zerosafe.plan.model import Slot
 
 P = "base_model.model.model.layers.0.self_attn"
 CONFIG = {"peft_type": "LORA", "r": 4, "bias": "none", "rank_pattern": {}}

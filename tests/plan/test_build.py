@@ -6,9 +6,15 @@ import pytest
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
-from zerosafe.formats.base import SourceDescription, SourceLayout, SourceTensor, StoredDetails
+from zerosafe.formats.base import (
+    Slot,
+    SourceDescription,
+    SourceFile,
+    SourceLayout,
+    SourceTensor,
+    StoredDetails,
+)
 from zerosafe.plan.build import assign_shards, plan_layout, plan_parts
-from zerosafe.plan.model import Slot, SourceFile
 
 
 @pytest.mark.parametrize(

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from zerosafe.config import ConvertOptions
+from zerosafe.dtypes import dtype_info
 from zerosafe.io.storage import FileIdentity
 
 if TYPE_CHECKING:
     from zerosafe.io.storage import ByteSource, Storage
-    from zerosafe.plan.model import Plan, Slot, SourceFile
+    from zerosafe.plan.model import Plan
 
 __all__ = [
     "FormatReader",
@@ -30,6 +31,8 @@ __all__ = [
     "LowpWitness",
     "ReadLabels",
     "ReadsLowpCopies",
+    "Slot",
+    "SourceFile",
     "SourceDescription",
     "SourceDetails",
     "SourceLayout",
@@ -44,6 +47,56 @@ a slot to element `dst_offset` of the flattened output tensor."""
 ROLES = ("param", "frozen", "buffer")
 """A source tensor's role: a trained parameter, a frozen (requires_grad=False) parameter, or a
 buffer. `exclude_frozen` leaves out the frozen ones; `inspect` counts each."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SourceFile:
+    """One file a conversion reads, with its identity (size, mtime or ETag) when planned."""
+
+    index: int
+    url: str
+    role: str
+    rank: int
+    size_bytes: int
+    version: str
+
+    @property
+    def identity(self) -> FileIdentity:
+        return FileIdentity(url=self.url, size_bytes=self.size_bytes, version=self.version)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Slot:
+    """A contiguous run of elements in a source file that fragments read from."""
+
+    index: int
+    file: int
+    rank: int
+    kind: str
+    """`fp32` (master partition), `frozen` (16-bit frozen param) or `buffer`."""
+    name: str
+    record: str
+    record_offset: int
+    """Absolute file offset of the zip record's data."""
+    record_size_bytes: int
+    record_crc32: int
+    element_offset: int
+    """Offset of the slot's first element inside the record."""
+    numel: int
+    dtype: str
+
+    @property
+    def itemsize(self) -> int:
+        return dtype_info(self.dtype).itemsize
+
+    @property
+    def byte_offset(self) -> int:
+        """Absolute file offset of the slot's first byte."""
+        return self.record_offset + self.element_offset * self.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -159,7 +212,7 @@ class SourceDescription:
             "tag_url": self.tag_url,
             "num_params": self.num_params,
             "checkpoint_bytes": self.checkpoint_bytes,
-            "files": [f.as_dict() for f in self.files] if with_files else None,
+            "files": [f.to_json() for f in self.files] if with_files else None,
             "content_sha256": self.content_sha256,
             **self.details.fields(),
         }
@@ -184,10 +237,7 @@ class SourceDescription:
     ) -> SourceDescription:
         """A description read back from `to_json()` (and `reader_json()`, where kept)."""
         reader = reader or {}
-        files = tuple(
-            FileIdentity(url=f["url"], size_bytes=f["size_bytes"], version=f["version"])
-            for f in block.get("files") or ()
-        )
+        files = tuple(FileIdentity.from_json(f) for f in block.get("files") or ())
         own = tuple((k, v) for k, v in block.items() if k not in _COMMON)
         return cls(
             format=str(reader.get("format") or block.get("format") or ""),
@@ -338,11 +388,9 @@ class SourceLayout:
     reader that made it reads it (in its optional capabilities, `ReadsLowpCopies`)."""
 
     @property
-    def identities(self) -> list[dict[str, Any]]:
+    def identities(self) -> list[FileIdentity]:
         """The source files' identities (URL, size, version): part of the job key."""
-        return [
-            {"url": f.url, "size_bytes": f.size_bytes, "version": f.version} for f in self.files
-        ]
+        return [f.identity for f in self.files]
 
 
 class FormatReader(Protocol):
@@ -373,7 +421,7 @@ class FormatReader(Protocol):
 
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[FileIdentity]]:
         """`(tag, identities)` of the files a conversion reads, from listings and stats only,
         in `SourceLayout.files` order, so a job key can be computed without opening a file."""
         ...

@@ -16,9 +16,18 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-__all__ = ["CrcLedger", "LedgerCheck", "crc32", "crc32_combine", "crc32_zeros"]
+from zerosafe.records import Record
+
+__all__ = [
+    "CrcLedger",
+    "IntegrityReport",
+    "LedgerCheck",
+    "RecordNote",
+    "crc32",
+    "crc32_combine",
+    "crc32_zeros",
+]
 
 try:  # the same CRC-32 (zip's), computed with SIMD: 5-6x zlib's speed on the benchmark machine
     from zlib_ng.zlib_ng import crc32
@@ -82,12 +91,30 @@ class LedgerCheck:
     skipped: list[tuple[str, str]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "records_checked": len(self.checked),
-            "records_skipped": [{"record": k, "why": w} for k, w in self.skipped],
-            "records_failed": [{"record": k, "why": w} for k, w in self.failed],
-        }
+    def report(self) -> IntegrityReport:
+        """What the manifest and the run summary say about it (`integrity`)."""
+        return IntegrityReport(
+            records_checked=len(self.checked),
+            records_skipped=tuple(RecordNote(record=k, why=w) for k, w in self.skipped),
+            records_failed=tuple(RecordNote(record=k, why=w) for k, w in self.failed),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecordNote(Record):
+    """A record the CRC checks skipped or failed, and why."""
+
+    record: str
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IntegrityReport(Record):
+    """What the CRC checks covered: the records checked, and those skipped or failed."""
+
+    records_checked: int
+    records_skipped: tuple[RecordNote, ...]
+    records_failed: tuple[RecordNote, ...]
 
 
 class CrcLedger:

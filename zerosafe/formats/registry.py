@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, ConfigError
@@ -29,7 +28,7 @@ from zerosafe.formats.nested import (
 from zerosafe.formats.resemble import looks_like_deepspeed, resemblance
 from zerosafe.formats.torch_checkpointing.reader import TorchCheckpointingReader
 from zerosafe.formats.verl.reader import VerlReader
-from zerosafe.io.storage import Storage, join_url, normalize_url
+from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
 
 __all__ = [
     "READERS",
@@ -216,9 +215,7 @@ def _no_lowp_copy(url: str, why: str) -> ConfigError:
     )
 
 
-def quick_identities(
-    storage: Storage, url: str, tag: str | None
-) -> tuple[str, list[dict[str, Any]]]:
+def quick_identities(storage: Storage, url: str, tag: str | None) -> tuple[str, list[FileIdentity]]:
     """`(tag, identities)` of the files converting `url` reads, from listings and stats."""
     found = find_save(storage, url, tag)
     return found.reader.quick_identities(storage, found.url, tag)

@@ -23,9 +23,12 @@ from zerosafe.verify.checksum import new_digest
 
 __all__ = [
     "HeaderEntry",
+    "SafetensorsHeader",
     "SafetensorsStreamWriter",
+    "StoredEntry",
     "TensorRangeWriter",
     "build_header",
+    "read_entries",
     "read_header",
 ]
 
@@ -101,6 +104,52 @@ def read_header(source: ByteSource) -> tuple[dict[str, dict[str, Any]], dict[str
             f"{source.url}: data ends at {data_start + end} but the file has {source.size_bytes} bytes; truncated"
         )
     return header, metadata, data_start
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEntry:
+    """One tensor of a safetensors header as stored: where its bytes are."""
+
+    dtype: str
+    """The safetensors code (`BF16`)."""
+    shape: tuple[int, ...]
+    data_offsets: tuple[int, int]
+    """`(begin, end)` in the data region."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_offsets[1] - self.data_offsets[0]
+
+
+SafetensorsHeader = dict[str, StoredEntry]
+"""Tensor name -> its entry, in the header's order."""
+
+
+def read_entries(source: ByteSource) -> tuple[SafetensorsHeader, dict[str, str], int]:
+    """`read_header` with every entry typed: `(entries, metadata, data_start)`.
+
+    Raises:
+        CheckpointFormatError: As `read_header`, or where an entry is not `{dtype, shape,
+            data_offsets: [begin, end]}`.
+    """
+    try:
+        header, metadata, data_start = read_header(source)
+        entries = {
+            name: StoredEntry(
+                str(e["dtype"]),
+                tuple(int(s) for s in e["shape"]),
+                (int(e["data_offsets"][0]), int(e["data_offsets"][1])),
+            )
+            for name, e in header.items()
+        }
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:
+        if isinstance(e, CheckpointFormatError):
+            raise
+        raise CheckpointFormatError(
+            f"{source.url}: a header entry is not {{dtype, shape, data_offsets}} "
+            f"({type(e).__name__}: {e}); the file is corrupt or not a safetensors file"
+        ) from e
+    return entries, metadata, data_start
 
 
 class _TensorCursor:

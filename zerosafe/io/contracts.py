@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
+
+from zerosafe.records import Record
 
 __all__ = ["ByteSource", "FileIdentity", "IOCounter", "PositionalSink", "Sink"]
 
@@ -41,16 +43,14 @@ class IOCounter:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class FileIdentity:
-    """What identifies one version of a file: its URL, size and mtime or ETag."""
+class FileIdentity(Record):
+    """What identifies one version of a file: its URL, size and mtime or ETag (in job keys
+    and the manifest's source files as `{url, size_bytes, version}`)."""
 
     url: str
     size_bytes: int
     version: str
     """mtime in nanoseconds for local files, the ETag (or mtime) for object stores."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"url": self.url, "size_bytes": self.size_bytes, "version": self.version}
 
 
 class ByteSource(Protocol):

@@ -1,7 +1,7 @@
 """Leases: one job at a time per output folder, one run at a time per job's work area.
 
-The holder writes a small JSON file (run id, host, pid, heartbeat; for an output folder also
-what it converts) and refreshes the heartbeat while it works. A lease is stale when its
+The holder writes a small JSON file, a `LeaseRecord` (run id, host, pid, heartbeat; for an
+output folder also what it converts) and refreshes the heartbeat while it works. A lease is stale when its
 heartbeat is older than `STALE_SECONDS`, or when it names a process on this host that no
 longer exists (a run killed with SIGKILL); a stale lease is taken over, a live one refused.
 
@@ -48,16 +48,19 @@ from typing import Any, Protocol
 
 from zerosafe.errors import ConversionError, StorageError
 from zerosafe.io.storage import JSON_MAX_BYTES, Storage, is_local, join_url, local_path
+from zerosafe.records import Record, RecordError, json_meta
 
 __all__ = [
     "DESTINATION_LEASE_NAME",
     "Lease",
     "LeaseHeldError",
     "LeaseLostError",
+    "LeaseRecord",
     "STALE_SECONDS",
     "destination_lease",
     "destination_lease_url",
     "lease_is_stale",
+    "parse_lease",
     "pid_alive",
     "work_lease",
 ]
@@ -90,17 +93,36 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def lease_is_stale(lease: dict[str, Any], now: float) -> bool:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeaseRecord(Record):
+    """What a lease file holds: who holds it and since when it last said so."""
+
+    job: str | None = field(default=None, metadata=json_meta(omit_default=True))
+    """What the holder converts (an output folder's lease only), shown to a refused run."""
+    run_id: str | None = None
+    host: str | None = None
+    pid: int | None = None
+    heartbeat: float | None = None
+    """`time.time()` of the holder's last write."""
+
+
+def parse_lease(raw: bytes) -> LeaseRecord | None:
+    """The lease in a lease file's bytes; None for content that is not one (a torn write):
+    such a file holds nothing."""
+    try:
+        return LeaseRecord.from_json(json.loads(raw))
+    except (ValueError, RecordError):
+        return None
+
+
+def lease_is_stale(lease: LeaseRecord, now: float) -> bool:
     """A lease whose heartbeat is older than `STALE_SECONDS`, or whose holder on this host is
     gone (killed with SIGKILL), holds nothing."""
-    if now - float(lease.get("heartbeat", 0) or 0) > STALE_SECONDS:
+    if now - (lease.heartbeat or 0) > STALE_SECONDS:
         return True
-    if lease.get("host") != socket.gethostname():
+    if lease.host != socket.gethostname():
         return False
-    try:
-        return not pid_alive(int(lease.get("pid", -1)))
-    except (TypeError, ValueError):
-        return False  # an unreadable pid: trust the heartbeat
+    return not pid_alive(-1 if lease.pid is None else lease.pid)
 
 
 def _clean_partials(storage: Storage, folders: list[str]) -> None:
@@ -122,8 +144,8 @@ class _LeaseFile(Protocol):
     """One lease file, written only conditionally. A version is opaque: an ETag, or the bytes
     last read."""
 
-    def read(self) -> tuple[dict[str, Any], Any] | None:
-        """`(lease, version)`, `{}` for unreadable content; None if there is no lease."""
+    def read(self) -> tuple[LeaseRecord | None, Any] | None:
+        """`(lease, version)`, None for unreadable content; None if there is no lease."""
         ...
 
     def create(self, data: bytes) -> Any:
@@ -147,19 +169,11 @@ class _LeaseFile(Protocol):
         ...
 
 
-def _parse(raw: bytes) -> dict[str, Any]:
-    try:
-        held = json.loads(raw)
-    except ValueError:
-        return {}
-    return held if isinstance(held, dict) else {}
-
-
 @dataclass
 class _LocalLeaseFile:
     path: str
 
-    def read(self) -> tuple[dict[str, Any], Any] | None:
+    def read(self) -> tuple[LeaseRecord | None, Any] | None:
         try:
             raw = Storage().read_small(
                 self.path,
@@ -169,7 +183,7 @@ class _LocalLeaseFile:
             )
         except FileNotFoundError:
             return None
-        return _parse(raw), raw
+        return parse_lease(raw), raw
 
     def _finished_temp(self, data: bytes) -> str:
         folder, name = os.path.split(self.path)
@@ -270,12 +284,12 @@ class _S3LeaseFile:
             raise
         return result
 
-    def read(self) -> tuple[dict[str, Any], Any] | None:
+    def read(self) -> tuple[LeaseRecord | None, Any] | None:
         try:
             response = self._call("get_object")
         except FileNotFoundError:
             return None
-        return _parse(response["Body"]), response["ETag"]
+        return parse_lease(response["Body"]), response["ETag"]
 
     def create(self, data: bytes) -> Any:
         try:
@@ -306,11 +320,11 @@ class _PlainLeaseFile:
     storage: Storage
     url: str
 
-    def read(self) -> tuple[dict[str, Any], Any] | None:
+    def read(self) -> tuple[LeaseRecord | None, Any] | None:
         if not self.storage.exists(self.url):
             return None
         raw = self.storage.read_bytes(self.url)
-        return _parse(raw), raw
+        return parse_lease(raw), raw
 
     def _write_and_confirm(self, data: bytes) -> Any:
         self.storage.write_bytes(self.url, data)
@@ -369,14 +383,14 @@ class Lease:
         """
         if self.lost is None and self._file is not None:
             current = self._file.read()
-            if current is None or current[0].get("run_id") != self.run_id:
+            if current is None or current[0] is None or current[0].run_id != self.run_id:
                 self._lose(current[0] if current else None)
         if self.lost is not None:
             raise LeaseLostError(self.lost)
 
-    def _lose(self, held: dict[str, Any] | None) -> None:
+    def _lose(self, held: LeaseRecord | None) -> None:
         who = (
-            f"run {held.get('run_id')}, {_holder(held, time.time())}"
+            f"run {held.run_id}, {_holder(held, time.time())}"
             if held
             else "the lease file was removed"
         )
@@ -393,8 +407,8 @@ def _held(
     storage: Storage,
     url: str,
     *,
-    refuse: Callable[[dict[str, Any], float], str],
-    info: dict[str, Any] | None = None,
+    refuse: Callable[[LeaseRecord, float], str],
+    job: str | None = None,
     clean: list[str] | None = None,
 ) -> Iterator[Lease]:
     """Hold the lease file `url` for the duration of the block."""
@@ -402,15 +416,11 @@ def _held(
     lease_file = _lease_file(storage, url)
 
     def body() -> bytes:
-        return json.dumps(
-            {
-                **(info or {}),
-                "run_id": run_id,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "heartbeat": time.time(),
-            }
-        ).encode()
+        held = LeaseRecord(
+            job=job, run_id=run_id, host=socket.gethostname(), pid=os.getpid(),
+            heartbeat=time.time(),
+        )  # fmt: skip
+        return json.dumps(held.to_json()).encode()
 
     storage.makedirs(url.rsplit("/", 1)[0])
     version = _take(lease_file, body(), refuse)
@@ -424,7 +434,7 @@ def _held(
                 version = lease_file.replace(body(), version)
             except _Conflict:
                 current = lease_file.read()
-                if current is not None and current[0].get("run_id") == run_id:
+                if current is not None and current[0] is not None and current[0].run_id == run_id:
                     version = current[1]  # our own write, read back differently: go on
                     continue
                 lease._lose(current[0] if current else None)
@@ -446,9 +456,7 @@ def _held(
                 lease_file.remove(version)
 
 
-def _take(
-    lease_file: _LeaseFile, data: bytes, refuse: Callable[[dict[str, Any], float], str]
-) -> Any:
+def _take(lease_file: _LeaseFile, data: bytes, refuse: Callable[[LeaseRecord, float], str]) -> Any:
     """Create the lease, or take over a stale one; returns the version written.
 
     Raises:
@@ -462,24 +470,22 @@ def _take(
         if current is not None:
             break
     else:
-        raise LeaseHeldError(refuse({}, time.time()))
+        raise LeaseHeldError(refuse(LeaseRecord(), time.time()))
     held, version = current
-    if held and not lease_is_stale(held, time.time()):
+    if held is not None and not lease_is_stale(held, time.time()):
         raise LeaseHeldError(refuse(held, time.time()))
-    if held:
-        log.info("taking over the stale lease of run %s", held.get("run_id"))
+    if held is not None:
+        log.info("taking over the stale lease of run %s", held.run_id)
     try:
         return lease_file.replace(data, version)
     except _Conflict:  # another run took it over first
         latest = lease_file.read()
-        raise LeaseHeldError(refuse(latest[0] if latest else {}, time.time())) from None
+        held = latest[0] if latest else None
+        raise LeaseHeldError(refuse(held or LeaseRecord(), time.time())) from None
 
 
-def _holder(held: dict[str, Any], now: float) -> str:
-    return (
-        f"pid {held.get('pid')} on {held.get('host')}, heartbeat "
-        f"{now - float(held.get('heartbeat', 0) or 0):.0f} s ago"
-    )
+def _holder(held: LeaseRecord, now: float) -> str:
+    return f"pid {held.pid} on {held.host}, heartbeat {now - (held.heartbeat or 0):.0f} s ago"
 
 
 @contextlib.contextmanager
@@ -496,7 +502,7 @@ def work_lease(
     """
     url = join_url(work_url, "lease.json")
 
-    def refuse(held: dict[str, Any], now: float) -> str:
+    def refuse(held: LeaseRecord, now: float) -> str:
         return (
             f"{work_url}: another run of this job ({_holder(held, now)}) is working here. Wait "
             f"for it to finish, or, if it is gone, delete {url} and run again."
@@ -530,8 +536,8 @@ def destination_lease(
     """
     url = destination_lease_url(out_url)
 
-    def refuse(held: dict[str, Any], now: float) -> str:
-        what = held.get("job") or "another job"
+    def refuse(held: LeaseRecord, now: float) -> str:
+        what = held.job or "another job"
         return (
             f"{out_url}: another conversion into this output folder is running ({what}; "
             f"{_holder(held, now)}). Wait for it to finish or choose another output folder; "
@@ -539,5 +545,5 @@ def destination_lease(
         )
 
     storage.ensure_folder(out_url)
-    with _held(storage, url, refuse=refuse, info={"job": job}, clean=clean) as lease:
+    with _held(storage, url, refuse=refuse, job=job, clean=clean) as lease:
         yield lease

@@ -25,9 +25,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from zerosafe.io.lease import pid_alive
+from zerosafe.records import Record, RecordError
 
 __all__ = [
     "OWNER_FILE",
@@ -68,26 +68,30 @@ def process_start_ticks(pid: int) -> int | None:
         return None
 
 
-def _owner_record() -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OwnerRecord(Record):
+    """`owner.json`: the process that made a folder (None where a record does not say)."""
+
+    pid: int | None = None
+    start_ticks: int | None = None
+    """When it started (`process_start_ticks`), so a later process given its pid is not it."""
+    uid: int | None = None
+    host: str | None = None
+
+
+def _owner_record() -> OwnerRecord:
     pid = os.getpid()
-    return {
-        "pid": pid,
-        "start_ticks": process_start_ticks(pid),
-        "uid": os.geteuid(),
-        "host": socket.gethostname(),
-    }
+    return OwnerRecord(
+        pid=pid, start_ticks=process_start_ticks(pid), uid=os.geteuid(), host=socket.gethostname()
+    )
 
 
-def _owner_alive(owner: dict[str, Any]) -> bool:
+def _owner_alive(owner: OwnerRecord) -> bool:
     """Whether the process that made a folder still runs; True where that cannot be known
     (another host, an unreadable record), so that nothing in use is ever removed."""
-    if owner.get("host") != socket.gethostname():
+    if owner.host != socket.gethostname() or owner.pid is None:
         return True
-    try:
-        pid = int(owner["pid"])
-    except (KeyError, TypeError, ValueError):
-        return True
-    started = owner.get("start_ticks")
+    pid, started = owner.pid, owner.start_ticks
     if started is None or not os.path.isdir("/proc/self"):  # no start time to compare
         return pid_alive(pid)
     # Gone, a zombie, or a later process given the same pid: not the owner.
@@ -106,7 +110,9 @@ class OwnedFolder:
     owner_alive: bool
 
 
-def _read_owner(path: str) -> dict[str, Any] | None:
+def _read_owner(path: str) -> OwnerRecord | None:
+    """The folder's owner record; None where there is none, or it is no JSON object; one that
+    says nothing (every field None) where its values are not an owner's: alive, unknown."""
     record = os.path.join(path, OWNER_FILE)
     try:
         st = os.lstat(record)
@@ -116,7 +122,12 @@ def _read_owner(path: str) -> dict[str, Any] | None:
             owner = json.loads(f.read())
     except (OSError, ValueError):
         return None
-    return owner if isinstance(owner, dict) else None
+    if not isinstance(owner, dict):
+        return None
+    try:
+        return OwnerRecord.from_json(owner)
+    except RecordError:
+        return OwnerRecord()
 
 
 def _size_and_mtime(path: str) -> tuple[int, float]:
@@ -159,13 +170,12 @@ def find_owned_folders(prefix: str, *, parent: str | None = None) -> list[OwnedF
             if owner is not None
             else now - st.st_mtime < _NO_RECORD_GRACE_SECONDS
         )
-        pid = owner.get("pid") if owner is not None else None
         found.append(
             OwnedFolder(
                 path=path,
                 size_bytes=size,
                 age_seconds=max(0.0, now - newest),
-                owner_pid=pid if isinstance(pid, int) else None,
+                owner_pid=owner.pid if owner is not None else None,
                 owner_alive=alive,
             )
         )
@@ -202,7 +212,7 @@ def owned_temp_folder(prefix: str, *, parent: str | None = None) -> Iterator[str
     path = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
         with open(os.path.join(path, OWNER_FILE), "w", encoding="utf-8") as f:
-            json.dump(_owner_record(), f)
+            json.dump(_owner_record().to_json(), f)
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError, ConfigError, LayoutMismatchError
-from zerosafe.formats.base import SourceLayout, SourceTensor
+from zerosafe.formats.base import Slot, SourceLayout, SourceTensor
 from zerosafe.io.storage import Storage
 from zerosafe.plan.adapter import (
     ADAPTER_WEIGHTS_NAME,
@@ -30,7 +30,6 @@ from zerosafe.plan.model import (
     FragmentTable,
     Plan,
     ShardSpec,
-    Slot,
     TensorSpec,
     job_key_of,
     shard_file_name,

@@ -28,8 +28,8 @@ from zerosafe._version import __version__
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError
-from zerosafe.formats.base import SourceDescription
-from zerosafe.io.storage import Storage, join_url
+from zerosafe.formats.base import Slot, SourceDescription, SourceFile
+from zerosafe.io.storage import FileIdentity, Storage, join_url
 
 __all__ = [
     "PLAN_FORMAT",
@@ -39,8 +39,6 @@ __all__ = [
     "FragmentTable",
     "Plan",
     "ShardSpec",
-    "Slot",
-    "SourceFile",
     "TensorSpec",
     "job_key_of",
     "load_plan",
@@ -56,50 +54,6 @@ SCALE_ROLE = "scale"
 PACKED_ROLE = "packed"
 """`TensorSpec.role` of a quantized weight stored under another name and shape: NVFP4's
 `<module>.weight_packed`, two values a byte, read from `<module>.weight`."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SourceFile:
-    index: int
-    url: str
-    role: str
-    rank: int
-    size_bytes: int
-    version: str
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Slot:
-    """A contiguous run of elements in a source file that fragments read from."""
-
-    index: int
-    file: int
-    rank: int
-    kind: str
-    """`fp32` (master partition), `frozen` (16-bit frozen param) or `buffer`."""
-    name: str
-    record: str
-    record_offset: int
-    """Absolute file offset of the zip record's data."""
-    record_size_bytes: int
-    record_crc32: int
-    element_offset: int
-    """Offset of the slot's first element inside the record."""
-    numel: int
-    dtype: str
-
-    @property
-    def itemsize(self) -> int:
-        return dtype_info(self.dtype).itemsize
-
-    @property
-    def byte_offset(self) -> int:
-        """Absolute file offset of the slot's first byte."""
-        return self.record_offset + self.element_offset * self.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -279,13 +233,13 @@ def shard_file_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
-def job_key_of(tag: str, identities: list[dict[str, Any]], options: ConvertOptions) -> str:
+def job_key_of(tag: str, identities: Sequence[FileIdentity], options: ConvertOptions) -> str:
     """Identity of a conversion: which files (URL, size, version) and which output options."""
     blob = json.dumps(
         {
             "plan_format": PLAN_FORMAT,
             "tag": tag,
-            "files": identities,
+            "files": [i.to_json() for i in identities],
             "options": options.identity(),
         },
         sort_keys=True,
@@ -294,8 +248,6 @@ def job_key_of(tag: str, identities: list[dict[str, Any]], options: ConvertOptio
 
 
 # -- persistence ----------------------------------------------------------------------------------
-
-_TABLES = ("files", "slots", "tensors", "shards")
 
 
 def _rows_to_parquet(rows: list[Any], cls: type) -> bytes:

@@ -52,7 +52,12 @@ from zerosafe.errors import (
     VerificationError,
 )
 from zerosafe.formats.crc import CrcLedger
-from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, read_header
+from zerosafe.formats.safetensors import (
+    HeaderEntry,
+    SafetensorsStreamWriter,
+    read_entries,
+    read_header,
+)
 from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_zip import (
     ALLOWED_GLOBALS,
@@ -644,7 +649,7 @@ def verify_pt(
     src = storage.open_source(url)
     failures: list[dict[str, str]] = []
     try:
-        entries, metadata, data_start = read_header(src)
+        entries, metadata, data_start = read_entries(src)
         if metadata.get(META_VERSION) != FORMAT_VERSION or META_TREE not in metadata:
             raise VerificationError(
                 f"{url}: no zerosafe pt2st structure in the metadata (version "
@@ -659,9 +664,9 @@ def verify_pt(
             if entry is None:
                 failures.append({"tensor": node["tensor"], "why": "no such entry"})
                 return
-            begin, end = entry["data_offsets"]
-            dtype = node.get("dtype", from_safetensors_code(entry["dtype"]).name)
-            shape = node.get("shape", entry["shape"])
+            begin, end = entry.data_offsets
+            dtype = node.get("dtype", from_safetensors_code(entry.dtype).name)
+            shape = node.get("shape", list(entry.shape))
             stride = node.get("stride", contiguous_stride(shape))
             need = view_end_bytes(shape, stride, node.get("offset", 0), dtype_info(dtype).itemsize)
             if need > end - begin:
@@ -678,7 +683,7 @@ def verify_pt(
         hashes = {}
         buf = bytearray(_VERIFY_CHUNK_BYTES)
         for name, entry in entries.items():
-            begin, end = entry["data_offsets"]
+            begin, end = entry.data_offsets
             hashes[name] = _hash_range(src, data_start + begin, end - begin, buf)
             want = (expected_sha256 or {}).get(name)
             if want is not None and want != hashes[name]:
@@ -697,6 +702,6 @@ def verify_pt(
         "url": url,
         "num_entries": len(entries),
         "num_tensors": num_tensors,
-        "data_bytes": sum(e["data_offsets"][1] - e["data_offsets"][0] for e in entries.values()),
+        "data_bytes": sum(e.nbytes for e in entries.values()),
         "checksums_compared": len(expected_sha256 or {}),
     }

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from zerosafe.dtypes import dtype_info, from_safetensors_code, torch_dtype
 from zerosafe.errors import CheckpointFormatError
-from zerosafe.formats.safetensors import read_header
+from zerosafe.formats.safetensors import SafetensorsHeader, StoredEntry, read_entries, read_header
 from zerosafe.formats.torch_pickle import contiguous_stride
 from zerosafe.io.storage import ByteSource, Storage, is_local, local_path
 from zerosafe.pt2st.convert import (
@@ -50,7 +50,7 @@ class _Storages:
     def __init__(
         self,
         src: ByteSource,
-        entries: dict[str, dict[str, Any]],
+        entries: SafetensorsHeader,
         data_start: int,
         *,
         device: torch.device,
@@ -70,7 +70,7 @@ class _Storages:
                 # Copy-on-write: tensors are writable, and writes stay in this process.
                 self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
-    def _entry(self, name: str) -> dict[str, Any]:
+    def _entry(self, name: str) -> StoredEntry:
         try:
             return self.entries[name]
         except KeyError:
@@ -91,9 +91,7 @@ class _Storages:
                 self.src.readinto_at(start + pos, target[pos : pos + n])
             return out.untyped_storage()
         if self._staging is None:
-            largest = max(
-                e["data_offsets"][1] - e["data_offsets"][0] for e in self.entries.values()
-            )
+            largest = max(e.nbytes for e in self.entries.values())
             self._staging = torch.empty(
                 min(self.staging_bytes, largest),
                 dtype=torch.uint8,
@@ -113,7 +111,7 @@ class _Storages:
         cached = self._cache.get(name)
         if cached is not None:
             return cached
-        begin, end = self._entry(name)["data_offsets"]
+        begin, end = self._entry(name).data_offsets
         start, nbytes = self.data_start + begin, end - begin
         if nbytes == 0:
             result = torch.UntypedStorage(0, device=self.device)  # type: ignore[no-untyped-call]
@@ -131,8 +129,8 @@ class _Storages:
 
         name = node["tensor"]
         entry = self._entry(name)
-        dtype = node.get("dtype") or from_safetensors_code(entry["dtype"]).name
-        shape = node.get("shape", entry["shape"])
+        dtype = node.get("dtype") or from_safetensors_code(entry.dtype).name
+        shape = node.get("shape", list(entry.shape))
         stride = node.get("stride", contiguous_stride(shape))
         offset = node.get("offset", 0)
         storage = self.storage(name)
@@ -184,7 +182,7 @@ def load_pt_like(
     storage = Storage(storage_options)
     src = storage.open_source(url)
     try:
-        entries, metadata, data_start = read_header(src)
+        entries, metadata, data_start = read_entries(src)
         storages = _Storages(
             src,
             entries,

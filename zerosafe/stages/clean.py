@@ -18,7 +18,6 @@ Nothing is removed without `--apply`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import posixpath
@@ -27,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from zerosafe.io.lease import destination_lease_url, lease_is_stale
+from zerosafe.io.lease import destination_lease_url, lease_is_stale, parse_lease
 from zerosafe.io.owned_folders import PRIVATE_SERVER_PREFIX, find_owned_folders
 from zerosafe.io.s3 import abort_upload, list_incomplete_uploads
 from zerosafe.io.storage import Storage, is_local, join_url, local_path
@@ -116,11 +115,8 @@ def _lease_is_live(storage: Storage, work_url: str, now: float) -> bool:
 def _lease_file_is_live(storage: Storage, url: str, now: float) -> bool:
     if not storage.exists(url):
         return False
-    try:
-        lease = json.loads(storage.read_bytes(url))
-    except ValueError:
-        return False  # a torn lease file: nobody holds it
-    return isinstance(lease, dict) and not lease_is_stale(lease, now)
+    lease = parse_lease(storage.read_bytes(url))  # None for a torn lease file: nobody holds it
+    return lease is not None and not lease_is_stale(lease, now)
 
 
 def _kept_by_complete_output(storage: Storage, work_url: str) -> bool:
@@ -135,11 +131,7 @@ def _kept_by_complete_output(storage: Storage, work_url: str) -> bool:
     job = posixpath.basename(work_url.rstrip("/"))
     # A run whose cleanup failed after publishing leaves its work area too; manifests record
     # whether `--keep-work` asked to keep it (before they did, every one counts as kept).
-    return (
-        manifest is not None
-        and str(manifest.get("job_key", "")).startswith(job)
-        and bool(manifest.get("keep_work", True))
-    )
+    return manifest is not None and (manifest.job_key or "").startswith(job) and manifest.keep_work
 
 
 def find_leftovers(

@@ -48,6 +48,7 @@ from zerosafe.io.storage import (
     normalize_url,
 )
 from zerosafe.plan.adapter import ADAPTER_CONFIG_NAME
+from zerosafe.stages.manifest import ModelFileEntry
 
 if TYPE_CHECKING:
     from zerosafe.formats.base import SourceDescription
@@ -262,7 +263,7 @@ def copy_model_files(
     *,
     chunk_bytes: int = COPY_CHUNK_BYTES,
     config_update: dict[str, Any] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[ModelFileEntry]:
     """Copy `names` from `folder` into `dest` (each written atomically), byte for byte, in
     reads of at most `chunk_bytes`. A local copy's mode is never wider than its source's.
     A name that stopped being a regular file inside `folder` since it was listed is skipped
@@ -272,8 +273,8 @@ def copy_model_files(
     that copy is written, not copied, as JSON with every other key as it was, in its order.
 
     Returns:
-        Manifest entries: `file`, `size_bytes`, `sha256`, and `source`, `source_size_bytes`,
-        `source_version` (what a later run compares to see the source changed).
+        Manifest entries: the copy's size and SHA-256, and the source's URL, size and version
+        (what a later run compares to see the source changed).
 
     Raises:
         CheckpointFormatError: If a file shrinks while it is copied.
@@ -293,10 +294,14 @@ def copy_model_files(
         if is_local(target):
             storage.makedirs(posixpath.dirname(target))
         if name == "config.json" and config_update is not None:
+            size_bytes, sha256 = _write_config(
+                storage, folder, target, config_update, max_mode=max_mode
+            )
             entries.append(
-                _write_config(storage, folder, target, config_update, max_mode=max_mode)
-                | {"source": src, "source_size_bytes": ident.size_bytes,
-                   "source_version": ident.version}
+                ModelFileEntry(
+                    file=name, size_bytes=size_bytes, sha256=sha256, source=src,
+                    source_size_bytes=ident.size_bytes, source_version=ident.version,
+                )
             )  # fmt: skip
             continue
         digest = hashlib.sha256()
@@ -311,23 +316,19 @@ def copy_model_files(
         finally:
             source.close()
         entries.append(
-            {
-                "file": name,
-                "size_bytes": size_bytes,
-                "sha256": digest.hexdigest(),
-                "source": src,
-                "source_size_bytes": ident.size_bytes,
-                "source_version": ident.version,
-            }
-        )
+            ModelFileEntry(
+                file=name, size_bytes=size_bytes, sha256=digest.hexdigest(), source=src,
+                source_size_bytes=ident.size_bytes, source_version=ident.version,
+            )
+        )  # fmt: skip
     return entries
 
 
 def _write_config(
     storage: Storage, folder: str, target: str, update: dict[str, Any], *, max_mode: int | None
-) -> dict[str, Any]:
+) -> tuple[int, str]:
     """Write `folder/config.json` with `update`'s keys set (added last where new) to
-    `target`, indented as `save_pretrained` writes it; its `file`, `size_bytes`, `sha256`.
+    `target`, indented as `save_pretrained` writes it; its size and SHA-256.
 
     Raises:
         CheckpointFormatError: If the source config is not a JSON object (`read_config`).
@@ -340,8 +341,7 @@ def _write_config(
     data = (json.dumps({**config, **update}, indent=2) + "\n").encode()
     with storage.sink(target, max_mode=max_mode) as sink:
         sink.write(data)
-    return {"file": "config.json", "size_bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest()}  # fmt: skip
+    return len(data), hashlib.sha256(data).hexdigest()
 
 
 def sha256_of(
@@ -514,21 +514,17 @@ def _architectures(config: dict[str, object] | None) -> str:
 
 def write_generated_config(
     storage: Storage, config: dict[str, object], dest: str, *, dtype: str
-) -> dict[str, Any]:
+) -> ModelFileEntry:
     """Write `config` (a reader's `SourceDescription.model_config`) as `dest/config.json`,
     atomically, with `torch_dtype` the output's; its manifest entry (no `source`: it was made,
     not copied)."""
     data = (json.dumps({**config, "torch_dtype": dtype}, indent=2, sort_keys=True) + "\n").encode()
     with storage.sink(join_url(dest, "config.json")) as sink:
         sink.write(data)
-    return {
-        "file": "config.json",
-        "size_bytes": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "source": None,
-        "source_size_bytes": None,
-        "source_version": None,
-    }
+    return ModelFileEntry(
+        file="config.json", size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+        source=None, source_size_bytes=None, source_version=None,
+    )  # fmt: skip
 
 
 def model_files_report(

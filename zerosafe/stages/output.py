@@ -16,16 +16,29 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zerosafe._version import __version__
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import OutputExistsError, VerificationError
-from zerosafe.formats.base import SourceDescription
+from zerosafe.formats.crc import IntegrityReport
 from zerosafe.io.storage import JSON_MAX_BYTES, FileIdentity, Storage, is_local, join_url
 from zerosafe.plan.adapter import ADAPTER_WEIGHTS_NAME
 from zerosafe.plan.model import Plan
+from zerosafe.records import RecordError
+from zerosafe.stages.manifest import (
+    MANIFEST_FORMAT,
+    Checks,
+    IndexEntry,
+    LowpCheck,
+    LowpCounts,
+    Manifest,
+    Marker,
+    ModelFileEntry,
+    PublishedFile,
+    ShardEntry,
+)
 from zerosafe.stages.model_files import (
     check_model_files_outside,
     copy_model_files,
@@ -65,7 +78,6 @@ INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "zerosafe-manifest.json"
 MARKER_NAME = "zerosafe-complete.json"
 WORK_DIR_NAME = ".zerosafe-work"
-MANIFEST_FORMAT = 1
 OUTPUT_JSON_MAX_BYTES = 2**30
 """Cap of the manifest and the index when read back (`Storage.read_small`): both hold an entry
 per tensor (the manifest's, with its checksum, about 300 bytes), so a million tensors fit in a
@@ -97,15 +109,15 @@ def shard_location(storage: Storage, out_url: str, job_key: str, file_name: str)
     return pending if storage.exists(pending) else join_url(out_url, file_name)
 
 
-def _file_changed(storage: Storage, out_url: str, entry: dict[str, Any]) -> str | None:
+def _file_changed(storage: Storage, out_url: str, entry: PublishedFile) -> str | None:
     """Why a file the manifest names is not as published (None if it is)."""
-    url = join_url(out_url, str(entry.get("file")))
+    url = join_url(out_url, entry.file)
     if not storage.exists(url):
         return "missing"
     ident = storage.identity(url)
-    if ident.size_bytes != entry.get("size_bytes"):
-        return f"{ident.size_bytes} bytes, published {entry.get('size_bytes')}"
-    if entry.get("version") is not None and ident.version != entry["version"]:
+    if ident.size_bytes != entry.size_bytes:
+        return f"{ident.size_bytes} bytes, published {entry.size_bytes}"
+    if entry.version is not None and ident.version != entry.version:
         return "modified after publishing"
     return None
 
@@ -120,7 +132,7 @@ RECORDED = _Recorded()
 def changed_files(
     storage: Storage,
     out_url: str,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     *,
     model_files_from: str | None | _Recorded = RECORDED,
 ) -> dict[str, str]:
@@ -131,72 +143,72 @@ def changed_files(
     None when it copies none; by default the one the manifest records).
     """
     out: dict[str, str] = {}
-    index = manifest.get("index")
-    for entry in [*(manifest.get("files") or []), *([index] if isinstance(index, dict) else [])]:
+    published: list[PublishedFile] = [*manifest.files]
+    for entry in published + ([manifest.index] if manifest.index is not None else []):
         why = _file_changed(storage, out_url, entry)
         if why is not None:
-            out[str(entry.get("file"))] = why
+            out[entry.file] = why
     out.update(_changed_model_files(storage, out_url, manifest, model_files_from))
     return out
 
 
 def _changed_model_files(
-    storage: Storage, out_url: str, manifest: dict[str, Any], wanted: str | None | _Recorded
+    storage: Storage, out_url: str, manifest: Manifest, wanted: str | None | _Recorded
 ) -> dict[str, str]:
     """Copied model files that are missing or changed in the output or in the folder they
     were copied from, or new there (an output converted before they were copied included),
     or all of them when this run copies from another folder: name -> why. A source file
     removed since is not a change: its copy stays."""
-    recorded = manifest.get("model_files_from")
+    recorded = manifest.model_files_from
     folder = recorded if isinstance(wanted, _Recorded) else wanted
-    entries = [e for e in manifest.get("model_files") or [] if isinstance(e, dict)]
-    adapter = bool((manifest.get("options") or {}).get("adapter"))
+    entries = manifest.model_files
+    adapter = bool(manifest.options.get("adapter"))
     new = find_model_files(storage, folder, adapter=adapter) if folder is not None else []
     if folder != recorded:
-        stale = {str(e.get("file")): f"copied from {recorded}; not wanted now" for e in entries}
+        stale = {e.file: f"copied from {recorded}; not wanted now" for e in entries}
         return {**stale, **{n: f"to copy from {folder}" for n in new}}
     out: dict[str, str] = {}
     for entry in entries:
         why = _file_changed(storage, out_url, entry)
-        src = entry.get("source")
-        if why is None and isinstance(src, str) and storage.exists(src):
+        src = entry.source
+        if why is None and src is not None and storage.exists(src):
             ident = storage.identity(src)
-            if (ident.size_bytes, ident.version) != (
-                entry.get("source_size_bytes"),
-                entry.get("source_version"),
-            ):
+            if (ident.size_bytes, ident.version) != (entry.source_size_bytes, entry.source_version):
                 why = f"{src} changed since it was copied"
         if why is not None:
-            out[str(entry.get("file"))] = why
-    copied = {str(e.get("file")) for e in entries}
+            out[entry.file] = why
+    copied = {e.file for e in entries}
     out.update({n: f"in {folder}, not copied yet" for n in new if n not in copied})
     return out
 
 
-def _previous_manifest(storage: Storage, out_url: str, job_key: str) -> dict[str, Any] | None:
+def _previous_manifest(storage: Storage, out_url: str, job_key: str) -> Manifest | None:
     """In a repair: the manifest the output was published with (None outside a repair)."""
     url = join_url(pending_url(out_url, job_key), PREVIOUS_MANIFEST_NAME)
     if not storage.exists(url):
         return None
-    try:
-        manifest = json.loads(
-            storage.read_small(url, limit_bytes=OUTPUT_JSON_MAX_BYTES, what="a zerosafe manifest")
+    try:  # a RecordError is a ValueError
+        return Manifest.from_json(
+            json.loads(
+                storage.read_small(
+                    url, limit_bytes=OUTPUT_JSON_MAX_BYTES, what="a zerosafe manifest"
+                )
+            )
         )
     except ValueError:
         return None
-    return manifest if isinstance(manifest, dict) else None
 
 
 def _reused(
-    storage: Storage, out_url: str, manifest: dict[str, Any], shard: int, file_name: str
+    storage: Storage, out_url: str, manifest: Manifest, shard: int, file_name: str
 ) -> MergeResult | None:
     """The merge result of published shard `file_name` rebuilt from `manifest`, if the file
     is still as published; else None."""
     try:
-        entry = next(f for f in manifest["files"] if f["file"] == file_name)
+        entry = next(f for f in manifest.files if f.file == file_name)
         tensors = {
             name: {k: v for k, v in info.items() if k not in ("file", "role")}
-            for name, info in manifest["tensors"].items()
+            for name, info in manifest.tensors.items()
             if info["file"] == file_name
         }
     except (KeyError, TypeError, StopIteration):
@@ -206,8 +218,8 @@ def _reused(
     return MergeResult(
         shard=shard,
         file=file_name,
-        file_bytes=entry["size_bytes"],
-        data_bytes=entry["data_bytes"],
+        file_bytes=entry.size_bytes,
+        data_bytes=entry.data_bytes,
         bytes_read=0,
         tensors=tensors,
         ledger={},
@@ -282,13 +294,13 @@ class OutputState:
     this job), `foreign` (model files without a marker, not this job's), `unusable` (a
     completion marker without a usable manifest)."""
     detail: str = ""
-    manifest: dict[str, Any] | None = None
+    manifest: Manifest | None = None
 
 
 _REDO = "pass --overwrite to convert into the folder again, or remove it"
 
 
-def read_complete_manifest(storage: Storage, out_url: str) -> dict[str, Any] | None:
+def read_complete_manifest(storage: Storage, out_url: str) -> Manifest | None:
     """The manifest of a complete output (marker present and vouching for it), else None."""
     marker_url = join_url(out_url, MARKER_NAME)
     if not storage.exists(marker_url):
@@ -297,9 +309,7 @@ def read_complete_manifest(storage: Storage, out_url: str) -> dict[str, Any] | N
         marker_url, limit_bytes=JSON_MAX_BYTES, what="a zerosafe completion marker", fix=_REDO
     )
     try:
-        marker = json.loads(raw)
-        if not isinstance(marker, dict):
-            raise ValueError("not a JSON object")
+        marker = Marker.from_json(json.loads(raw))
     except ValueError as e:
         raise OutputExistsError(
             f"{marker_url}: expected a zerosafe completion marker (JSON), found unreadable "
@@ -316,18 +326,24 @@ def read_complete_manifest(storage: Storage, out_url: str) -> dict[str, Any] | N
     raw = storage.read_small(
         manifest_url, limit_bytes=OUTPUT_JSON_MAX_BYTES, what="a zerosafe manifest", fix=_REDO
     )
-    if hashlib.sha256(raw).hexdigest() != marker.get("manifest_sha256"):
+    if hashlib.sha256(raw).hexdigest() != marker.manifest_sha256:
         log.warning(
             "%s: the completion marker does not match the manifest; treating as incomplete", out_url
         )
         return None
     try:
-        manifest: dict[str, Any] = json.loads(raw)
+        manifest = json.loads(raw)
     except ValueError as e:  # vouched for by the marker's hash, yet not JSON: not ours
         raise OutputExistsError(
             f"{manifest_url}: not valid JSON ({e}). Pass --overwrite to convert into it again."
         ) from e
-    return manifest
+    try:
+        return Manifest.from_json(manifest)
+    except RecordError as e:  # vouched for, yet not a manifest this version reads
+        raise OutputExistsError(
+            f"{manifest_url}: not a zerosafe manifest ({e}). Pass --overwrite to convert into "
+            "it again."
+        ) from e
 
 
 def quick_done(
@@ -353,12 +369,9 @@ def quick_done(
     except Exception:  # anything odd: take the full path, which reports it properly
         return None
     key = job_key_of(resolved_tag, identities, options)
-    if manifest is None or manifest.get("job_key") != key:
+    if manifest is None or manifest.job_key != key:
         return None
-    recorded = manifest.get("source")
-    wanted = model_files_folder(
-        SourceDescription.from_json(recorded) if recorded else None, options
-    )
+    wanted = model_files_folder(manifest.source, options)
     changed = changed_files(storage, out_url, manifest, model_files_from=wanted)
     if changed:  # not a no-op: the full path repairs these shards
         log.warning("%s: published files changed: %s", out_url, changed)
@@ -368,11 +381,10 @@ def quick_done(
     return key
 
 
-def lacks_file_sha256(manifest: dict[str, Any]) -> bool:
+def lacks_file_sha256(manifest: Manifest) -> bool:
     """Whether a manifest lacks the whole-file SHA-256 of some weight file (converted without
     `file_sha256`, or by a version before it)."""
-    files = manifest.get("files") or []
-    return any(not isinstance(f, dict) or not isinstance(f.get("sha256"), str) for f in files)
+    return any(f.sha256 is None for f in manifest.files)
 
 
 _NO_FILE_SHA256 = (
@@ -400,7 +412,7 @@ def inspect_output(
         except OutputExistsError as e:
             return OutputState("unusable", str(e))
         if manifest is not None:
-            if manifest.get("job_key") == job_key:
+            if manifest.job_key == job_key:
                 changed = changed_files(
                     storage, out_url, manifest, model_files_from=model_files_from
                 )
@@ -410,11 +422,11 @@ def inspect_output(
                 if file_sha256 and lacks_file_sha256(manifest):
                     return OutputState("repair", _NO_FILE_SHA256, manifest)
                 return OutputState("done", manifest=manifest)
-            src = manifest.get("source", {})
+            src = manifest.source
             return OutputState(
                 "other",
-                f"a complete conversion of {src.get('checkpoint')} (tag {src.get('tag')}) with options "
-                f"{manifest.get('options')}",
+                f"a complete conversion of {src.checkpoint if src else None} "
+                f"(tag {src.tag if src else None}) with options {manifest.options}",
                 manifest,
             )
     work = default_work_url(out_url, job_key)
@@ -444,9 +456,8 @@ def _copied_model_files(storage: Storage, out_url: str) -> list[str]:
             if storage.exists(url)
             else b"{}"
         )
-        manifest = json.loads(raw)
-        return [str(e["file"]) for e in manifest.get("model_files") or []]
-    except (ValueError, AttributeError, KeyError, TypeError):
+        return [e.file for e in Manifest.from_json(json.loads(raw)).model_files]
+    except ValueError:  # a RecordError too
         return []
 
 
@@ -523,7 +534,7 @@ def _start_repair(
         log.warning("%s: published files changed (%s); merging them again", out_url, state.detail)
     storage.write_bytes(
         join_url(pending_url(out_url, job_key), PREVIOUS_MANIFEST_NAME),
-        json.dumps(state.manifest).encode(),
+        json.dumps(state.manifest.to_json()).encode(),
     )
     storage.remove(join_url(out_url, MARKER_NAME))
     storage.remove(join_url(out_url, INDEX_NAME))
@@ -540,14 +551,16 @@ def _remove_files(storage: Storage, out_url: str, names: list[str]) -> None:
         _remove_if_empty(storage, join_url(out_url, folder))
 
 
-def _checks(verifies: Sequence[VerifyResult], lowp: dict[str, Any] | None) -> dict[str, Any]:
+def _checks(verifies: Sequence[VerifyResult], lowp: LowpCheck | None) -> Checks:
     """What verification covered, for the manifest."""
-    checks: dict[str, Any] = {"verified_tensors": sum(v.num_tensors for v in verifies)}
+    counts = None
     if lowp is not None:
-        checks["lowp_cross_check"] = {
-            k: lowp[k] for k in ("lowp_checked", "lowp_mismatched", "lowp_skipped")
-        }
-    return checks
+        counts = LowpCounts(
+            lowp_checked=lowp.lowp_checked,
+            lowp_mismatched=lowp.lowp_mismatched,
+            lowp_skipped=lowp.lowp_skipped,
+        )
+    return Checks(verified_tensors=sum(v.num_tensors for v in verifies), lowp_cross_check=counts)
 
 
 def _file_sha256(
@@ -566,7 +579,7 @@ def _file_sha256(
 
 def _stage_model_files(
     plan: Plan, storage: Storage, pending: str, options: ConvertOptions
-) -> list[dict[str, Any]]:
+) -> list[ModelFileEntry]:
     """Copy the job's model files (config, tokenizer) into the pending folder, for publish to
     move into place with the shards; their manifest entries."""
     folder = model_files_folder(plan.source, options)
@@ -590,13 +603,13 @@ def _stage_model_files(
     return entries
 
 
-def _names(entries: Sequence[dict[str, Any]]) -> set[str]:
-    return {str(e.get("file")) for e in entries}
+def _names(entries: Sequence[ModelFileEntry]) -> set[str]:
+    return {e.file for e in entries}
 
 
 def _published_model_files(
-    storage: Storage, out_url: str, entries: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
+    storage: Storage, out_url: str, entries: list[ModelFileEntry]
+) -> tuple[ModelFileEntry, ...]:
     """The entries with each copy's size and version as published.
 
     Raises:
@@ -604,16 +617,16 @@ def _published_model_files(
     """
     out = []
     for entry in entries:
-        ident = storage.identity(join_url(out_url, entry["file"]))
-        if ident.size_bytes != entry["size_bytes"]:
+        ident = storage.identity(join_url(out_url, entry.file))
+        if ident.size_bytes != entry.size_bytes:
             raise VerificationError(
                 f"{ident.url}: {ident.size_bytes} bytes after moving it into place, expected "
-                f"{entry['size_bytes']}; the output was not marked complete. Run the same "
+                f"{entry.size_bytes}; the output was not marked complete. Run the same "
                 "command again.",
                 [],
             )
-        out.append({**entry, "version": ident.version})
-    return out
+        out.append(replace(entry, version=ident.version))
+    return tuple(out)
 
 
 def _move_into_place(
@@ -621,7 +634,7 @@ def _move_into_place(
     out_url: str,
     job_key: str,
     merges: Sequence[MergeResult],
-    model_files: Sequence[dict[str, Any]] = (),
+    model_files: Sequence[ModelFileEntry] = (),
 ) -> dict[str, FileIdentity]:
     """Rename the pending shards and copied model files to their final names; returns each
     shard's identity.
@@ -630,7 +643,7 @@ def _move_into_place(
         VerificationError: If a shard in place does not have the size its merge wrote.
     """
     pending = pending_url(out_url, job_key)
-    for name in [m.file for m in merges] + [e["file"] for e in model_files]:
+    for name in [m.file for m in merges] + [e.file for e in model_files]:
         src = join_url(pending, name)
         if storage.exists(src):
             if is_local(out_url) and "/" in name:
@@ -649,11 +662,11 @@ def _move_into_place(
 
 
 def _refuse_failures(
-    out_url: str, verifies: Sequence[VerifyResult], lowp: dict[str, Any] | None
+    out_url: str, verifies: Sequence[VerifyResult], lowp: LowpCheck | None
 ) -> None:
     """Raise `VerificationError` naming the first failures, if any check failed."""
     failures = [f for v in verifies for f in v.failures]
-    failures += lowp["failures"] if lowp is not None else []
+    failures += lowp.failures if lowp is not None else ()
     if failures:
         lines = [f"{f['file']}: {f['tensor']}: {f['check']}: {f['detail']}" for f in failures[:20]]
         raise VerificationError(
@@ -665,7 +678,7 @@ def _refuse_failures(
 
 def _write_index(
     plan: Plan, storage: Storage, out_url: str, by_shard: Sequence[MergeResult], total_size: int
-) -> dict[str, Any] | None:
+) -> IndexEntry | None:
     """Write `model.safetensors.index.json` when there are several shards; returns its
     manifest entry (None for one shard: no index)."""
     if len(plan.shards) <= 1:
@@ -678,7 +691,7 @@ def _write_index(
         join_url(out_url, INDEX_NAME), (json.dumps(index, indent=2) + "\n").encode()
     )
     written = storage.identity(join_url(out_url, INDEX_NAME))
-    return {"file": INDEX_NAME, "size_bytes": written.size_bytes, "version": written.version}
+    return IndexEntry(file=INDEX_NAME, size_bytes=written.size_bytes, version=written.version)
 
 
 def publish(
@@ -689,10 +702,10 @@ def publish(
     options: ConvertOptions,
     merges: Sequence[MergeResult],
     verifies: Sequence[VerifyResult],
-    integrity: dict[str, Any],
+    integrity: IntegrityReport,
     stats: RunStats | None = None,
-    lowp: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    lowp: LowpCheck | None = None,
+) -> Manifest:
     """Move the verified shards and the copied model files into place, write the index and
     the manifest, then the completion marker, last.
 
@@ -715,49 +728,49 @@ def publish(
     total_size = sum(m.data_bytes for m in by_shard)
     index_entry = _write_index(plan, storage, out_url, by_shard, total_size)
     roles = {t.name: t.role for t in plan.tensors}
-    manifest = {
-        "manifest_format": MANIFEST_FORMAT,
-        "zerosafe_version": __version__,
-        "job_key": plan.job_key,
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": plan.source.to_json(),
-        "options": {**options.identity(), "direct": options.direct},
-        "keep_work": options.keep_work,
-        "files": [
-            {
-                "file": m.file,
-                "size_bytes": m.file_bytes,
-                "data_bytes": m.data_bytes,
-                "version": versions[m.file].version,
-                **({"sha256": file_sha256[m.file]} if m.file in file_sha256 else {}),
-            }
+    manifest = Manifest(
+        manifest_format=MANIFEST_FORMAT,
+        zerosafe_version=__version__,
+        job_key=plan.job_key,
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        source=plan.source,
+        options={**options.identity(), "direct": options.direct},
+        keep_work=options.keep_work,
+        files=tuple(
+            ShardEntry(
+                file=m.file,
+                size_bytes=m.file_bytes,
+                data_bytes=m.data_bytes,
+                version=versions[m.file].version,
+                sha256=file_sha256.get(m.file),
+            )
             for m in by_shard
-        ],
-        "total_size": total_size,
-        **({"index": index_entry} if index_entry else {}),
-        "tensors": {
+        ),  # fmt: skip
+        total_size=total_size,
+        index=index_entry,
+        tensors={
             name: {**info, "file": m.file, "role": roles.get(name, "param")}
             for m in by_shard
             for name, info in m.tensors.items()
         },
-        "aliases": plan.aliases,
-        "model_files_from": model_files_folder(plan.source, options),
-        "model_files": _published_model_files(storage, out_url, model_files),
-        "integrity": integrity,
-        "checks": _checks(verifies, lowp),
-        "notes": plan.notes,
-        "warnings": plan.warnings,
-        "stats": stats.to_json() if stats is not None else {},
-    }
-    raw = (json.dumps(manifest, indent=1) + "\n").encode()
+        aliases=plan.aliases,
+        model_files_from=model_files_folder(plan.source, options),
+        model_files=_published_model_files(storage, out_url, model_files),
+        integrity=integrity,
+        checks=_checks(verifies, lowp),
+        notes=tuple(plan.notes),
+        warnings=tuple(plan.warnings),
+        stats=stats,
+    )
+    raw = (json.dumps(manifest.to_json(), indent=1) + "\n").encode()
     storage.write_bytes(join_url(out_url, MANIFEST_NAME), raw)
-    marker = {
-        "job_key": plan.job_key,
-        "manifest_sha256": hashlib.sha256(raw).hexdigest(),
-        "completed_at": manifest["created_at"],
-        "zerosafe_version": __version__,
-    }
+    marker = Marker(
+        job_key=plan.job_key,
+        manifest_sha256=hashlib.sha256(raw).hexdigest(),
+        completed_at=manifest.created_at,
+        zerosafe_version=__version__,
+    )
     storage.write_bytes(
-        join_url(out_url, MARKER_NAME), (json.dumps(marker, indent=1) + "\n").encode()
+        join_url(out_url, MARKER_NAME), (json.dumps(marker.to_json(), indent=1) + "\n").encode()
     )
     return manifest

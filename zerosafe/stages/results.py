@@ -7,18 +7,21 @@ extract part and output shard the bytes and dependencies the scheduler needs). `
 memory, tasks) as written into the manifest.
 
 The engine's lifecycle functions (`zerosafe.pipeline`) pass these between each other. Only
-the Prefect tasks turn them into JSON-able dicts (`to_json`, `from_json`), at the task edge,
-where results are cached and shipped between processes. The JSON keys are the ones task
-results and run summaries always had, so results cached by an earlier run still resume.
+the Prefect tasks and the unit records turn them into JSON (`to_json`, `from_json`, derived
+from the fields by `zerosafe.records`), where results are cached and shipped between
+processes. The JSON keys are the ones task results and run summaries always had, so results
+cached by an earlier run still resume.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from zerosafe.formats.base import SourceDescription
+from zerosafe.formats.crc import IntegrityReport
+from zerosafe.records import JsonObject, Record, from_json, json_meta, to_json
 
 __all__ = [
     "ExtractResult",
@@ -40,23 +43,23 @@ TensorRecords = dict[str, dict[str, Any]]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PartWork:
+class PartWork(Record):
     """One extract part (staged mode), as the scheduler sees it."""
 
     index: int
     rank: int
     label: str
     """The part's number among its rank's parts (shown in the task run name)."""
-    size_bytes: int
+    size_bytes: int = field(metadata=json_meta(key="bytes"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ShardWork:
+class ShardWork(Record):
     """One output shard, as the scheduler sees it."""
 
     index: int
-    file_name: str
-    data_bytes: int
+    file_name: str = field(metadata=json_meta(key="file"))
+    data_bytes: int = field(metadata=json_meta(key="bytes"))
     """Tensor bytes the shard holds (what verify reads)."""
     source_bytes: int
     """Bytes its merge reads."""
@@ -65,19 +68,19 @@ class ShardWork:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class JobPlan:
+class JobPlan(Record):
     """What inspect decided: whether there is anything to do, and the units of work."""
 
     state: str
     """The output folder's state (`zerosafe.stages.output.OutputState.kind`): `done` means
     it already holds this conversion; `empty` or `partial` mean convert (or resume)."""
     job_key: str
-    destination: str
-    work_url: str = ""
+    destination: str = field(metadata=json_meta(absent=""))
+    work_url: str = field(default="", metadata=json_meta(key="work"))
     """The job's work area (plan, intermediates, results, journal); empty when `done`."""
-    source: SourceDescription | None = None
+    source: SourceDescription | None = field(default=None, metadata=json_meta(skip=True))
     """The plan's source description (checkpoint, tag, format details); None when `done`.
-    Its JSON leaves out the file list."""
+    Its JSON (`source`, and `reader` to read it back) leaves out the file list."""
     parts: tuple[PartWork, ...] = ()
     shards: tuple[ShardWork, ...] = ()
     aliases: dict[str, str] = field(default_factory=dict)
@@ -97,75 +100,29 @@ class JobPlan:
     def is_done(self) -> bool:
         return self.state == "done"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JsonObject:
+        fields = to_json(self)
+        keys = list(fields)
+        at = keys.index("work") + 1
         return {
-            "state": self.state,
-            "job_key": self.job_key,
-            "destination": self.destination,
-            "work": self.work_url,
+            **{k: fields[k] for k in keys[:at]},
             "source": self.source.to_json(with_files=False) if self.source else {},
             "reader": self.source.reader_json() if self.source else {},
-            "parts": [
-                {"index": p.index, "rank": p.rank, "label": p.label, "bytes": p.size_bytes}
-                for p in self.parts
-            ],
-            "shards": [
-                {
-                    "index": s.index,
-                    "file": s.file_name,
-                    "bytes": s.data_bytes,
-                    "source_bytes": s.source_bytes,
-                    "parts": list(s.parts),
-                }
-                for s in self.shards
-            ],  # fmt: skip
-            "aliases": self.aliases,
-            "notes": list(self.notes),
-            "warnings": list(self.warnings),
-            "fp32_bytes": self.fp32_bytes,
-            "metadata_bytes_read": self.metadata_bytes_read,
-            "source_bytes_needed": self.source_bytes_needed,
-            "task_memory_bytes": self.task_memory_bytes,
-            "serial_merges": self.serial_merges,
+            **{k: fields[k] for k in keys[at:]},
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> JobPlan:
-        return cls(
-            state=data["state"],
-            job_key=data["job_key"],
-            destination=data.get("destination", ""),
-            work_url=data.get("work", ""),
-            source=SourceDescription.from_json(data["source"], data.get("reader"))
-            if data.get("source")
-            else None,
-            parts=tuple(
-                PartWork(index=p["index"], rank=p["rank"], label=p["label"], size_bytes=p["bytes"])
-                for p in data.get("parts", [])
-            ),
-            shards=tuple(
-                ShardWork(
-                    index=s["index"],
-                    file_name=s["file"],
-                    data_bytes=s["bytes"],
-                    source_bytes=s["source_bytes"],
-                    parts=tuple(s["parts"]),
-                )
-                for s in data.get("shards", [])
-            ),  # fmt: skip
-            aliases=dict(data.get("aliases", {})),
-            notes=tuple(data.get("notes", ())),
-            warnings=tuple(data.get("warnings", ())),
-            fp32_bytes=data.get("fp32_bytes", 0),
-            metadata_bytes_read=data.get("metadata_bytes_read", 0),
-            source_bytes_needed=data.get("source_bytes_needed", 0),
-            task_memory_bytes=data.get("task_memory_bytes", 0),
-            serial_merges=data.get("serial_merges", ""),
-        )
+    def from_json(cls, data: object) -> JobPlan:
+        plan = from_json(cls, data)
+        assert isinstance(data, Mapping)  # from_json refused anything else
+        block, reader = data.get("source"), data.get("reader")
+        if not block:
+            return plan
+        return replace(plan, source=SourceDescription.from_json(block, reader or None))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ExtractResult:
+class ExtractResult(Record):
     """One extract part copied into an intermediate file."""
 
     part: int
@@ -178,27 +135,11 @@ class ExtractResult:
     content_sha256: str
     """Hash of the intermediate's tensor bytes: merges that read it are cached by it."""
     ledger: Ledger
-    seconds: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "part": self.part, "rank": self.rank, "file": self.file,
-            "file_bytes": self.file_bytes, "bytes_read": self.bytes_read,
-            "content_sha256": self.content_sha256, "ledger": self.ledger, "seconds": self.seconds,
-        }  # fmt: skip
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ExtractResult:
-        return cls(
-            part=data["part"], rank=data["rank"], file=data["file"],
-            file_bytes=data["file_bytes"], bytes_read=data["bytes_read"],
-            content_sha256=data["content_sha256"], ledger=data["ledger"],
-            seconds=data.get("seconds", 0.0),
-        )  # fmt: skip
+    seconds: float = field(metadata=json_meta(absent=0.0))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class MergeResult:
+class MergeResult(Record):
     """One output shard written (or, in a repair, a published shard kept)."""
 
     shard: int
@@ -210,69 +151,40 @@ class MergeResult:
     tensors: TensorRecords
     """What the writer recorded per tensor: verify checks the file against it."""
     ledger: Ledger
-    seconds: float
-    reused: bool = False
+    seconds: float = field(metadata=json_meta(absent=0.0))
+    reused: bool = field(default=False, metadata=json_meta(omit_default=True))
     """A repair kept the published shard: nothing was read or written."""
-
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "shard": self.shard, "file": self.file, "file_bytes": self.file_bytes,
-            "data_bytes": self.data_bytes, "bytes_read": self.bytes_read,
-            "tensors": self.tensors, "ledger": self.ledger, "seconds": self.seconds,
-        }  # fmt: skip
-        return {**out, "reused": True} if self.reused else out
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> MergeResult:
-        return cls(
-            shard=data["shard"], file=data["file"], file_bytes=data["file_bytes"],
-            data_bytes=data["data_bytes"], bytes_read=data["bytes_read"],
-            tensors=data["tensors"], ledger=data["ledger"], seconds=data.get("seconds", 0.0),
-            reused=bool(data.get("reused", False)),
-        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class VerifyResult:
-    """One shard checked by the independent reader (`zerosafe.verify.tensors`)."""
+class VerifyResult(Record):
+    """One shard checked by the independent reader (`zerosafe.verify.tensors`).
 
-    shard: int
+    Its JSON has `ok` after `file` (read back from the failures, not from the key)."""
+
     file: str
     num_tensors: int
     tensors: TensorRecords
-    metadata: dict[str, str]
-    failures: tuple[dict[str, str], ...]
+    metadata: dict[str, str] = field(metadata=json_meta(absent={}))
+    failures: tuple[dict[str, str], ...] = field(metadata=json_meta(absent=()))
     """`{file, tensor, check, detail}` per failed check (`zerosafe.verify.tensors.Failure`)."""
-    bytes_read: int
-    seconds: float
-    sha256: str | None = None
+    bytes_read: int = field(metadata=json_meta(absent=0))
+    shard: int
+    seconds: float = field(metadata=json_meta(absent=0.0))
+    sha256: str | None = field(default=None, metadata=json_meta(omit_default=True))
     """SHA-256 of the whole file as re-read, with `file_sha256` on (publish records it)."""
 
     @property
     def ok(self) -> bool:
         return not self.failures
 
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "file": self.file, "ok": self.ok, "num_tensors": self.num_tensors,
-            "tensors": self.tensors, "metadata": self.metadata,
-            "failures": list(self.failures), "bytes_read": self.bytes_read,
-            "shard": self.shard, "seconds": self.seconds,
-        }  # fmt: skip
-        return {**out, "sha256": self.sha256} if self.sha256 is not None else out
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> VerifyResult:
-        return cls(
-            shard=data["shard"], file=data["file"], num_tensors=data["num_tensors"],
-            tensors=data["tensors"], metadata=data.get("metadata", {}),
-            failures=tuple(data.get("failures", ())), bytes_read=data.get("bytes_read", 0),
-            seconds=data.get("seconds", 0.0), sha256=data.get("sha256"),
-        )  # fmt: skip
+    def to_json(self) -> JsonObject:
+        fields = to_json(self)
+        return {"file": fields.pop("file"), "ok": self.ok, **fields}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RunStats:
+class RunStats(Record):
     """What a run read, wrote and used: the manifest's `stats` and part of the run summary."""
 
     mode: str
@@ -298,67 +210,41 @@ class RunStats:
     """The process's lifetime peak RSS (`ru_maxrss`); with several workers, the largest."""
     seconds: float = 0.0
     """Seconds from the start of the run to publishing."""
-    source_read_ratio: float | None = None
+    source_read_ratio: float | None = field(default=None, metadata=json_meta(omit_default=True))
     """`source_bytes_read / source_bytes_needed` (1.0 is the least possible)."""
 
-    def to_json(self) -> dict[str, Any]:
-        out = {
-            "mode": self.mode, "mode_reason": self.mode_reason,
-            "source_bytes_read": self.source_bytes_read,
-            "source_bytes_needed": self.source_bytes_needed,
-            "intermediate_bytes_written": self.intermediate_bytes_written,
-            "output_bytes_written": self.output_bytes_written,
-            "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
-            "fp32_bytes": self.fp32_bytes,
-            "rss_growth_bytes_by_stage": self.rss_growth_bytes_by_stage,
-            "rss_baseline_bytes": self.rss_baseline_bytes,
-            "tasks_executed": self.tasks_executed, "peak_rss_bytes": self.peak_rss_bytes,
-            "seconds": self.seconds,
-        }  # fmt: skip
-        if self.source_read_ratio is not None:
-            out["source_read_ratio"] = self.source_read_ratio
-        return out
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> RunStats:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+def _integrity_json(report: IntegrityReport | None) -> JsonObject:
+    return report.to_json() if report is not None else {}
+
+
+def _integrity_from_json(data: object) -> IntegrityReport | None:
+    return IntegrityReport.from_json(data) if data else None
+
+
+INTEGRITY_JSON = json_meta(encode=_integrity_json, decode=_integrity_from_json, absent=None)
+"""An optional `IntegrityReport` field, `{}` in JSON where there is none."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PublishResult:
+class PublishResult(Record):
     """A verified output published: the marker is written."""
 
     files: tuple[str, ...]
     num_tensors: int
-    integrity: dict[str, Any]
-    """What the CRC checks covered (`zerosafe.formats.crc.LedgerCheck.as_dict`)."""
+    integrity: IntegrityReport
+    """What the CRC checks covered."""
     stats: RunStats
     """The run's stats as the manifest records them (with the bytes the CRC checks read)."""
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "files": list(self.files),
-            "num_tensors": self.num_tensors,
-            "integrity": self.integrity,
-            "stats": self.stats.to_json(),
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> PublishResult:
-        return cls(
-            files=tuple(data["files"]),
-            num_tensors=data["num_tensors"],
-            integrity=data["integrity"],
-            stats=RunStats.from_json(data["stats"]),
-        )
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RunSummary:
+class RunSummary(Record):
     """What a run did: the same from the flow and from the sequential driver.
 
     `to_json()` is what `zerosafe convert --json` prints and the flow returns: the fields
-    below with `stats` flattened in.
+    below with `stats` flattened in (before `seconds`), or only the first three when there was
+    nothing to do.
     """
 
     status: Literal["converted", "already-complete"]
@@ -367,12 +253,13 @@ class RunSummary:
     files: tuple[str, ...] = ()
     num_tensors: int = 0
     aliases: dict[str, str] = field(default_factory=dict)
-    integrity: dict[str, Any] = field(default_factory=dict)
+    integrity: IntegrityReport | None = field(default=None, metadata=INTEGRITY_JSON)
+    """What the CRC checks covered (`{}` in JSON where nothing says)."""
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     checks_passed: int = 0
     """Tensors verified."""
-    stats: RunStats | None = None
+    stats: RunStats | None = field(default=None, metadata=json_meta(skip=True))
     """None when there was nothing to do."""
     seconds: float = 0.0
     throughput_bytes_per_second: int = 0
@@ -382,34 +269,16 @@ class RunSummary:
     def already_complete(cls, output: str, job_key: str) -> RunSummary:
         return cls(status="already-complete", output=output, job_key=job_key)
 
-    def to_json(self) -> dict[str, Any]:
-        head: dict[str, Any] = {
-            "status": self.status,
-            "output": self.output,
-            "job_key": self.job_key,
-        }
+    def to_json(self) -> JsonObject:
+        fields = to_json(self)
         if self.stats is None:
-            return head
-        return {
-            **head,
-            "files": list(self.files), "num_tensors": self.num_tensors,
-            "aliases": self.aliases, "integrity": self.integrity, "notes": list(self.notes),
-            "warnings": list(self.warnings), "checks_passed": self.checks_passed,
-            **self.stats.to_json(),
-            "seconds": self.seconds,
-            "throughput_bytes_per_second": self.throughput_bytes_per_second,
-        }  # fmt: skip
+            return {k: fields[k] for k in ("status", "output", "job_key")}
+        tail = {k: fields.pop(k) for k in ("seconds", "throughput_bytes_per_second")}
+        return {**fields, **self.stats.to_json(), **tail}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> RunSummary:
-        if data["status"] != "converted":
-            return cls.already_complete(data["output"], data["job_key"])
-        return cls(
-            status="converted", output=data["output"], job_key=data["job_key"],
-            files=tuple(data["files"]), num_tensors=data["num_tensors"],
-            aliases=dict(data.get("aliases", {})), integrity=data.get("integrity", {}),
-            notes=tuple(data.get("notes", ())), warnings=tuple(data.get("warnings", ())),
-            checks_passed=data.get("checks_passed", 0), stats=RunStats.from_json(data),
-            seconds=data.get("seconds", 0.0),
-            throughput_bytes_per_second=data.get("throughput_bytes_per_second", 0),
-        )  # fmt: skip
+    def from_json(cls, data: object) -> RunSummary:
+        summary = from_json(cls, data)
+        if summary.status != "converted":
+            return cls.already_complete(summary.output, summary.job_key)
+        return replace(summary, stats=RunStats.from_json(data))

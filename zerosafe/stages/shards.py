@@ -19,16 +19,23 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from zerosafe.dtypes import dtype_info, torch_dtype
+from zerosafe.dtypes import torch_dtype
 from zerosafe.errors import IntegrityError
+from zerosafe.formats.base import Slot
 from zerosafe.formats.crc import CrcLedger, LedgerCheck, crc32
-from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, read_header
+from zerosafe.formats.safetensors import (
+    HeaderEntry,
+    SafetensorsHeader,
+    SafetensorsStreamWriter,
+    read_entries,
+)
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, PositionalSink, Storage, join_url
-from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, Slot, TensorSpec
+from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, TensorSpec
 from zerosafe.quantize import BAND_ROWS, global_scale, quantize_band
+from zerosafe.records import Record
 from zerosafe.stages.results import ExtractResult, MergeResult
 from zerosafe.stages.streaming import CopyJob, copy_in_streams, copy_stream, fusable
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
@@ -129,6 +136,20 @@ def _sidecar_url(file_url: str) -> str:
     return file_url.removesuffix(".safetensors") + ".json"
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IntermediateSums(Record):
+    """An intermediate's sidecar (`<part>.json`): what its extract wrote, for the merges'
+    cache keys and the CRC checks."""
+
+    job_key: str
+    file: str
+    file_bytes: int
+    content_sha256: str
+    """Hash of the intermediate's tensor bytes (`ExtractResult.content_sha256`)."""
+    crc32: dict[str, int]
+    """Tensor name -> its CRC-32."""
+
+
 class StagedLocator:
     """Reads slots from the intermediate files the extract stage wrote."""
 
@@ -142,13 +163,13 @@ class StagedLocator:
                 self._by_slot.setdefault(slot, []).append((start, numel, part.index))
         for pieces in self._by_slot.values():
             pieces.sort()
-        self._open: dict[int, tuple[ByteSource, dict[str, Any], int]] = {}
+        self._open: dict[int, tuple[ByteSource, SafetensorsHeader, int]] = {}
         self._lock = threading.Lock()
 
     def part_url(self, part: ExtractPart) -> str:
         return join_url(self.folder, part.file_name)
 
-    def _part(self, index: int) -> tuple[ByteSource, dict[str, Any], int]:
+    def _part(self, index: int) -> tuple[ByteSource, SafetensorsHeader, int]:
         with self._lock:
             hit = self._open.get(index)
             if hit is not None:
@@ -156,7 +177,7 @@ class StagedLocator:
             part = self.plan.parts[index]
             url = self.part_url(part)
             src = map_source(self.storage.open_source(url), self.storage.counter)
-            header, metadata, data_start = read_header(src)
+            header, metadata, data_start = read_entries(src)
             if metadata.get("job_key") != self.plan.job_key:
                 raise IntegrityError(
                     f"{url}: intermediate of plan '{metadata.get('job_key')}', not of this plan "
@@ -176,7 +197,7 @@ class StagedLocator:
                 continue
             src, header, data_start = self._part(part)
             name = intermediate_tensor_name(slot, p_start, p_numel)
-            base = data_start + header[name]["data_offsets"][0]
+            base = data_start + header[name].data_offsets[0]
             rel = (lo - p_start) * itemsize
             out.append(Segment(src, base + rel, (hi - lo) * itemsize, f"{src.url}#{name}", rel))
         if sum(s.nbytes for s in out) != numel * itemsize:
@@ -263,14 +284,14 @@ def extract_part(
     finally:
         locator.close()
     content = _content_hash(writer.digests)
-    sums = {
-        "job_key": plan.job_key,
-        "file": part.file_name,
-        "file_bytes": writer.file_bytes,
-        "content_sha256": content,
-        "crc32": {e.name: c for e, c in zip(entries, writer.crc32, strict=True)},
-    }
-    storage.write_bytes(_sidecar_url(url), json.dumps(sums).encode())
+    sums = IntermediateSums(
+        job_key=plan.job_key,
+        file=part.file_name,
+        file_bytes=writer.file_bytes,
+        content_sha256=content,
+        crc32={e.name: c for e, c in zip(entries, writer.crc32, strict=True)},
+    )
+    storage.write_bytes(_sidecar_url(url), json.dumps(sums.to_json()).encode())
     log.info(
         "extract rank %d part %d: %d bytes into %s in %.1f s",
         part.rank, part.number, writer.file_bytes, part.file_name, time.monotonic() - started,
@@ -295,15 +316,19 @@ def _content_hash(tensor_hashes: list[str]) -> str:
 
 def read_intermediate_sums(
     storage: Storage, intermediate_url: str, part: ExtractPart
-) -> dict[str, Any] | None:
-    """The sidecar of an intermediate, or None if the file or its sidecar is missing."""
+) -> IntermediateSums | None:
+    """The sidecar of an intermediate, or None if the file or its sidecar is missing, torn,
+    or does not match the file's size (then the part is extracted again)."""
     url = join_url(intermediate_url, part.file_name)
     if not storage.exists(url) or not storage.exists(_sidecar_url(url)):
         return None
-    sums = json.loads(storage.read_bytes(_sidecar_url(url)))
-    if storage.identity(url).size_bytes != sums.get("file_bytes"):
+    try:  # a RecordError is a ValueError
+        sums = IntermediateSums.from_json(json.loads(storage.read_bytes(_sidecar_url(url))))
+    except ValueError:
         return None
-    return dict(sums)
+    if storage.identity(url).size_bytes != sums.file_bytes:
+        return None
+    return sums
 
 
 # -- merge ---------------------------------------------------------------------------------------
@@ -630,10 +655,10 @@ def check_integrity(
             if sums is None:
                 raise IntegrityError(f"{url}: intermediate or its checksum sidecar is missing")
             src = storage.open_source(url)
-            header, _, data_start = read_header(src)
+            header, _, data_start = read_entries(src)
             src.close()
-            for name, crc in sums["crc32"].items():
-                begin, end = header[name]["data_offsets"]
+            for name, crc in sums.crc32.items():
+                begin, end = header[name].data_offsets
                 expected[f"{url}#{name}"] = (end - begin, int(crc))
                 where[f"{url}#{name}"] = (url, data_start + begin)
     sources: dict[str, ByteSource] = {}
@@ -656,7 +681,3 @@ def check_integrity(
             "The files are corrupt or changed during the run; copy them again and re-run."
         )
     return result
-
-
-def slot_bytes(plan: Plan, slots: list[int]) -> int:
-    return sum(plan.slots[s].numel * dtype_info(plan.slots[s].dtype).itemsize for s in slots)

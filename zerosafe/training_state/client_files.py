@@ -145,7 +145,7 @@ def carry_client_files(
         Per file: `file` (relative to both folders), `size_bytes` and `sha256`.
     """
     entries = copy_model_files(storage, folder, names, out_url, chunk_bytes=chunk_bytes)
-    return [{k: e[k] for k in ("file", "size_bytes", "sha256")} for e in entries]
+    return [{"file": e.file, "size_bytes": e.size_bytes, "sha256": e.sha256} for e in entries]
 
 
 def check_carried(

@@ -269,9 +269,9 @@ class _Job:
         )  # fmt: skip
         out = []
         for e in entries:
-            self.bytes_written += e["size_bytes"]
-            expect = {"kind": "client", "sha256": e["sha256"]}
-            out.append(_Written(path=e["file"], size_bytes=e["size_bytes"], crcs={}, expect=expect))
+            self.bytes_written += e.size_bytes
+            expect = {"kind": "client", "sha256": e.sha256}
+            out.append(_Written(path=e.file, size_bytes=e.size_bytes, crcs={}, expect=expect))
         return out
 
 

@@ -23,9 +23,12 @@ from typing import TYPE_CHECKING, Any
 from zerosafe.cast import cast_bytes
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import CheckpointFormatError, ConversionError
+from zerosafe.formats.safetensors import SafetensorsHeader
 from zerosafe.io.lease import DESTINATION_LEASE_NAME
-from zerosafe.io.storage import Storage, join_url, normalize_url
+from zerosafe.io.storage import ByteSource, Storage, join_url, normalize_url
 from zerosafe.plan.adapter import ADAPTER_WEIGHTS_NAME, adapter_layout, read_adapter_config
+from zerosafe.records import RecordError
+from zerosafe.stages.manifest import LowpCheck, Manifest
 from zerosafe.stages.model_files import sha256_of
 from zerosafe.stages.output import (
     INDEX_NAME,
@@ -120,8 +123,8 @@ def verify_output(
     if against is not None:
         against_report = _check_against(
             storage, out_url, against, tag, reports, aliases, failures, chunk_bytes,
-            recorded_options=(manifest or {}).get("options") or {},
-            source=(manifest or {}).get("source"),
+            recorded_options=manifest.options if manifest is not None else {},
+            source=manifest.source if manifest is not None else None,
         )  # fmt: skip
     tensors = {t: info for r in reports for t, info in r.tensors.items()}
     quantized = quantized_report([r.quantized for r in reports])
@@ -209,7 +212,7 @@ def _weight_files(
 
 def _read_manifest(
     storage: Storage, out_url: str, names: list[str], failures: list[Failure]
-) -> tuple[dict[str, Any] | None, bool | None]:
+) -> tuple[Manifest | None, bool | None]:
     """`(manifest, complete)`: zerosafe's manifest if there is one, and whether the completion
     marker vouches for it (None when there is no manifest)."""
     if MANIFEST_NAME not in names:
@@ -221,9 +224,12 @@ def _read_manifest(
                 )
             )  # fmt: skip
         return None, None
-    manifest = _load_json(storage, join_url(out_url, MANIFEST_NAME))
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("tensors", {}), dict):
-        raise CheckpointFormatError(f"{out_url}/{MANIFEST_NAME}: not a zerosafe manifest")
+    try:
+        manifest = Manifest.from_json(_load_json(storage, join_url(out_url, MANIFEST_NAME)))
+    except RecordError as e:
+        raise CheckpointFormatError(
+            f"{out_url}/{MANIFEST_NAME}: not a zerosafe manifest ({e})"
+        ) from e
     if MARKER_NAME not in names:
         failures.append(
             Failure(
@@ -250,7 +256,7 @@ def _verify_files(
     storage: Storage,
     out_url: str,
     files: list[str],
-    manifest: dict[str, Any] | None,
+    manifest: Manifest | None,
     failures: list[Failure],
     *,
     allow_nonfinite: bool,
@@ -263,7 +269,7 @@ def _verify_files(
     expected_by_file: dict[str, dict[str, dict[str, Any]]] = {}
     file_sha256: dict[str, str] = {}
     if manifest is not None:
-        for name, info in manifest.get("tensors", {}).items():
+        for name, info in manifest.tensors.items():
             expected_by_file.setdefault(info["file"], {})[name] = info
         file_sha256 = _recorded_file_sha256(manifest)
     with ThreadPoolExecutor(max_workers=max_workers) as pool:
@@ -300,17 +306,10 @@ def _verify_files(
     return reports
 
 
-def _recorded_file_sha256(manifest: dict[str, Any]) -> dict[str, str]:
+def _recorded_file_sha256(manifest: Manifest) -> dict[str, str]:
     """Weight file -> the whole-file SHA-256 the manifest records (`--file-sha256`); empty
     for manifests without them."""
-    entries = manifest.get("files")
-    if not isinstance(entries, list):
-        return {}
-    return {
-        str(e["file"]): e["sha256"]
-        for e in entries
-        if isinstance(e, dict) and isinstance(e.get("sha256"), str)
-    }
+    return {e.file: e.sha256 for e in manifest.files if e.sha256 is not None}
 
 
 def _check_placement(
@@ -366,7 +365,7 @@ def _check_placement(
 
 
 def _collect_aliases(
-    manifest: dict[str, Any] | None,
+    manifest: Manifest | None,
     reports: list[Any],
     index: dict[str, Any] | None,
     where: dict[str, list[str]],
@@ -376,7 +375,7 @@ def _collect_aliases(
     agree, point at stored tensors, and stay out of the index's weight map."""
     sources: list[tuple[str, Any]] = []
     if manifest is not None:
-        sources.append((MANIFEST_NAME, manifest.get("aliases") or {}))
+        sources.append((MANIFEST_NAME, manifest.aliases))
     for r in reports:
         if "aliases" in r.metadata:
             try:
@@ -417,20 +416,20 @@ def _collect_aliases(
     return aliases
 
 
-def _check_model_files(storage: Storage, out_url: str, manifest: dict[str, Any]) -> list[Failure]:
+def _check_model_files(storage: Storage, out_url: str, manifest: Manifest) -> list[Failure]:
     """The model files the manifest says were copied (config, tokenizer): each present, with
     the size and SHA-256 it was copied with."""
     failures = []
-    for entry in manifest.get("model_files") or []:
-        name = str(entry.get("file"))
+    for entry in manifest.model_files:
+        name = entry.file
         url = join_url(out_url, name)
         if not storage.exists(url):
             failures.append(Failure(name, "*", "model file", f"in {MANIFEST_NAME} but missing"))
             continue
         size_bytes, sha256 = sha256_of(storage, url)  # streamed: a model file may be GBs
-        if size_bytes != entry.get("size_bytes"):
-            found = f"{size_bytes} bytes, copied as {entry.get('size_bytes')}"
-        elif sha256 != entry.get("sha256"):
+        if size_bytes != entry.size_bytes:
+            found = f"{size_bytes} bytes, copied as {entry.size_bytes}"
+        elif sha256 != entry.sha256:
             found = "its SHA-256 differs from the copy's"
         else:
             continue
@@ -439,7 +438,7 @@ def _check_model_files(storage: Storage, out_url: str, manifest: dict[str, Any])
                 name,
                 "*",
                 "model file",
-                f"{found} (from {entry.get('source')}): changed after publishing; run the "
+                f"{found} (from {entry.source}): changed after publishing; run the "
                 "same `zerosafe convert` again to copy it anew",
             )  # fmt: skip
         )
@@ -485,7 +484,7 @@ def _check_against(
     chunk_bytes: int,
     *,
     recorded_options: dict[str, Any],
-    source: dict[str, Any] | None = None,
+    source: SourceDescription | None = None,
 ) -> dict[str, Any]:
     """Coverage against the checkpoint (any format), its identity (`source`: the manifest's
     record), a sample of values, and DeepSpeed ZeRO-1/2's 16-bit cross-check.
@@ -513,14 +512,14 @@ def _check_against(
     stored = {t: (r.file, info) for r in reports for t, info in r.tensors.items()}
     expected = _check_coverage(layout, stored, aliases, failures, exclude_frozen=exclude_frozen)
     content = layout.source.content_sha256
-    recorded = (source or {}).get("content_sha256")
-    if recorded is not None and recorded != content:
+    recorded = source.content_sha256 or None if source is not None else None
+    if source is not None and recorded is not None and recorded != content:
         failures.append(
             Failure(
                 MANIFEST_NAME,
                 "*",
                 "source",
-                f"converted from {(source or {}).get('checkpoint')} (tag {(source or {}).get('tag')}) "
+                f"converted from {source.checkpoint} (tag {source.tag}) "
                 f"whose contents differ from {layout.source.checkpoint} (tag {layout.tag}): "
                 "another checkpoint, another step, or files changed since",
             )  # fmt: skip
@@ -628,7 +627,7 @@ def lowp_report(
     merges: Sequence[MergeResult],
     *,
     job_key: str | None = None,
-) -> dict[str, Any]:
+) -> LowpCheck:
     """The 16-bit cross-check of a conversion's output, as a verify-shaped report.
 
     Args:
@@ -647,14 +646,12 @@ def lowp_report(
             out_url, witness, stored, failures, storage=storage,
             locate=(lambda f: shard_location(storage, out_url, job_key, f)) if job_key else None,
         )  # fmt: skip
-    return {
-        "file": "*",
-        "check": "lowp",
-        "lowp_checked": checked,
-        "lowp_mismatched": mismatched,
-        "lowp_skipped": why,
-        "failures": [f.as_dict() for f in failures],
-    }
+    return LowpCheck(
+        lowp_checked=checked,
+        lowp_mismatched=mismatched,
+        lowp_skipped=why,
+        failures=tuple(f.as_dict() for f in failures),
+    )
 
 
 def lowp_cross_check(
@@ -682,7 +679,7 @@ def lowp_cross_check(
         return 0, 0, witness.missing
     checked = mismatched = 0
     skipped_why = None
-    sources: dict[str, Any] = {}
+    sources: dict[str, tuple[ByteSource, SafetensorsHeader, dict[str, str], int]] = {}
     try:
         for copy in witness.copies:
             if copy.name not in stored:
@@ -718,11 +715,16 @@ def lowp_cross_check(
     return checked, mismatched, skipped_why
 
 
-def _compare_lowp(src_info: Any, out_dtype: str, copy: LowpCopy, chunk_bytes: int) -> bool:
+def _compare_lowp(
+    src_info: tuple[ByteSource, SafetensorsHeader, dict[str, str], int],
+    out_dtype: str,
+    copy: LowpCopy,
+    chunk_bytes: int,
+) -> bool:
     """Output elements `[offset, offset + numel)` of `copy.name`, cast, against the copy."""
     src, header, _, data_start = src_info
     out_size = dtype_info(out_dtype).itemsize
-    begin = header[copy.name]["data_offsets"][0] + copy.element_offset * out_size
+    begin = header[copy.name].data_offsets[0] + copy.element_offset * out_size
     lowp = copy.dtype
     low_size = dtype_info(lowp).itemsize
     step = max(1, chunk_bytes // out_size)

@@ -15,10 +15,13 @@ compressed-tensors' `float-quantized` and `nvfp4-pack-quantized`.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zerosafe.io.storage import ByteSource, Storage, join_url
 from zerosafe.quantize import FP4_GROUP, SCALE_SUFFIXES, expected_scale_shape
+
+if TYPE_CHECKING:
+    from zerosafe.formats.safetensors import SafetensorsHeader
 
 __all__ = [
     "as_checkpoint_names",
@@ -47,7 +50,7 @@ _CONFIG_MAX_BYTES = 2**24
 
 
 def check_quantized(
-    source: ByteSource, data_start: int, header: dict[str, Any]
+    source: ByteSource, data_start: int, header: SafetensorsHeader
 ) -> tuple[list[tuple[str, str]], dict[str, int]]:
     """The problems of one file's quantized weights, as `(tensor, detail)` of its `scales`
     check, and `{"tensors", "params", "bytes"}` (weights and scales) for the bits per
@@ -57,12 +60,12 @@ def check_quantized(
     failures: list[tuple[str, str]] = []
     tensors = params = nbytes = 0
     for name, entry in header.items():
-        packed = name.endswith("_packed") and entry["dtype"] == "U8" and len(entry["shape"]) == 2
-        if entry["dtype"] != "F8_E4M3" and not packed:
+        packed = name.endswith("_packed") and entry.dtype == "U8" and len(entry.shape) == 2
+        if entry.dtype != "F8_E4M3" and not packed:
             continue
         if not packed and name.endswith("_scale") and name[: -len("_scale")] + "_packed" in header:
             continue  # an NVFP4 weight's group scales
-        shape = list(entry["shape"])
+        shape = list(entry.shape)
         if packed:
             weight = name.removesuffix("_packed")
             rows, cols = shape[0], shape[1] * 2
@@ -74,21 +77,22 @@ def check_quantized(
             weight = name
             rows, cols = shape if len(shape) == 2 else (0, 0)
             suffix = find_scale(name, header)
-            found = (header.get(name + suffix) or {}).get("dtype")
+            stored_scale = header.get(name + suffix)
+            found = stored_scale.dtype if stored_scale is not None else None
             dtype = "F8_E8M0" if suffix == "_scale_inv" and found == "F8_E8M0" else "F32"
             scales = [(suffix, dtype, expected_scale_shape(suffix, shape))]
-        size = entry["data_offsets"][1] - entry["data_offsets"][0]
+        size = entry.nbytes
         for suffix, dtype, grid in scales:
             scale = header.get(weight + suffix)
-            if scale is None or scale["dtype"] != dtype or list(scale["shape"]) != grid:
-                found = "none" if scale is None else f"{scale['dtype']} {list(scale['shape'])}"
+            if scale is None or scale.dtype != dtype or list(scale.shape) != grid:
+                found = "none" if scale is None else f"{scale.dtype} {list(scale.shape)}"
                 failures.append(
                     (name, f"expected '{weight}{suffix}' {dtype} {grid} beside it, found "
                      f"{found}; loaders would read the quantized values unscaled. Convert again")
                 )  # fmt: skip
                 size = -1
                 break
-            begin, end = scale["data_offsets"]
+            begin, end = scale.data_offsets
             raw = source.read_range(data_start + begin, data_start + end)
             values = decode_scales(raw, dtype)
             bad = int(np.count_nonzero(~(np.isfinite(values) & (values > 0))))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from zerosafe.cast import cast_bytes
 from zerosafe.dtypes import dtype_info
+from zerosafe.formats.safetensors import SafetensorsHeader
 from zerosafe.io.storage import ByteSource, Storage, join_url
 from zerosafe.quantize import FP8_BLOCK, FP8_DTYPE, SCALE_SUFFIXES
 from zerosafe.verify.tensors import Failure, parse_safetensors_header
@@ -60,7 +61,7 @@ def sample_values(
     # `exclude_frozen` lists without fragments).
     plan = plan_layout(layout, ConvertOptions(dtype="float32", tied="copy", exclude_frozen=True))
     locator = DirectLocator(plan, storage)
-    outputs: dict[str, tuple[ByteSource, dict[str, Any], int]] = {}
+    outputs: dict[str, tuple[ByteSource, SafetensorsHeader, int]] = {}
     compared = 0
     try:
         for tensor in plan.tensors:
@@ -79,7 +80,7 @@ def sample_values(
                 continue
             out_item = dtype_info(out_dtype).itemsize
             packed = key != tensor.name  # NVFP4: two values a byte
-            begin = data_start + int(entry["data_offsets"][0])
+            begin = data_start + entry.data_offsets[0]
             sampled: set[int] = set()
             for slot, src_offset, numel, dst_offset in plan.fragments.for_tensor(tensor.index):
                 count = min(numel, SAMPLE_ELEMENTS)
@@ -127,7 +128,7 @@ def sample_values(
 def _within_bound(
     out_src: ByteSource,
     data_start: int,
-    entries: dict[str, Any],
+    entries: SafetensorsHeader,
     name: str,
     got: bytes,
     raw: bytes,
@@ -146,10 +147,10 @@ def _within_bound(
     scale = entries.get(name + suffix)
     if scale is None or len(shape) != 2:
         return False
-    begin, end = scale["data_offsets"]
-    grid = [int(n) for n in scale["shape"]]
+    begin, end = scale.data_offsets
+    grid = list(scale.shape)
     raw_scales = out_src.read_range(data_start + begin, data_start + end)
-    scales = decode_scales(raw_scales, scale["dtype"]).reshape(grid)
+    scales = decode_scales(raw_scales, scale.dtype).reshape(grid)
     master = np.frombuffer(cast_bytes(raw, src_dtype, "float32"), dtype="<f4")
     elements = np.arange(dst_offset, dst_offset + len(got))
     rows, cols = elements // shape[1], elements % shape[1]
@@ -163,7 +164,7 @@ def _within_bound(
 def _within_fp4_bound(
     out_src: ByteSource,
     data_start: int,
-    entries: dict[str, Any],
+    entries: SafetensorsHeader,
     name: str,
     begin: int,
     raw: bytes,
@@ -187,10 +188,10 @@ def _within_fp4_bound(
     first, last = dst_offset // 2, (dst_offset + len(master) + 1) // 2
     values = fp4_values(out_src.read_range(begin + first, begin + last))
     values = values[dst_offset % 2 : dst_offset % 2 + len(master)]
-    at, end = (data_start + o for o in scale["data_offsets"])
+    at, end = (data_start + o for o in scale.data_offsets)
     grid = np.frombuffer(out_src.read_range(at, end), dtype=ml_dtypes.float8_e4m3fn)
-    grid = grid.astype(np.float32).reshape([int(n) for n in scale["shape"]])
-    at, end = (data_start + o for o in whole["data_offsets"])
+    grid = grid.astype(np.float32).reshape(list(scale.shape))
+    at, end = (data_start + o for o in whole.data_offsets)
     global_scale = np.frombuffer(out_src.read_range(at, end), dtype="<f4")[0]
     elements = np.arange(dst_offset, dst_offset + len(master))
     per_element = grid[elements // shape[1], elements % shape[1] // 16] / global_scale

@@ -25,12 +25,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerosafe.dtypes import from_safetensors_code, torch_dtype
+from zerosafe.formats.safetensors import SafetensorsHeader, StoredEntry
 from zerosafe.io.buffers import allocate_buffer, pin_mmap_threshold
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, Storage, is_local, local_path
 from zerosafe.verify.checksum import TENSOR_CHECKSUM, Digest, new_digest, recorded_checksum
 
-__all__ = ["Failure", "ShardReport", "parse_safetensors_header", "verify_shard"]
+__all__ = [
+    "Failure",
+    "ShardReport",
+    "parse_safetensors_header",
+    "verify_shard",
+]
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +79,6 @@ class ShardReport:
     def ok(self) -> bool:
         return not self.failures
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "ok": self.ok,
-            "num_tensors": len(self.tensors),
-            "tensors": self.tensors,
-            "metadata": self.metadata,
-            "failures": [f.as_dict() for f in self.failures],
-            "bytes_read": self.bytes_read,
-            **({"sha256": self.sha256} if self.sha256 is not None else {}),
-            **({"quantized": self.quantized} if self.quantized else {}),
-        }
-
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -96,7 +89,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_safetensors_header(source: ByteSource) -> tuple[dict[str, Any], dict[str, str], int]:
+def parse_safetensors_header(source: ByteSource) -> tuple[SafetensorsHeader, dict[str, str], int]:
     """`(entries, metadata, data_start)`, validating the header's own structure.
 
     Raises:
@@ -122,6 +115,7 @@ def parse_safetensors_header(source: ByteSource) -> tuple[dict[str, Any], dict[s
         raise ValueError("__metadata__ must map strings to strings")
     data_start = 8 + length
     spans = []
+    entries: SafetensorsHeader = {}
     for name, entry in header.items():
         try:
             dtype = from_safetensors_code(entry["dtype"])
@@ -135,6 +129,7 @@ def parse_safetensors_header(source: ByteSource) -> tuple[dict[str, Any], dict[s
                 f"tensor '{name}': data_offsets span {end - begin} bytes but {dtype.name}{shape} needs {want}"
             )
         spans.append((begin, end, name))
+        entries[name] = StoredEntry(str(entry["dtype"]), tuple(shape), (begin, end))
     spans.sort()
     pos = 0
     for begin, end, name in spans:
@@ -152,7 +147,7 @@ def parse_safetensors_header(source: ByteSource) -> tuple[dict[str, Any], dict[s
                 f"data should end at byte {data_start + pos} but the file has {size} bytes (truncated)"
             )
         raise ValueError(f"{size - data_start - pos} unexpected bytes after the last tensor")
-    return header, metadata, data_start
+    return entries, metadata, data_start
 
 
 class _LibraryReader:
@@ -197,7 +192,7 @@ def _first_row_bytes(handle: Any, tensor: str, shape: list[int]) -> bytes:
 
 
 def _library_check(
-    url: str, header: dict[str, Any], metadata: dict[str, str]
+    url: str, header: SafetensorsHeader, metadata: dict[str, str]
 ) -> tuple[list[str], _LibraryReader]:
     """Open the file with the `safetensors` library; report any disagreement with our parse."""
     problems = []
@@ -375,13 +370,13 @@ def verify_shard(
             report.failures.append(Failure(name, "*", "header", str(e)))
             return report
         report.metadata = metadata
-        if any(e["dtype"] == "F8_E4M3" or n.endswith("_packed") for n, e in header.items()):
+        if any(e.dtype == "F8_E4M3" or n.endswith("_packed") for n, e in header.items()):
             from zerosafe.verify.quantized import check_quantized
 
             problems, report.quantized = check_quantized(source, data_start, header)
             report.failures.extend(Failure(name, t, "scales", d) for t, d in problems)
         handle = _library_handle(url, header, metadata, report) if is_local(url) else None
-        ordered = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        ordered = sorted(header.items(), key=lambda kv: kv[1].data_offsets[0])
         file_digest: Digest | None = None
         if file_sha256:
             # The header as stored (length prefix, JSON, padding), then the data region: the
@@ -391,7 +386,7 @@ def verify_shard(
             source, data_start, ordered, expected, chunk_bytes, file_digest
         ):
             _record_tensor(report, tensor, entry, scanned, handle, allow_nonfinite)
-            begin, end = entry["data_offsets"]
+            begin, end = entry.data_offsets
             if on_bytes is not None and end > begin:
                 on_bytes(end - begin)
         if file_digest is not None:
@@ -409,7 +404,7 @@ def verify_shard(
 
 
 def _library_handle(
-    url: str, header: dict[str, Any], metadata: dict[str, str], report: ShardReport
+    url: str, header: SafetensorsHeader, metadata: dict[str, str], report: ShardReport
 ) -> _LibraryReader | None:
     """The `safetensors` library's own view of a local file (for the spot checks), its
     complaints recorded as header failures."""
@@ -427,11 +422,11 @@ def _library_handle(
 def _scan_in_order(
     source: Any,
     data_start: int,
-    ordered: list[tuple[str, dict[str, Any]]],
+    ordered: list[tuple[str, StoredEntry]],
     expected: dict[str, dict[str, Any]] | None,
     chunk_bytes: int,
     file_digest: Digest | None = None,
-) -> Iterator[tuple[tuple[str, dict[str, Any]], _TensorScan]]:
+) -> Iterator[tuple[tuple[str, StoredEntry], _TensorScan]]:
     """Every tensor's checksum and non-finite counts, hashed in parallel and yielded in file
     order, as a serial scan would. With `file_digest`, one tensor after another in this
     thread instead: the whole file's hash needs its bytes in order."""
@@ -440,9 +435,9 @@ def _scan_in_order(
     for _ in range(workers):
         buffers.put(allocate_buffer(chunk_bytes))
 
-    def scan(tensor: str, entry: dict[str, Any]) -> _TensorScan:
-        dtype = from_safetensors_code(entry["dtype"])
-        begin, end = entry["data_offsets"]
+    def scan(tensor: str, entry: StoredEntry) -> _TensorScan:
+        dtype = from_safetensors_code(entry.dtype)
+        begin, end = entry.data_offsets
         # The algorithm the record names (SHA-256 in outputs of earlier versions).
         recorded = recorded_checksum((expected or {}).get(tensor) or {})
         buf = buffers.get()
@@ -472,25 +467,25 @@ def _scan_in_order(
 def _record_tensor(
     report: ShardReport,
     tensor: str,
-    entry: dict[str, Any],
+    entry: StoredEntry,
     scanned: _TensorScan,
     handle: Any,
     allow_nonfinite: bool,
 ) -> None:
-    dtype = from_safetensors_code(entry["dtype"])
-    begin, end = entry["data_offsets"]
+    dtype = from_safetensors_code(entry.dtype)
+    begin, end = entry.data_offsets
     nan, posinf, neginf = scanned.nan, scanned.posinf, scanned.neginf
     report.bytes_read += end - begin
     report.tensors[tensor] = {
         "dtype": dtype.name,
-        "shape": list(entry["shape"]),
+        "shape": list(entry.shape),
         scanned.algorithm: scanned.digest,
         "nan": nan,
         "posinf": posinf,
         "neginf": neginf,
     }
     if handle is not None and end > begin:
-        _spot_check(handle, tensor, entry["shape"], scanned.first, report, report.file)
+        _spot_check(handle, tensor, list(entry.shape), scanned.first, report, report.file)
     if not allow_nonfinite and (nan or posinf or neginf):
         detail = f"{nan} NaN, {posinf} +Inf, {neginf} -Inf"
         if dtype.name == "float16" and (posinf or neginf):

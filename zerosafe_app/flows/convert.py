@@ -545,7 +545,7 @@ def _summary_artifact(cfg: JobConfig, job: JobPlan, r: RunSummary) -> None:
         ),
         (
             "checks passed",
-            f"{r.checks_passed} tensors verified; {r.integrity['records_checked']} zip/intermediate records CRC-checked",
+            f"{r.checks_passed} tensors verified; {r.integrity.records_checked if r.integrity else 0} zip/intermediate records CRC-checked",
         ),
     ]
     if job.aliases:

@@ -9,14 +9,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from zerosafe.formats.base import InspectFacts, ReadLabels, SourceDescription
-from zerosafe.io.storage import FileIdentity
 from zerosafe.units import format_bytes
 
 if TYPE_CHECKING:
+    from zerosafe.formats.base import Slot, SourceFile
     from zerosafe.formats.dcp.metadata import DcpMetadata, TensorMeta
     from zerosafe.formats.dcp.reader import Selected
     from zerosafe.formats.dcp.stored import StoredChunk
-    from zerosafe.plan.model import Slot, SourceFile
 
 __all__ = [
     "DcpSource",
@@ -226,9 +225,7 @@ def dcp_source_block(
         tag=url.rstrip("/").rsplit("/", 1)[-1],
         num_params=sum(math.prod(meta.tensors[fqn].size) for fqn, _ in selected.pairs),
         checkpoint_bytes=sum(f.size_bytes for f in files),
-        files=tuple(
-            FileIdentity(url=f.url, size_bytes=f.size_bytes, version=f.version) for f in files
-        ),
+        files=tuple(f.identity for f in files),
         content_sha256=fingerprint,
         details=DcpSource(
             dcp_version=meta.version,

@@ -22,14 +22,13 @@ from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, ConfigError, UnsupportedCheckpointError
-from zerosafe.formats.base import Fragment, SourceLayout, SourceTensor
+from zerosafe.formats.base import Fragment, Slot, SourceFile, SourceLayout, SourceTensor
 from zerosafe.formats.dcp.chunks import ChunkBox, ChunkRuns, check_chunk_cover
 from zerosafe.formats.dcp.facts import dcp_facts, dcp_notes, dcp_source_block
 from zerosafe.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorMeta, parse_metadata
 from zerosafe.formats.dcp.stored import StoredChunk, locate_chunk
 from zerosafe.formats.optimizer_state import is_optimizer_state
 from zerosafe.io.storage import ByteSource, FileIdentity, Storage, join_url, normalize_url
-from zerosafe.plan.model import Slot, SourceFile
 
 __all__ = [
     "FORMAT_NAME",
@@ -74,11 +73,11 @@ class DcpReader:
 
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[FileIdentity]]:
         url = normalize_url(url)
         resolved = _tag_of(url, tag)
         names = [METADATA_FILE, *_distcp_names(storage, url)]
-        return resolved, [storage.identity(join_url(url, n)).as_dict() for n in names]
+        return resolved, [storage.identity(join_url(url, n)) for n in names]
 
     def read(
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions

@@ -20,7 +20,7 @@ from zerosafe.formats.deepspeed.types import (
     SwapFile,
     ZeroCheckpoint,
 )
-from zerosafe.io.storage import Storage
+from zerosafe.io.storage import FileIdentity, Storage
 
 if TYPE_CHECKING:
     from zerosafe.config import ConvertOptions
@@ -53,7 +53,7 @@ def find_tag_dir(storage: Storage, ckpt_url: str, tag: str | None) -> tuple[str,
 
 def quick_identities(
     storage: Storage, ckpt_url: str, tag: str | None
-) -> tuple[str, list[dict[str, Any]]]:
+) -> tuple[str, list[FileIdentity]]:
     """`(tag, identities)` of the files a conversion reads, from listings and stats only
     (`reader.tag_identities`)."""
     from zerosafe.formats.registry import formats_listed

@@ -16,7 +16,6 @@ import functools
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import LayoutMismatchError
@@ -46,7 +45,7 @@ from zerosafe.formats.deepspeed.slots import (
 )
 from zerosafe.formats.deepspeed.types import PipelineCheckpoint, ZeroCheckpoint
 from zerosafe.formats.deepspeed.universal import FORMAT_NAME as UNIVERSAL
-from zerosafe.io.storage import Storage, join_url, normalize_url
+from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
 
 __all__ = ["DeepSpeedReader", "content_fingerprint", "open_tag", "tag_identities", "zero_layout"]
 
@@ -84,7 +83,7 @@ class DeepSpeedReader:
 
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[FileIdentity]]:
         with self.errors():
             return tag_identities(storage, url, tag)
 
@@ -215,7 +214,7 @@ def _partition_numels(ckpt: ZeroCheckpoint, rank: int) -> list[int]:
 
 def tag_identities(
     storage: Storage, ckpt_url: str, tag: str | None
-) -> tuple[str, list[dict[str, Any]]]:
+) -> tuple[str, list[FileIdentity]]:
     """`(tag, identities)` of the files a conversion reads, from listings and stats only.
 
     The same files, in the same order, as `ZeroCheckpoint.files` for a valid checkpoint, so a
@@ -225,7 +224,7 @@ def tag_identities(
     found = scan_files(storage, tag_url)
     if found.model_parallel:
         urls = model_parallel_urls(found)
-        return tag, [storage.identity(u).as_dict() for u in urls]
+        return tag, [storage.identity(u) for u in urls]
     optim, model = found.optim[0], found.model[0]
     urls = [optim[r] for r in sorted(optim)] + [model[r] for r in sorted(model)]
     urls += [found.experts[k] for k in sorted(found.experts)]
@@ -239,7 +238,7 @@ def tag_identities(
                     for n in sorted(storage.listdir(folder))
                     if is_master_swap(n)
                 ]
-    return tag, [storage.identity(u).as_dict() for u in urls]
+    return tag, [storage.identity(u) for u in urls]
 
 
 def open_tag(

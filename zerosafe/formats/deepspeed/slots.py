@@ -10,11 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from zerosafe.errors import CheckpointFormatError
-from zerosafe.formats.base import Fragment, SourceTensor
+from zerosafe.formats.base import Fragment, Slot, SourceFile, SourceTensor
 from zerosafe.formats.deepspeed.layout import GroupParam, Piece, map_runs, zero12_partition_pieces
 from zerosafe.formats.deepspeed.types import LoadedFile, SwapFile, ZeroCheckpoint
 from zerosafe.formats.torch_pickle import TensorRecord
-from zerosafe.plan.model import Slot, SourceFile
 
 __all__ = [
     "SlotBuilder",

@@ -41,6 +41,7 @@ from zerosafe.formats.base import (
     LowpWitness,
     ReadLabels,
     SourceDescription,
+    SourceFile,
     SourceLayout,
     SourceTensor,
 )
@@ -81,7 +82,6 @@ from zerosafe.io.storage import (
     join_url,
     normalize_url,
 )
-from zerosafe.plan.model import SourceFile
 from zerosafe.units import format_bytes
 
 if TYPE_CHECKING:
@@ -142,10 +142,10 @@ class UniversalReader:
 
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[FileIdentity]]:
         resolved, tag_url = find_universal_tag(storage, url, tag)
         scan = _scan(storage, tag_url)
-        return resolved, [i.as_dict() for i in scan.identities]
+        return resolved, list(scan.identities)
 
     def read(
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from zerosafe.errors import ConversionError
 from zerosafe.io.storage import TAG_NAME_MAX_BYTES, Storage, join_url
@@ -40,9 +39,6 @@ class TagStatus:
     """`done` (converted), `ready` (to convert), `partial` (conversion started, not complete:
     to resume), or `writing` (not ready yet)."""
     why: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _is_tag_dir(storage: Storage, url: str, name: str) -> bool:

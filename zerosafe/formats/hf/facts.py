@@ -13,13 +13,13 @@ from typing import ClassVar
 from zerosafe.formats.base import (
     InspectFacts,
     ReadLabels,
+    Slot,
     SourceDescription,
+    SourceFile,
     SourceLayout,
     SourceTensor,
 )
 from zerosafe.formats.hf.headers import SafetensorsHeader
-from zerosafe.io.storage import FileIdentity
-from zerosafe.plan.model import Slot, SourceFile
 from zerosafe.units import format_bytes
 
 __all__ = ["Described", "HfSource", "describe"]
@@ -95,9 +95,7 @@ def describe(found: Described) -> SourceLayout:
         tag=found.tag,
         num_params=params,
         checkpoint_bytes=total,
-        files=tuple(
-            FileIdentity(url=f.url, size_bytes=f.size_bytes, version=f.version) for f in found.files
-        ),
+        files=tuple(f.identity for f in found.files),
         content_sha256=_fingerprint(found.headers),
         details=HfSource(
             format_name=found.format_name,

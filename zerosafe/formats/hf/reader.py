@@ -15,18 +15,15 @@ headers and the index are read here, never tensor data.
 
 from __future__ import annotations
 
-from typing import Any
-
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConfigError
-from zerosafe.formats.base import SourceLayout, SourceTensor
+from zerosafe.formats.base import Slot, SourceFile, SourceLayout, SourceTensor
 from zerosafe.formats.hf.facts import Described, describe
 from zerosafe.formats.hf.folder import INDEX_NAME, SINGLE_NAME, SUFFIX, read_folder, weight_files
 from zerosafe.formats.hf.headers import SafetensorsHeader, read_checked_header
 from zerosafe.formats.hf.sharded import RANK_FILE, rank_files, reassemble
 from zerosafe.formats.nested import OUTPUT_MARKER, OUTPUT_WORK_DIR
-from zerosafe.io.storage import Storage, join_url, normalize_url
-from zerosafe.plan.model import Slot, SourceFile
+from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
 
 __all__ = ["HfShardedReader", "SafetensorsReader"]
 
@@ -103,12 +100,12 @@ class SafetensorsReader:
 
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[FileIdentity]]:
         url = normalize_url(url)
         resolved = _tag_of(url, tag, self.title)
         weights = weight_files(storage, url)
         names = [n for n, _, _ in self._names(weights.index, weights.names)]
-        return resolved, [storage.identity(join_url(url, n)).as_dict() for n in names]
+        return resolved, [storage.identity(join_url(url, n)) for n in names]
 
     def read(
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
@@ -183,11 +180,11 @@ class HfShardedReader:
 
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[FileIdentity]]:
         url = normalize_url(url)
         resolved = _tag_of(url, tag, self.title)
         _, ranks = rank_files(storage, url)
-        return resolved, [storage.identity(join_url(url, n)).as_dict() for _, n in ranks]
+        return resolved, [storage.identity(join_url(url, n)) for _, n in ranks]
 
     def read(
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions

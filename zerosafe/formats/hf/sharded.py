@@ -25,11 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from zerosafe.errors import CheckpointFormatError, LayoutMismatchError
-from zerosafe.formats.base import Fragment, SourceTensor
+from zerosafe.formats.base import Fragment, Slot, SourceFile, SourceTensor
 from zerosafe.formats.dcp.chunks import ChunkBox, check_chunk_cover
 from zerosafe.formats.hf.headers import HeaderTensor, SafetensorsHeader
 from zerosafe.io.storage import Storage
-from zerosafe.plan.model import Slot, SourceFile
 
 __all__ = ["RANK_FILE", "PlacedChunk", "Reassembled", "place_chunks", "rank_files", "reassemble"]
 

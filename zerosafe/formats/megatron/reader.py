@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, ConfigError, UnsupportedCheckpointError
@@ -46,7 +45,7 @@ from zerosafe.formats.megatron.names import (
     kept_pieces,
     llama_pieces,
 )
-from zerosafe.io.storage import Storage, join_url, normalize_url
+from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
 
 __all__ = ["FORMAT_NAME", "LATEST_FILE", "MegatronReader"]
 
@@ -113,15 +112,13 @@ class MegatronReader:
 
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[FileIdentity]]:
         iter_url = self._iteration_url(storage, normalize_url(url), tag)
         names = [
             METADATA_FILE,
             *sorted(n for n in storage.listdir(iter_url) if n.endswith(".distcp")),
         ]
-        return _tag_name(iter_url), [
-            storage.identity(join_url(iter_url, n)).as_dict() for n in names
-        ]
+        return _tag_name(iter_url), [storage.identity(join_url(iter_url, n)) for n in names]
 
     def read(
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions

@@ -12,12 +12,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 from zerosafe.formats.base import InspectFacts, ReadLabels, SourceDescription, SourceLayout
 from zerosafe.formats.verl.shards import layout_lines, shards_fingerprint, tied_lines
-from zerosafe.io.storage import FileIdentity
 from zerosafe.units import format_bytes
 
 if TYPE_CHECKING:
+    from zerosafe.formats.base import Slot, SourceFile
     from zerosafe.formats.verl.shards import Built
-    from zerosafe.plan.model import Slot, SourceFile
 
 __all__ = ["describe"]
 
@@ -77,9 +76,7 @@ def describe(
         tag=tag,
         num_params=params,
         checkpoint_bytes=total,
-        files=tuple(
-            FileIdentity(url=f.url, size_bytes=f.size_bytes, version=f.version) for f in files
-        ),
+        files=tuple(f.identity for f in files),
         content_sha256=safetensors_fingerprint or _fingerprint(files, built.slots),
         details=TorchCheckpointingSource(
             world_size=len(files),

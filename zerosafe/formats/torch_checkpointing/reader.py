@@ -22,18 +22,16 @@ items' files (optimizer moments, counters) are listed by `inspect` and never rea
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, ConfigError
-from zerosafe.formats.base import SourceLayout
+from zerosafe.formats.base import SourceFile, SourceLayout
 from zerosafe.formats.torch_checkpointing.facts import describe
 from zerosafe.formats.torch_checkpointing.safetensors_layout import read_safetensors_save
 from zerosafe.formats.torch_pickle import DTensorRecord, InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.formats.verl.shards import RankFile, build_tensors
-from zerosafe.io.storage import Storage, join_url, normalize_url
-from zerosafe.plan.model import SourceFile
+from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
 
 __all__ = ["FORMAT_NAME", "MODEL_ITEM", "TorchCheckpointingReader", "item_files"]
 
@@ -74,11 +72,11 @@ class TorchCheckpointingReader:
 
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[FileIdentity]]:
         url = normalize_url(url)
         resolved = _tag_of(url, tag)
         names = _model_file_names(storage, url)
-        return resolved, [storage.identity(join_url(url, n)).as_dict() for n in names]
+        return resolved, [storage.identity(join_url(url, n)) for n in names]
 
     def read(
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions

@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from zerosafe.errors import CheckpointFormatError, UnsupportedCheckpointError
+from zerosafe.formats.base import SourceFile
 from zerosafe.formats.hf.headers import HeaderTensor, SafetensorsHeader, read_checked_header
 from zerosafe.formats.hf.sharded import PlacedChunk, place_chunks
 from zerosafe.formats.torch_checkpointing.metadata import ShardedTensor, TcMetadata, parse_metadata
 from zerosafe.formats.verl.shards import Built
 from zerosafe.io.storage import Storage, join_url
-from zerosafe.plan.model import SourceFile
 
 __all__ = ["METADATA_FILE", "SafetensorsSave", "local_box", "read_safetensors_save"]
 

@@ -34,12 +34,11 @@ from zerosafe.errors import (
     UnsafePickleError,
     UnsupportedCheckpointError,
 )
-from zerosafe.formats.base import SourceLayout
+from zerosafe.formats.base import SourceFile, SourceLayout
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.formats.verl.facts import describe
 from zerosafe.formats.verl.shards import RankFile, build_tensors
-from zerosafe.io.storage import Storage, join_url, normalize_url
-from zerosafe.plan.model import SourceFile
+from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
 
 __all__ = ["CONFIG_FILE", "FORMAT_NAME", "HF_FOLDER", "VerlReader", "rank_file_names"]
 
@@ -71,11 +70,11 @@ class VerlReader:
 
     def quick_identities(
         self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[dict[str, Any]]]:
+    ) -> tuple[str, list[FileIdentity]]:
         url = normalize_url(url)
         resolved = _tag_of(url, tag)
         names = _file_names(storage, url)
-        return resolved, [storage.identity(join_url(url, n)).as_dict() for n in names]
+        return resolved, [storage.identity(join_url(url, n)) for n in names]
 
     def read(
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions

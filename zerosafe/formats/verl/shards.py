@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerosafe.errors import CheckpointFormatError, UnsupportedCheckpointError
-from zerosafe.formats.base import Fragment, SourceTensor
+from zerosafe.formats.base import Fragment, Slot, SourceFile, SourceTensor
 from zerosafe.formats.torch_pickle import DTensorRecord, InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
-from zerosafe.plan.model import Slot, SourceFile
 
 __all__ = [
     "VERL_FALLBACK",
