@@ -59,8 +59,10 @@ LAYOUT = "megatron"
 TOOL = "torch-dcp"
 NOT_RUN = {
     "Megatron-LM tools/checkpoint (convert.py, loader_mcore/saver_hf)": (
-        "not in the megatron-core wheel (megatron-core 0.19.2 ships megatron/core only); it "
-        "needs a Megatron-LM checkout and its training package, which builds the model"
+        "not in the megatron-core wheel (megatron-core 0.19.2 ships megatron/core only): they "
+        "need a Megatron-LM checkout and its training package, whose loader builds the model; "
+        "the one-file convert_mlm_to_hf_checkpoint.py reads only the legacy "
+        "mp_rank_NN/model_optim_rng.pt format, not torch_dist"
     ),
     "Megatron-Bridge (AutoBridge.export_ckpt)": (
         "megatron-bridge 0.6.2 requires megatron-core[dev,mlm]; its fast-hadamard-transform "
