@@ -123,7 +123,7 @@ def run_once(
     work = WorkLayout(job.work_url)
     pool = None
     if workers == "processes":  # the in-process command's worker processes, started first
-        from zerosafe.stages.workers import Shared, UnitPool
+        from zerosafe.run.workers import Shared, UnitPool
 
         pool = UnitPool(tasks, shared={"plan": plan})
         if hasattr(pool, "start"):
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument(
         "--workers", default="threads", choices=("threads", "processes"),
-        help="units as threads of this process, or in worker processes (zerosafe.stages.workers)",
+        help="units as threads of this process, or in worker processes (zerosafe.run.workers)",
     )  # fmt: skip
     cfg = ap.parse_args(argv)
     counts = [int(x) for x in cfg.tasks.split(",")]

@@ -3,7 +3,7 @@ at a time (`convert_checkpoint`).
 
 It runs the lifecycle of `zerosafe.pipeline` in order, with the same leases, cleanup and
 summary as the flow `convert` in `zerosafe_app`, and records each finished unit in the work
-area (`zerosafe.stages.unit_records`), so a killed run started again resumes.
+area (`zerosafe.run.unit_records`), so a killed run started again resumes.
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ from zerosafe.pipeline import (
     verify_unit,
 )
 from zerosafe.plan.model import Plan
+from zerosafe.run.progress import NullProgress, Progress
+from zerosafe.run.unit_records import UnitRecords, unit_key
+from zerosafe.run.workers import Shared, UnitPool, prestart, processes_note, worker_mode
 from zerosafe.stages.output import reusable_shards
-from zerosafe.stages.progress import NullProgress, Progress
 from zerosafe.stages.results import (
     ExtractResult,
     JobPlan,
@@ -60,8 +62,6 @@ from zerosafe.stages.results import (
 )
 from zerosafe.stages.shards import DirectLocator, StagedLocator
 from zerosafe.stages.streaming import set_tasks_at_once
-from zerosafe.stages.unit_records import UnitRecords, unit_key
-from zerosafe.stages.workers import Shared, UnitPool, prestart, processes_note, worker_mode
 
 __all__ = ["convert_checkpoint"]
 
@@ -191,7 +191,7 @@ class _UnitRunner:
 
     With more tasks, `parallel_tasks` threads each merge then verify one shard at a time, as
     the flow's N parallel tasks would, each merge opening its own readers; in worker processes
-    (`zerosafe.stages.workers.process_options`, where asked) the same, each thread here
+    (`zerosafe.run.workers.process_options`, where asked) the same, each thread here
     waiting on a worker: N tasks on N cores, none queued on this interpreter. Either way the
     budget is divided among the N tasks.
     """

@@ -37,6 +37,8 @@ from zerosafe.io.residency import serial_merge_reason
 from zerosafe.io.storage import Storage, is_local, join_url, local_path
 from zerosafe.plan.build import plan_checkpoint
 from zerosafe.plan.model import Plan, save_plan
+from zerosafe.run.unit_records import fingerprint
+from zerosafe.run.workers import process_options
 from zerosafe.stages.destination import check_output_apart, check_output_kind
 from zerosafe.stages.model_files import model_files_folder
 from zerosafe.stages.output import (
@@ -74,8 +76,6 @@ from zerosafe.stages.shards import (
     shard_metadata,
 )
 from zerosafe.stages.streaming import FUSED_STREAM_BYTES
-from zerosafe.stages.unit_records import fingerprint
-from zerosafe.stages.workers import process_options
 from zerosafe.units import format_bytes
 from zerosafe.verify.output import lowp_report
 from zerosafe.verify.tensors import verify_shard
@@ -341,7 +341,7 @@ def unit_process_options(
     mode: str,
     reused: Collection[int] = (),
 ) -> ConvertOptions | None:
-    """The options a run's units take in worker processes (`zerosafe.stages.workers`), or
+    """The options a run's units take in worker processes (`zerosafe.run.workers`), or
     None to keep threads: by `mode` and what the run has to do (`process_options`), never for
     merges that must run one at a time (a rotational disk) or a storage that is not the local
     one (a worker rebuilds its storage from options; a remote one keeps its own connections)."""
@@ -710,7 +710,7 @@ def summarize(
 
 
 def unit_key_options(options: ConvertOptions) -> dict[str, bool]:
-    """The options in a unit's key besides the job key (`zerosafe.stages.unit_records.unit_key`)."""
+    """The options in a unit's key besides the job key (`zerosafe.run.unit_records.unit_key`)."""
     return {
         "direct": options.direct,
         "allow_nonfinite": options.allow_nonfinite,

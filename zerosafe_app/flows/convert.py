@@ -52,8 +52,8 @@ from zerosafe.pipeline import (
     summarize,
     unit_process_options,
 )
+from zerosafe.run.workers import processes_note, worker_mode
 from zerosafe.stages.results import JobPlan, PublishResult, RunStats, RunSummary, VerifyResult
-from zerosafe.stages.workers import processes_note, worker_mode
 from zerosafe.units import format_bytes
 from zerosafe_app.flows.config import JobConfig, flow_parameters, load_job_config
 from zerosafe_app.flows.schedule import StageResults, StageScheduler
@@ -599,7 +599,7 @@ def run_convert(
     """Run the flow embedded, for `zerosafe convert`. Progress goes to the terminal bar.
 
     `mode` is the mode as asked (`auto` included); by default the one `options` holds."""
-    from zerosafe.stages.progress import NullProgress, TerminalProgress
+    from zerosafe.run.progress import NullProgress, TerminalProgress
 
     bar = TerminalProgress() if show_progress else NullProgress()
     set_progress(bar)  # the flow starts it with the total once the plan is known

@@ -20,10 +20,10 @@ from zerosafe.errors import ConversionError
 from zerosafe.io.storage import Storage, join_url
 from zerosafe.pipeline import WorkLayout, peak_rss_bytes, unit_key_options
 from zerosafe.plan.model import Plan, load_plan
-from zerosafe.stages.progress import NullProgress, Progress
+from zerosafe.run.progress import NullProgress, Progress
+from zerosafe.run.unit_records import unit_key
+from zerosafe.run.workers import Shared, UnitPool
 from zerosafe.stages.streaming import set_tasks_at_once
-from zerosafe.stages.unit_records import unit_key
-from zerosafe.stages.workers import Shared, UnitPool
 from zerosafe.units import format_bytes
 from zerosafe_app.tasks.credentials import storage_for
 
@@ -62,7 +62,7 @@ class Job:
     it, so a run's stats count its own tasks whatever the workers' clocks say."""
     workers: int = 0
     """Worker processes that run this job's units in a process running its tasks (`run_unit`;
-    `zerosafe.stages.workers`); 0: each task's own thread runs its unit. The flow sets it
+    `zerosafe.run.workers`); 0: each task's own thread runs its unit. The flow sets it
     from `ZEROSAFE_WORKERS` (`zerosafe.pipeline.unit_process_options`), with `options`
     then holding the units' share of the budget."""
 

@@ -19,8 +19,8 @@ from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConversionError
 from zerosafe.pipeline import parts_to_extract
+from zerosafe.run.unit_records import fingerprint
 from zerosafe.stages.results import JobPlan, PublishResult
-from zerosafe.stages.unit_records import fingerprint
 from zerosafe_app.flows.schedule import StageScheduler
 from zerosafe_app.tasks._common import Job, WorkAreaConflictError, cache_key
 from zerosafe_app.tasks.extract import extract

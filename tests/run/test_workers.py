@@ -1,4 +1,4 @@
-"""Units in worker processes (`zerosafe.stages.workers`): the same bytes as threads."""
+"""Units in worker processes (`zerosafe.run.workers`): the same bytes as threads."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
 from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import ConfigError
-from zerosafe.stages.workers import PROCESS_MIN_BYTES, process_options, worker_mode
+from zerosafe.run.workers import PROCESS_MIN_BYTES, process_options, worker_mode
 
 
 def _weights(out: Path) -> dict[str, bytes]:
@@ -24,7 +24,7 @@ def _weights(out: Path) -> dict[str, bytes]:
 
 def test_processes_write_the_bytes_threads_write(tmp_path: Path, monkeypatch) -> None:
     import zerosafe.driver as driver
-    from zerosafe.stages.workers import UnitPool
+    from zerosafe.run.workers import UnitPool
 
     pools: list[int] = []
 
@@ -87,8 +87,8 @@ def test_the_command_takes_processes_by_default_and_says_so(
     lowered so that the sample counts) and the summary says so; `ZEROSAFE_WORKERS=threads`
     keeps threads, and so does a library call unless asked. Same bytes every way."""
     import zerosafe.driver as driver
-    import zerosafe.stages.workers as workers
-    from zerosafe.stages.workers import UnitPool
+    import zerosafe.run.workers as workers
+    from zerosafe.run.workers import UnitPool
     from zerosafe_app.cli import main
 
     pools: list[int] = []
@@ -143,7 +143,7 @@ def test_workers_started_inside_a_checkpoint_folder_import_nothing_from_it(
     # A pool started with no prestart (the flow's tasks) starts the forkserver itself.
     (tmp_path / "runner").mkdir()
     (tmp_path / "runner" / "pool.py").write_text(
-        "import os, pkgutil, zerosafe\nfrom zerosafe.stages.workers import UnitPool\n"
+        "import os, pkgutil, zerosafe\nfrom zerosafe.run.workers import UnitPool\n"
         "if __name__ == '__main__':\n    with UnitPool(2) as pool:\n        pool.start()\n"
         "        assert pool.run(os.getpid) in pool.pids\n"
         "        assert pool.run(pkgutil.resolve_name, 'zerosafe:__file__') == zerosafe.__file__\n"
@@ -164,7 +164,7 @@ def test_an_installed_engine_adds_nothing_to_the_workers_path(monkeypatch) -> No
     import sysconfig
 
     import zerosafe
-    from zerosafe.stages import workers
+    from zerosafe.run import workers
 
     checkout = os.path.dirname(os.path.dirname(os.path.realpath(zerosafe.__file__)))
     assert workers._engine_folder() == checkout  # this checkout, installed editable
@@ -182,7 +182,7 @@ def test_on_python_3_10_a_folder_of_modules_keeps_the_units_in_threads(
 ) -> None:
     """Python 3.10 has no PYTHONSAFEPATH: there, a current folder holding modules keeps the
     units in threads (`auto`), or is refused with the fix (`processes`)."""
-    from zerosafe.stages import workers
+    from zerosafe.run import workers
 
     (tmp_path / "numpy").mkdir()
     (tmp_path / "numpy" / "__init__.py").write_text("")
@@ -248,7 +248,7 @@ def test_prestart_starts_the_forkserver_only_where_processes_may_run() -> None:
     code = (
         "import sys\n"
         "from multiprocessing import forkserver\n"
-        "from zerosafe.stages import workers\n"
+        "from zerosafe.run import workers\n"
         "workers.usable_cores = lambda: int(sys.argv[2])\n"
         "started = workers.prestart(sys.argv[1])\n"
         "print(started, forkserver._forkserver._forkserver_pid is not None)\n"
@@ -280,7 +280,7 @@ def test_workers_die_with_a_killed_command(tmp_path: Path) -> None:
     script = tmp_path / "pool.py"
     script.write_text(
         "import os, time\n"
-        "from zerosafe.stages.workers import UnitPool\n"
+        "from zerosafe.run.workers import UnitPool\n"
         "if __name__ == '__main__':\n"
         "    pool = UnitPool(1)\n"
         "    print(pool.run(os.getpid), flush=True)\n"
@@ -317,7 +317,7 @@ def test_start_brings_every_worker_up_before_the_units() -> None:
     the other submits wait), and each worker's copies know how many run beside it."""
     import threading
 
-    from zerosafe.stages.workers import UnitPool
+    from zerosafe.run.workers import UnitPool
 
     with UnitPool(3) as pool:
         pool.start()
