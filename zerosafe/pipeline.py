@@ -75,7 +75,7 @@ from zerosafe.stages.shards import (
     read_intermediate_sums,
     shard_metadata,
 )
-from zerosafe.stages.streaming import FUSED_STREAM_BYTES
+from zerosafe.stages.streaming import FUSED_STREAM_BYTES, CopyPolicy
 from zerosafe.units import format_bytes
 from zerosafe.verify.output import lowp_report
 from zerosafe.verify.tensors import verify_shard
@@ -414,11 +414,14 @@ def extract_unit(
     options: ConvertOptions,
     *,
     on_bytes: OnBytes = None,
+    copy: CopyPolicy | None = None,
 ) -> ExtractResult:
-    """Copy extract part `part` from the checkpoint into the work area's intermediates."""
+    """Copy extract part `part` from the checkpoint into the work area's intermediates
+    (`copy`: how the run's copies run)."""
     return extract_part(
-        plan, part, storage, work.intermediate, chunk_bytes=options.chunk_bytes, on_bytes=on_bytes
-    )
+        plan, part, storage, work.intermediate, chunk_bytes=options.chunk_bytes,
+        on_bytes=on_bytes, copy=copy,
+    )  # fmt: skip
 
 
 def open_locator(
@@ -441,6 +444,7 @@ def merge_unit(
     on_bytes: OnBytes = None,
     locator: DirectLocator | StagedLocator | None = None,
     streams: int = 1,
+    copy: CopyPolicy | None = None,
 ) -> MergeResult:
     """Merge output shard `shard` into the job's pending folder, or, in a repair, keep the
     published shard when it is still as published.
@@ -448,6 +452,7 @@ def merge_unit(
     Args:
         locator: Shared by several merges (the sequential driver); by default one of its own.
         streams: Threads copying at once within the shard (`merge_streams`).
+        copy: How the run's copies run (`zerosafe.stages.streaming.CopyPolicy`).
     """
     file_name = plan.shards[shard].file_name
     reused = reusable_shard(storage, destination, plan.job_key, shard, file_name)
@@ -458,7 +463,7 @@ def merge_unit(
     try:
         return merge_shard(
             plan, shard, storage, pending_url(destination, plan.job_key), reader,
-            chunk_bytes=options.chunk_bytes, on_bytes=on_bytes, streams=streams,
+            chunk_bytes=options.chunk_bytes, on_bytes=on_bytes, streams=streams, copy=copy,
         )  # fmt: skip
     finally:
         if locator is None:

@@ -609,14 +609,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         if output_needs_torch(options.dtype):  # bfloat16 and float32 are cast without it
             preload("torch", then=serial_torch)  # beside the planning, not before it
         from zerosafe.driver import convert_checkpoint
-        from zerosafe.run.workers import worker_mode
+        from zerosafe.run.job import RunSettings
 
         # The command runs a job of 2 GB or more in worker processes unless ZEROSAFE_WORKERS
-        # says otherwise (a library call keeps threads: docs/performance.md).
+        # says otherwise (a library call keeps threads: docs/performance.md); the engine
+        # reads no environment variable, the command reads them here.
         summary = convert_checkpoint(
             args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
             progress=TerminalProgress() if show_progress else NullProgress(), storage=_storage(args),
-            workers=worker_mode(None, default="auto"),
+            settings=RunSettings.from_environ(os.environ, workers="auto"),
         )  # fmt: skip
     else:
         from zerosafe.cast import output_needs_torch

@@ -34,6 +34,7 @@ def extract(job: Job, index: int, rank: int, label: str, fingerprint: str = "") 
         work,
         options,
         on_bytes=lambda n: progress().advance(n, "extract"),
+        copy=job.copy_policy(),
     )
     record_run(job, "extract", index, result, meter)
     return result
