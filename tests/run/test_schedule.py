@@ -43,6 +43,7 @@ def test_the_commands_policy_is_the_drivers() -> None:
     assert local_policy(_job(9), four, to_merge=9) == (Policy(limit=4, at_once=4), 4)
     assert local_policy(_job(9), four, to_merge=3)[1] == 3  # no more copies than merges
     assert local_policy(_job(9), two, workers=2, to_merge=9) == (Policy(limit=2, at_once=2), 2)
+    assert local_policy(_job(9), two, workers=2, to_merge=1)[1] == 2  # each worker's copies
     serial = local_policy(_job(9, serial="rotational"), four, to_merge=9)
     assert serial == (Policy(limit=2, at_once=4, one_copy=True), 1)
 

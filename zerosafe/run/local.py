@@ -70,6 +70,8 @@ def local_policy(
         policy = Policy(limit=at_once, at_once=at_once)
     else:
         policy = Policy(limit=min(at_once, 2), at_once=at_once, one_copy=True)
+    if workers:  # each worker process copies as one of `workers` on the machine
+        return policy, workers
     return policy, min(max(1, to_merge), at_once if whole_units else 1)
 
 
