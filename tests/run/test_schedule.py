@@ -3,9 +3,13 @@ order and "still holds" decisions it makes for any executor."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any, cast
+
+import pytest
 
 from zerosafe.config import ConvertOptions
 from zerosafe.run.local import local_policy
@@ -116,3 +120,33 @@ def test_a_kept_merge_must_match_the_shard_on_disk_and_takes_no_place() -> None:
     # under a limit of one: each merge is followed by its verify
     order = [(u.stage, u.index) for u in executor.submitted]
     assert order == [("verify", 0), ("merge", 1), ("verify", 1), ("merge", 2), ("verify", 2)]
+
+
+def test_a_failed_unit_raises_only_once_no_other_unit_runs() -> None:
+    """Both executors' callers release their leases when `run` raises: a sibling still
+    writing would race the next run that takes them (issue 24 item 7, for either path)."""
+    finished: list[int] = []
+
+    class Failing(_Executor):
+        def submit(self, unit: Unit) -> Future[Any]:
+            future: Future[Any] = Future()
+
+            def run() -> None:
+                if unit.index == 0:
+                    future.set_exception(RuntimeError("merge 0 failed"))
+                    return
+                time.sleep(0.3)
+                finished.append(unit.index)
+                future.set_result(_merged(unit.index))
+
+            threading.Thread(target=run).start()
+            return future
+
+    executor = Failing(Policy(limit=2, at_once=2), {})
+    scheduler = Scheduler(
+        _job(2), executor, cast(DiskChecks, _Checks()), parts=[], direct=True, reused=(),
+        run_id="r",
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="merge 0 failed"):
+        scheduler.run()
+    assert finished == [1]

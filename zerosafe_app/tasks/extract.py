@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from zerosafe.pipeline import extract_unit, intermediate_is_present
+from zerosafe.pipeline import extract_unit
 from zerosafe.stages.results import ExtractResult
 from zerosafe_app.tasks._common import (
     Job,
@@ -38,9 +36,3 @@ def extract(job: Job, index: int, rank: int, label: str, fingerprint: str = "") 
     )
     record_run(job, "extract", index, result, meter)
     return result
-
-
-def extract_is_present(job: dict[str, Any], index: int, content_sha256: str | None = None) -> bool:
-    """Whether part `index`'s intermediate is on disk, whole, with the recorded content."""
-    plan, storage, _, work = context(Job.from_json(job))
-    return intermediate_is_present(plan, storage, work, index, content_sha256)

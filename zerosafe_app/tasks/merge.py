@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from zerosafe import pipeline
 from zerosafe.pipeline import merge_unit
-from zerosafe.stages import output
 from zerosafe.stages.results import MergeResult
 from zerosafe_app.tasks._common import (
     Job,
@@ -44,21 +40,3 @@ def merge(
     )  # fmt: skip
     record_run(job, "merge", index, result, meter)
     return result
-
-
-def expected_shard_bytes(job: dict[str, Any], index: int) -> int:
-    """The exact size shard `index` has when written (header + data)."""
-    plan, _, _, _ = context(Job.from_json(job))
-    return pipeline.expected_shard_bytes(plan, index)
-
-
-def shard_identity(job: dict[str, Any], index: int) -> tuple[int, str] | None:
-    """(size, version) of shard `index` on disk (pending, else published), or None."""
-    plan, storage, _, _ = context(Job.from_json(job))
-    return pipeline.shard_identity(plan, storage, job["destination"], index)
-
-
-def reusable_shards(job: dict[str, Any]) -> set[int]:
-    """In a repair: the shards that are published and still intact (nothing to merge)."""
-    plan, storage, _, _ = context(Job.from_json(job))
-    return output.reusable_shards(storage, job["destination"], plan)

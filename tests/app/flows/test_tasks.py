@@ -21,12 +21,13 @@ from zerosafe.errors import ConversionError
 from zerosafe.pipeline import parts_to_extract
 from zerosafe.run.schedule import DiskChecks, Policy, Scheduler, Unit
 from zerosafe.run.unit_records import fingerprint
+from zerosafe.stages.output import reusable_shards
 from zerosafe.stages.results import JobPlan, PublishResult
 from zerosafe_app.flows.schedule import PrefectExecutor
 from zerosafe_app.tasks._common import Job, WorkAreaConflictError, cache_key, context
 from zerosafe_app.tasks.extract import extract
 from zerosafe_app.tasks.inspect import inspect
-from zerosafe_app.tasks.merge import merge, reusable_shards
+from zerosafe_app.tasks.merge import merge
 from zerosafe_app.tasks.publish import finish, publish
 from zerosafe_app.tasks.verify import verify
 
@@ -182,7 +183,8 @@ def _schedule(
     serial_merges: bool = False,
 ) -> tuple[JobPlan, Any]:
     job, task_job = _plan(out, options)
-    reused = reusable_shards(task_job)
+    plan, storage, _, _ = context(Job.from_json(task_job))
+    reused = reusable_shards(storage, job.destination, plan)
     return job, _scheduler(
         job, task_job, pool, limit=limit, options=options, reused=reused,
         serial_merges=serial_merges,
