@@ -8,7 +8,8 @@ Its policy (`local_policy`) is what the in-process driver has always done:
   `JobPlan.serial_merges`): one extract or merge at a time, sharing one set of open source
   files, with (at two tasks) a shard's verify beside the next merge: it re-reads what the
   merge just wrote, mostly from the page cache and on the other core, while the next merge
-  waits on the disk;
+  waits on the disk. (A merge that ends while the last verify still runs has its own verify
+  start next, before the next merge, as under any limit: verify first.);
 - **more tasks**: N units at once, a merged shard verified next, each merge opening its own
   readers; in worker processes (where asked: `zerosafe.run.workers.process_options`) the
   same, each thread here waiting on a worker: N tasks on N cores, none queued on this
