@@ -106,12 +106,18 @@ def run_once(
         from zerosafe.pipeline import merge_streams
     except ImportError:  # a checkout from before merges in streams
         merge_streams = None
-    try:  # as the command does (a worker pool tells its workers itself)
-        from zerosafe.stages.streaming import set_tasks_at_once
+    copy: dict[str, Any] = {}
+    try:  # as the command does: the run's copy policy goes with each unit
+        from zerosafe.stages.streaming import CopyPolicy
 
-        set_tasks_at_once(tasks)
-    except ImportError:  # a checkout from before the fused copy
-        pass
+        copy = {"copy": CopyPolicy(os.environ.get("ZEROSAFE_COPY") or "auto", tasks)}
+    except ImportError:  # a checkout from before CopyPolicy: a setting of the process
+        try:
+            from zerosafe.stages.streaming import set_tasks_at_once
+
+            set_tasks_at_once(tasks)
+        except ImportError:  # a checkout from before the fused copy
+            pass
     shutil.rmtree(out, ignore_errors=True)
     storage = Storage()
     options = ConvertOptions(
@@ -123,7 +129,7 @@ def run_once(
     work = WorkLayout(job.work_url)
     pool = None
     if workers == "processes":  # the in-process command's worker processes, started first
-        from zerosafe.stages.workers import Shared, UnitPool
+        from zerosafe.run.workers import Shared, UnitPool
 
         pool = UnitPool(tasks, shared={"plan": plan})
         if hasattr(pool, "start"):
@@ -152,7 +158,7 @@ def run_once(
                 spans.append((begun - t0, time.perf_counter() - t0))
 
         def run_unit(shard: int) -> tuple[Any, Any]:
-            extra = streams(shard)
+            extra = {**streams(shard), **copy}
             if pool is not None:
                 merged = pool.run(
                     merge_unit, Shared("plan"), shard, storage, job.destination, work, options,
@@ -220,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument(
         "--workers", default="threads", choices=("threads", "processes"),
-        help="units as threads of this process, or in worker processes (zerosafe.stages.workers)",
+        help="units as threads of this process, or in worker processes (zerosafe.run.workers)",
     )  # fmt: skip
     cfg = ap.parse_args(argv)
     counts = [int(x) for x in cfg.tasks.split(",")]

@@ -88,10 +88,10 @@ def kill_before_publish(env: dict[str, str], *convert_args: str) -> None:
     script = (
         "import os, signal, sys\n"
         "from zerosafe_app.cli import main\n"
-        "import zerosafe.driver, zerosafe_app.tasks.publish\n"
+        "import zerosafe.run.local, zerosafe_app.tasks.publish\n"
         "def die(*args, **kwargs):\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
-        "zerosafe.driver.publish_job = zerosafe_app.tasks.publish.publish_job = die\n"
+        "zerosafe.run.local.publish_job = zerosafe_app.tasks.publish.publish_job = die\n"
         "sys.exit(main(['convert', *sys.argv[1:]]))\n"
     )
     proc = subprocess.run(

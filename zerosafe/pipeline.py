@@ -37,6 +37,8 @@ from zerosafe.io.residency import serial_merge_reason
 from zerosafe.io.storage import Storage, is_local, join_url, local_path
 from zerosafe.plan.build import plan_checkpoint
 from zerosafe.plan.model import Plan, save_plan
+from zerosafe.run.unit_records import fingerprint
+from zerosafe.run.workers import process_options
 from zerosafe.stages.destination import check_output_apart, check_output_kind
 from zerosafe.stages.model_files import model_files_folder
 from zerosafe.stages.output import (
@@ -73,9 +75,7 @@ from zerosafe.stages.shards import (
     read_intermediate_sums,
     shard_metadata,
 )
-from zerosafe.stages.streaming import FUSED_STREAM_BYTES
-from zerosafe.stages.unit_records import fingerprint
-from zerosafe.stages.workers import process_options
+from zerosafe.stages.streaming import FUSED_STREAM_BYTES, CopyPolicy
 from zerosafe.units import format_bytes
 from zerosafe.verify.output import lowp_report
 from zerosafe.verify.tensors import verify_shard
@@ -341,7 +341,7 @@ def unit_process_options(
     mode: str,
     reused: Collection[int] = (),
 ) -> ConvertOptions | None:
-    """The options a run's units take in worker processes (`zerosafe.stages.workers`), or
+    """The options a run's units take in worker processes (`zerosafe.run.workers`), or
     None to keep threads: by `mode` and what the run has to do (`process_options`), never for
     merges that must run one at a time (a rotational disk) or a storage that is not the local
     one (a worker rebuilds its storage from options; a remote one keeps its own connections)."""
@@ -414,11 +414,14 @@ def extract_unit(
     options: ConvertOptions,
     *,
     on_bytes: OnBytes = None,
+    copy: CopyPolicy | None = None,
 ) -> ExtractResult:
-    """Copy extract part `part` from the checkpoint into the work area's intermediates."""
+    """Copy extract part `part` from the checkpoint into the work area's intermediates
+    (`copy`: how the run's copies run)."""
     return extract_part(
-        plan, part, storage, work.intermediate, chunk_bytes=options.chunk_bytes, on_bytes=on_bytes
-    )
+        plan, part, storage, work.intermediate, chunk_bytes=options.chunk_bytes,
+        on_bytes=on_bytes, copy=copy,
+    )  # fmt: skip
 
 
 def open_locator(
@@ -441,6 +444,7 @@ def merge_unit(
     on_bytes: OnBytes = None,
     locator: DirectLocator | StagedLocator | None = None,
     streams: int = 1,
+    copy: CopyPolicy | None = None,
 ) -> MergeResult:
     """Merge output shard `shard` into the job's pending folder, or, in a repair, keep the
     published shard when it is still as published.
@@ -448,6 +452,7 @@ def merge_unit(
     Args:
         locator: Shared by several merges (the sequential driver); by default one of its own.
         streams: Threads copying at once within the shard (`merge_streams`).
+        copy: How the run's copies run (`zerosafe.stages.streaming.CopyPolicy`).
     """
     file_name = plan.shards[shard].file_name
     reused = reusable_shard(storage, destination, plan.job_key, shard, file_name)
@@ -458,7 +463,7 @@ def merge_unit(
     try:
         return merge_shard(
             plan, shard, storage, pending_url(destination, plan.job_key), reader,
-            chunk_bytes=options.chunk_bytes, on_bytes=on_bytes, streams=streams,
+            chunk_bytes=options.chunk_bytes, on_bytes=on_bytes, streams=streams, copy=copy,
         )  # fmt: skip
     finally:
         if locator is None:
@@ -712,7 +717,7 @@ def summarize(
 
 
 def unit_key_options(options: ConvertOptions) -> dict[str, bool]:
-    """The options in a unit's key besides the job key (`zerosafe.stages.unit_records.unit_key`)."""
+    """The options in a unit's key besides the job key (`zerosafe.run.unit_records.unit_key`)."""
     return {
         "direct": options.direct,
         "allow_nonfinite": options.allow_nonfinite,

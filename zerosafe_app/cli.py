@@ -60,7 +60,7 @@ def default_parallel() -> int:
     """`--parallel`'s default: half the cores this process may use, at least 2, at most 4.
     One task keeps about two cores busy (reads, casts, writes); on a 16-core machine, tasks as
     threads ran 1.7-2.0x one task's speed at 4 and no faster at 8 or 16 (docs/performance.md)."""
-    from zerosafe.stages.workers import usable_cores
+    from zerosafe.run.workers import usable_cores
 
     return max(2, min(4, usable_cores() // 2))
 
@@ -399,7 +399,7 @@ def _check_before_starting(args: argparse.Namespace, options: ConvertOptions) ->
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from zerosafe.stages.progress import NullProgress, TerminalProgress
+    from zerosafe.run.progress import NullProgress, TerminalProgress
     from zerosafe.stages.results import RunSummary
     from zerosafe_app.cli_report import print_convert_result
     from zerosafe_app.cli_run import convert_with_flow, preload, route
@@ -428,14 +428,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         if output_needs_torch(options.dtype):  # bfloat16 and float32 are cast without it
             preload("torch", then=serial_torch)  # beside the planning, not before it
         from zerosafe.driver import convert_checkpoint
-        from zerosafe.stages.workers import worker_mode
+        from zerosafe.run.job import RunSettings
 
         # The command runs a job of 2 GB or more in worker processes unless ZEROSAFE_WORKERS
-        # says otherwise (a library call keeps threads: docs/performance.md).
+        # says otherwise (a library call keeps threads: docs/performance.md); the engine
+        # reads no environment variable, the command reads them here.
         summary = convert_checkpoint(
             args.checkpoint, args.output, options, tag=args.tag, work_url=args.work_dir,
             progress=TerminalProgress() if show_progress else NullProgress(), storage=_storage(args),
-            workers=worker_mode(None, default="auto"),
+            settings=RunSettings.from_environ(os.environ, workers="auto"),
         )  # fmt: skip
     else:
         from zerosafe.cast import output_needs_torch

@@ -105,7 +105,7 @@ def _check_memory(memory: int) -> None:
 def _run(args: argparse.Namespace) -> int:
     from zerosafe.pt2st.convert import convert_pt, inspect_pt, verify_pt
     from zerosafe.pt2st.load import safetensors_path_for
-    from zerosafe.stages.progress import NullProgress, Progress, TerminalProgress
+    from zerosafe.run.progress import NullProgress, Progress, TerminalProgress
 
     if args.list_globals:
         return _list_globals(args)

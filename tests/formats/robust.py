@@ -30,11 +30,11 @@ from zerosafe_app.cli import main
 
 _KILL_IN_MERGE = """
 import os, signal, sys
-from zerosafe import driver
+from zerosafe.run import local
 from zerosafe_app.cli import main
 
 after = int(sys.argv[1])
-merge_unit = driver.merge_unit
+merge_unit = local.merge_unit
 started = []
 
 def die(num_bytes):
@@ -45,7 +45,7 @@ def merge_then_die(*args, on_bytes=None, **kwargs):
     # the merge after `after` finished ones dies while copying its first bytes
     return merge_unit(*args, on_bytes=on_bytes if len(started) <= after else die, **kwargs)
 
-driver.merge_unit = merge_then_die
+local.merge_unit = merge_then_die
 sys.exit(main(sys.argv[2:]))
 """
 

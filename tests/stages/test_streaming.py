@@ -16,16 +16,16 @@ from zerosafe.formats.crc import CrcLedger
 from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter
 from zerosafe.io.storage import Storage
 from zerosafe.stages import streaming
-from zerosafe.stages.streaming import CopyJob, copy_mode, copy_stream, set_tasks_at_once
+from zerosafe.stages.streaming import CopyJob, CopyPolicy, copy_mode, copy_stream
 
 
-@pytest.fixture(params=["fused", "pipeline"], autouse=True)
-def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test runs both ways; fused blocks are cut small and odd, as the pipeline's chunks
-    are below, so that a tensor and a record span many of them."""
-    monkeypatch.setenv("ZEROSAFE_COPY", request.param)
+@pytest.fixture(params=["fused", "pipeline"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> CopyPolicy:
+    """Each copy test runs both ways (the run's `CopyPolicy`); fused blocks are cut small and
+    odd, as the pipeline's chunks are below, so that a tensor and a record span many of
+    them."""
     monkeypatch.setattr(streaming, "FUSED_BLOCK_BYTES", 4096 + 12)
-    return str(request.param)
+    return CopyPolicy(str(request.param))
 
 
 def _special_fp32(n: int) -> torch.Tensor:
@@ -58,7 +58,9 @@ def _special_fp32(n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_chunked_cast_equals_torch_to(tmp_path: Path, out_dtype: torch.dtype) -> None:
+def test_chunked_cast_equals_torch_to(
+    tmp_path: Path, out_dtype: torch.dtype, mode: CopyPolicy
+) -> None:
     src = _special_fp32(50_001)
     src_path = tmp_path / "src.bin"
     src_path.write_bytes(src.numpy().tobytes())
@@ -75,7 +77,7 @@ def test_chunked_cast_equals_torch_to(tmp_path: Path, out_dtype: torch.dtype) ->
         CopyJob(0, source, 0, half, "float32", name),
         CopyJob(0, source, half, src.numel() * 4 - half, "float32", name),
     ]
-    copy_stream(jobs, writer, chunk_bytes=4096 + 12)
+    copy_stream(jobs, writer, chunk_bytes=4096 + 12, copy=mode)
     writer.finish()
     got = load_file(str(out_path))["t"]
     assert int(torch.isnan(src).sum()) > 1
@@ -97,7 +99,7 @@ def _uint8_file(tmp_path: Path, data: bytes) -> tuple[Any, SafetensorsStreamWrit
     return source, writer
 
 
-def test_ledger_gets_crc_of_every_range(tmp_path: Path) -> None:
+def test_ledger_gets_crc_of_every_range(tmp_path: Path, mode: CopyPolicy) -> None:
     import zlib
 
     data = bytes(range(256)) * 100
@@ -108,12 +110,13 @@ def test_ledger_gets_crc_of_every_range(tmp_path: Path) -> None:
         writer,
         chunk_bytes=1000,
         ledger=ledger,
+        copy=mode,
     )
     writer.finish()
     assert ledger.check({"rec": (len(data), zlib.crc32(data))}).checked == ["rec"]
 
 
-def test_read_error_aborts_cleanly(tmp_path: Path) -> None:
+def test_read_error_aborts_cleanly(tmp_path: Path, mode: CopyPolicy) -> None:
     (tmp_path / "src.bin").write_bytes(b"\x00" * 100)
     storage = Storage()
     source = storage.open_source(str(tmp_path / "src.bin"))
@@ -122,12 +125,14 @@ def test_read_error_aborts_cleanly(tmp_path: Path) -> None:
         storage.open_sink(str(out)), [HeaderEntry("t", "uint8", (200,))]
     )
     with pytest.raises(Exception, match="truncated"):
-        copy_stream([CopyJob(0, source, 0, 200, "uint8", "uint8")], writer, chunk_bytes=64)
+        copy_stream(
+            [CopyJob(0, source, 0, 200, "uint8", "uint8")], writer, chunk_bytes=64, copy=mode
+        )
     writer.abort()
     assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["src.bin"]
 
 
-def test_ledger_runs_records_across_jobs_in_any_order(tmp_path: Path) -> None:
+def test_ledger_runs_records_across_jobs_in_any_order(tmp_path: Path, mode: CopyPolicy) -> None:
     """A record read in pieces, out of order and around another record, checks whole."""
     import zlib
 
@@ -140,7 +145,7 @@ def test_ledger_runs_records_across_jobs_in_any_order(tmp_path: Path) -> None:
         CopyJob(0, source, 60_000, 40_000, "uint8", "uint8", "b", 0),
         CopyJob(0, source, 0, 25_000, "uint8", "uint8", "a", 0),
     ]
-    copy_stream(jobs, writer, chunk_bytes=3000, ledger=ledger)
+    copy_stream(jobs, writer, chunk_bytes=3000, ledger=ledger, copy=mode)
     writer.finish()
     check = ledger.check(
         {"a": (60_000, zlib.crc32(data[:60_000])), "b": (40_000, zlib.crc32(data[60_000:]))}
@@ -151,20 +156,18 @@ def test_ledger_runs_records_across_jobs_in_any_order(tmp_path: Path) -> None:
 
 
 def test_copy_mode_follows_tasks_per_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's `CopyPolicy` decides, not a setting of the process: `ZEROSAFE_COPY=fast`
+    in the environment changes nothing here (the command and the flow read it)."""
     monkeypatch.setattr(streaming, "usable_cores", lambda: 16)
-    monkeypatch.setattr(streaming, "_tasks_at_once", 1)
-    monkeypatch.setenv("ZEROSAFE_COPY", "auto")
-    assert copy_mode() == "pipeline"  # one unit on 16 cores: the pipeline's threads help
-    set_tasks_at_once(8)
-    assert copy_mode() == "fused"  # half the cores or more: the cheaper loop per byte
-    monkeypatch.setenv("ZEROSAFE_COPY", "pipeline")
-    assert copy_mode() == "pipeline"
-    monkeypatch.setenv("ZEROSAFE_COPY", "fused")
-    set_tasks_at_once(1)
-    assert copy_mode() == "fused"
     monkeypatch.setenv("ZEROSAFE_COPY", "fast")
+    # one unit on 16 cores: the pipeline's threads help
+    assert copy_mode(CopyPolicy()) == "pipeline"
+    # half the cores or more: the cheaper loop per byte
+    assert copy_mode(CopyPolicy(tasks_at_once=8)) == "fused"
+    assert copy_mode(CopyPolicy("pipeline", tasks_at_once=8)) == "pipeline"
+    assert copy_mode(CopyPolicy("fused")) == "fused"
     with pytest.raises(ConfigError, match="ZEROSAFE_COPY='fast': expected one of auto, fused"):
-        copy_mode()
+        CopyPolicy("fast")
 
 
 def test_a_cold_source_is_copied_by_the_pipeline(tmp_path: Path) -> None:
@@ -185,7 +188,9 @@ def test_a_cold_source_is_copied_by_the_pipeline(tmp_path: Path) -> None:
     assert not fusable(jobs, writer)
     # A caller that chose fused (a merge's streams) is not overruled by a second look at the
     # page cache, which may have changed: its buffers are sized for the fused loop only.
-    assert streaming._fused(jobs, writer, True) and not streaming._fused(jobs, writer, None)
+    assert streaming._fused(jobs, writer, True, None) and not streaming._fused(
+        jobs, writer, None, None
+    )
     path.read_bytes()
     assert fusable(jobs, writer)
     writer.abort()

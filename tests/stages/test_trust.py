@@ -259,16 +259,16 @@ def test_a_repairs_one_merge_is_its_run_and_the_kept_shards_take_no_place(
 ) -> None:
     """Merges learn their place in the run (`merge_streams`) from the merges that read: in a
     repair the one shard merged again is the whole run, and gets the idle task's core."""
-    from zerosafe import driver
+    from zerosafe.run import schedule
 
     places: list[tuple[int, int, int]] = []
-    real = driver.merge_streams
+    real = schedule.merge_streams
 
     def merge_streams(position: int, total: int, at_once: int, options: ConvertOptions) -> int:
         places.append((position, total, at_once))
         return real(position, total, at_once, options)
 
-    monkeypatch.setattr(driver, "merge_streams", merge_streams)
+    monkeypatch.setattr(schedule, "merge_streams", merge_streams)
     out = tmp_path / "out"
     args = ("convert", "--via", "local", str(sample_ckpt), str(out), "--max-shard-size", "12KB",
             "--parallel", "2")  # fmt: skip

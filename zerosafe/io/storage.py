@@ -459,7 +459,7 @@ class Storage:
         return f"Storage({redact_options(self.storage_options)!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as its options (for a worker process: `zerosafe.stages.workers`); the copy
+        """Pickled as its options (for a worker process: `zerosafe.run.workers`); the copy
         counts its own bytes from zero."""
         return (Storage, (self.storage_options,))
 

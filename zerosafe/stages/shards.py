@@ -37,7 +37,7 @@ from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, TensorSpec
 from zerosafe.quantize import BAND_ROWS, global_scale, quantize_band
 from zerosafe.records import Record
 from zerosafe.stages.results import ExtractResult, MergeResult
-from zerosafe.stages.streaming import CopyJob, copy_in_streams, copy_stream, fusable
+from zerosafe.stages.streaming import CopyJob, CopyPolicy, copy_in_streams, copy_stream, fusable
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
 
 if TYPE_CHECKING:
@@ -223,8 +223,10 @@ def extract_part(
     *,
     chunk_bytes: int,
     on_bytes: Callable[[int], None] | None = None,
+    copy: CopyPolicy | None = None,
 ) -> ExtractResult:
-    """Copy one extract part's slot ranges from the checkpoint into an intermediate file.
+    """Copy one extract part's slot ranges from the checkpoint into an intermediate file
+    (`copy`: how the run's copies run, `CopyPolicy`).
 
     Returns:
         The file URL, bytes, content hash and the CRC ledger of the source records read.
@@ -275,7 +277,7 @@ def extract_part(
     writer = SafetensorsStreamWriter(storage.open_sink(url), entries, metadata)
     try:
         bytes_read = copy_stream(
-            jobs, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
+            jobs, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes, copy=copy
         )
         writer.finish()
     except BaseException:
@@ -367,6 +369,7 @@ def _copy_quantizing(
     chunk_bytes: int,
     ledger: CrcLedger,
     on_bytes: Callable[[int], None] | None,
+    copy: CopyPolicy | None = None,
 ) -> int:
     """Write a shard that holds quantized weights (`--quantize`): the other tensors through
     `copy_stream`, as always; each quantized weight a band of 128 rows at a time
@@ -387,8 +390,9 @@ def _copy_quantizing(
             continue
         if pending:
             read += copy_stream(
-                pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
-            )
+                pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes,
+                copy=copy,
+            )  # fmt: skip
             pending = []
         assert tensors[ordinal + 1].role == SCALE_ROLE, tensors[ordinal + 1]
         read += _quantize_tensor(plan, tensor, ordinal, locator, writer, ledger, on_bytes)
@@ -397,7 +401,7 @@ def _copy_quantizing(
             ordinal += 1
     if pending:
         read += copy_stream(
-            pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
+            pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes, copy=copy
         )
     return read
 
@@ -557,10 +561,11 @@ def merge_shard(
     chunk_bytes: int,
     on_bytes: Callable[[int], None] | None = None,
     streams: int = 1,
+    copy: CopyPolicy | None = None,
 ) -> MergeResult:
     """Write output shard `shard` into folder `out_url`; with `streams` > 1, local files
     are copied by that many threads at once, each filling its own range of tensors
-    (`_copy_in_streams`).
+    (`_copy_in_streams`); otherwise as `copy` says (`CopyPolicy`).
 
     Returns:
         The file, sizes, each tensor's checksum (`TENSOR_CHECKSUM`) and the CRC ledger of
@@ -585,14 +590,15 @@ def merge_shard(
         if quantizing:
             bytes_read = _copy_quantizing(
                 plan, shard, locator, writer, chunk_bytes=chunk_bytes, ledger=ledger,
-                on_bytes=on_bytes,
+                on_bytes=on_bytes, copy=copy,
             )  # fmt: skip
         elif streams > 1 and isinstance(writer.sink, PositionalSink) and fusable(jobs, writer):
             bytes_read = _copy_in_streams(jobs, writer, streams, ledger, on_bytes)
         else:
             bytes_read = copy_stream(
-                jobs, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
-            )
+                jobs, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes,
+                copy=copy,
+            )  # fmt: skip
         writer.finish()
     except BaseException:
         writer.abort()

@@ -44,11 +44,11 @@ __all__ = [
     "FUSED_STREAM_BYTES",
     "PrefetchLimits",
     "copy_in_streams",
+    "CopyPolicy",
     "copy_mode",
     "copy_stream",
     "fusable",
     "prefetch_limits",
-    "set_tasks_at_once",
     "TensorWriter",
 ]
 
@@ -79,37 +79,46 @@ _PREFETCH_STEP = 8 * 2**20
 _WARM_FRACTION = 0.9
 """Of the pages a copy reads, the fraction the page cache must hold for it to run fused."""
 COPY_MODES = ("auto", "fused", "pipeline")
-_tasks_at_once = 1
 
 
-def set_tasks_at_once(tasks: int) -> None:
-    """Tell the copies of this process how many units run at once on this machine (the
-    command's and the flow's parallel tasks, a worker pool's size): `auto` copies fused once
-    they fill half the cores (`copy_mode`)."""
-    global _tasks_at_once
-    _tasks_at_once = max(1, tasks)
+@dataclass(frozen=True, slots=True)
+class CopyPolicy:
+    """How local-to-local copies run, as the run that starts them decides: a field of the
+    run's settings passed down with each unit (`zerosafe.run.settings.RunSettings`), never a
+    setting of the process."""
+
+    mode: str = "auto"
+    """`fused`, `pipeline`, or `auto` (the `ZEROSAFE_COPY` environment variable of the
+    command or flow that started the run)."""
+    tasks_at_once: int = 1
+    """Units running at once on this machine (the run's parallel tasks, a worker pool's
+    size): `auto` copies fused once they fill half the cores."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in COPY_MODES:
+            raise ConfigError(
+                f"ZEROSAFE_COPY={self.mode!r}: expected one of {', '.join(COPY_MODES)}; unset "
+                "it for the default"
+            )
+
+    def fused(self) -> bool:
+        """Whether copies run fused (`copy_mode`)."""
+        return copy_mode(self) == "fused"
 
 
-def copy_mode() -> str:
-    """How local-to-local copies run: `ZEROSAFE_COPY` (`fused`, `pipeline`), else `auto`:
-    fused when the units running at once (`set_tasks_at_once`) fill at least half the usable
-    cores, the threaded pipeline otherwise.
+def copy_mode(policy: CopyPolicy) -> str:
+    """How local-to-local copies run: `policy.mode` where it names one (`fused`,
+    `pipeline`), else fused when the units running at once (`policy.tasks_at_once`) fill at
+    least half the usable cores, the threaded pipeline otherwise.
 
     Measured on the 16-core machine (bench/scaling.py, 2B into tmpfs, worker processes, GB/s
     of fp32): fused 1.73 / 9.20 / 10.82 at 1 / 8 / 16 tasks, the pipeline 2.11 / 9.68 / 9.91.
     One fused unit keeps about 1.7 cores busy and the pipeline 2.4, for about 15% more CPU per
     byte: the pipeline is faster while cores are spare, fused once they are not.
     """
-    raw = os.environ.get("ZEROSAFE_COPY") or "auto"
-    mode = raw.strip().lower()
-    if mode not in COPY_MODES:
-        raise ConfigError(
-            f"ZEROSAFE_COPY={raw!r}: expected one of {', '.join(COPY_MODES)}; unset it for the "
-            "default"
-        )
-    if mode != "auto":
-        return mode
-    return "fused" if 2 * _tasks_at_once >= usable_cores() else "pipeline"
+    if policy.mode != "auto":
+        return policy.mode
+    return "fused" if 2 * max(1, policy.tasks_at_once) >= usable_cores() else "pipeline"
 
 
 COALESCE_READS = True
@@ -405,15 +414,17 @@ def _local_spans(jobs: Iterable[CopyJob], writer: TensorWriter) -> dict[str, lis
     return spans
 
 
-def _fused(jobs: list[CopyJob], writer: TensorWriter, fused: bool | None) -> bool:
+def _fused(
+    jobs: list[CopyJob], writer: TensorWriter, fused: bool | None, copy: CopyPolicy | None
+) -> bool:
     """Whether `copy_stream` copies `jobs` block by block: `fused` where given (for local
     files: a caller that decided with `fusable`, whose answer a second look at the page
-    cache could change), else `copy_mode`, for a copy `fusable` allows."""
+    cache could change), else `copy` (`CopyPolicy`), for a copy `fusable` allows."""
     if not jobs:
         return False
     if fused is not None:
         return fused and _local_spans(jobs, writer) is not None
-    return copy_mode() == "fused" and fusable(jobs, writer)
+    return (copy or CopyPolicy()).fused() and fusable(jobs, writer)
 
 
 def _copy_fused(
@@ -551,6 +562,7 @@ def copy_stream(
     on_bytes: Callable[[int], None] | None = None,
     num_readers: int = 2,
     fused: bool | None = None,
+    copy: CopyPolicy | None = None,
 ) -> int:
     """Run `jobs` in order into `writer` (which must be positioned at their first tensor).
 
@@ -562,14 +574,15 @@ def copy_stream(
         on_bytes: Called with the source bytes of each chunk once it is queued for writing.
         num_readers: Threads reading at once.
         fused: Copy local files block by block (True), through the pipeline (False), or as
-            `copy_mode` says (None).
+            `copy` says (None).
+        copy: How the run's copies run (`CopyPolicy`); by default one unit at a time, auto.
 
     Returns:
         Bytes read from the sources: the jobs' bytes, or with coalesced reads the requests'
         whole ranges (gaps read through included), as they went over the wire.
     """
     jobs = list(jobs)
-    if _fused(jobs, writer, fused):
+    if _fused(jobs, writer, fused, copy):
         return _copy_fused(jobs, writer, ledger, on_bytes)
     pin_mmap_threshold()
     jobs, prefetcher, pool = _plan_reads(jobs, chunk_bytes)

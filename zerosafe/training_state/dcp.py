@@ -53,10 +53,10 @@ from zerosafe.io.storage import (
     join_url,
     normalize_url,
 )
+from zerosafe.run.unit_records import UnitRecords, fingerprint, unit_key
 from zerosafe.stages.destination import DCP_MARKER_NAME as MARKER_NAME
 from zerosafe.stages.destination import DCP_METADATA_NAME as METADATA_NAME
 from zerosafe.stages.destination import check_output_apart, check_output_kind, clear_dcp_output
-from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
 from zerosafe.training_state.client_files import carry_client_files, check_carried
 from zerosafe.training_state.dcp_plan import DcpItem, DcpPlan, plan_dcp
 from zerosafe.training_state.streams import (

@@ -15,7 +15,7 @@ import numpy as np
 from zerosafe.errors import IntegrityError, VerificationError
 from zerosafe.formats.crc import CrcLedger
 from zerosafe.io.storage import ByteSource, Storage, join_url
-from zerosafe.stages.unit_records import Stage, UnitRecords
+from zerosafe.run.unit_records import Stage, UnitRecords
 from zerosafe.training_state.universal_plan import Run, SourceRecord
 
 __all__ = [

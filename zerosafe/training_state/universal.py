@@ -8,7 +8,7 @@ The lifecycle, in this process (`convert_to_universal`):
    then the trained params in order, grouped so each unit writes about `unit_bytes`. A param
    streams from its byte runs into its `.pt` files (`zerosafe.training_state.torch_save`) in
    chunks of `chunk_bytes`, never whole in memory, whatever its size. Each finished unit is
-   recorded with what it wrote (`zerosafe.stages.unit_records`); a rerun keeps every recorded
+   recorded with what it wrote (`zerosafe.run.unit_records`); a rerun keeps every recorded
    unit whose files are all there with their recorded sizes, and redoes the rest.
    `--overwrite` keeps none.
 3. verify: every source record read (masters, moments, module copies) is checked against its
@@ -48,12 +48,12 @@ from zerosafe.io.storage import (
     join_url,
     normalize_url,
 )
+from zerosafe.run.unit_records import UnitRecords, fingerprint, unit_key
 from zerosafe.stages.destination import LATEST_UNIVERSAL, check_output_apart, check_output_kind
 from zerosafe.stages.destination import UNIVERSAL_MARKER_NAME as MARKER_NAME
 from zerosafe.stages.destination import clear_universal_output as _clear_universal_output
 from zerosafe.stages.model_files import copy_model_files, sha256_of
 from zerosafe.stages.output import OUTPUT_JSON_MAX_BYTES
-from zerosafe.stages.unit_records import UnitRecords, fingerprint, unit_key
 from zerosafe.training_state.streams import (
     Sources,
     check_source_records,

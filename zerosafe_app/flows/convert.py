@@ -12,12 +12,15 @@ on disk and refreshes the cache where it vanished or changed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 import socket
 import threading
 import time
+from collections.abc import Collection, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
@@ -42,34 +45,18 @@ from zerosafe.errors import ConversionError, VerificationError
 from zerosafe.formats.base import SourceDescription
 from zerosafe.io.lease import Lease
 from zerosafe.io.storage import Storage, is_local, join_url
-from zerosafe.pipeline import (
-    cleanup_warning,
-    hold_destination,
-    hold_work,
-    parts_to_extract,
-    run_stats,
-    stage_bytes,
-    summarize,
-    unit_process_options,
-)
-from zerosafe.stages.results import JobPlan, PublishResult, RunStats, RunSummary, VerifyResult
-from zerosafe.stages.workers import processes_note, worker_mode
+from zerosafe.pipeline import hold_destination, hold_work, unit_process_options
+from zerosafe.run import job as run
+from zerosafe.run.job import RunSettings
+from zerosafe.run.schedule import Policy
+from zerosafe.stages.results import JobPlan, RunStats, RunSummary
 from zerosafe.units import format_bytes
 from zerosafe_app.flows.config import JobConfig, flow_parameters, load_job_config
-from zerosafe_app.flows.schedule import StageResults, StageScheduler
-from zerosafe_app.tasks._common import (
-    Job,
-    close_workers,
-    read_journal,
-    set_progress,
-    stage_memory,
-    workers_peak_rss,
-)
+from zerosafe_app.flows.schedule import PrefectExecutor
+from zerosafe_app.tasks._common import Job, close_workers, context, set_progress
 from zerosafe_app.tasks._common import progress as task_progress
 from zerosafe_app.tasks.credentials import storage_for
 from zerosafe_app.tasks.inspect import inspect
-from zerosafe_app.tasks.merge import reusable_shards
-from zerosafe_app.tasks.publish import finish, publish
 
 __all__ = ["convert", "run_convert"]
 
@@ -365,13 +352,17 @@ def _md(text: str) -> str:
 def _run_job(cfg: JobConfig) -> dict[str, Any]:
     started = time.monotonic()
     storage = storage_for(cfg.storage_options)
+    # the flow's entry reads the environment once (ZEROSAFE_WORKERS, ZEROSAFE_COPY)
+    settings = RunSettings.from_environ(os.environ)
     with hold_destination(storage, cfg.source, cfg.destination) as out_lease:
-        return _run_held(cfg, storage, out_lease, started=started).to_json()
+        return _run_held(cfg, storage, out_lease, settings, started=started).to_json()
 
 
-def _run_held(cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: float) -> RunSummary:
-    """Plan, then (holding the work area) run the stages and publish; the same steps as
-    `zerosafe.driver.convert_checkpoint`, as tasks."""
+def _run_held(
+    cfg: JobConfig, storage: Storage, out_lease: Lease, settings: RunSettings, *, started: float
+) -> RunSummary:
+    """Plan, then (holding the work area) run the job's units as tasks and publish: the same
+    steps as `zerosafe.driver.convert_checkpoint` (`zerosafe.run.job.run_job`)."""
     options = cfg.options()
     job = JobPlan.from_json(
         inspect(
@@ -391,136 +382,70 @@ def _run_held(cfg: JobConfig, storage: Storage, out_lease: Lease, *, started: fl
         )
         return RunSummary.already_complete(cfg.destination, job.job_key)
     with hold_work(storage, job) as work_lease:
-        # Worker processes (ZEROSAFE_WORKERS) where the tasks run in this process; a Dask
-        # cluster's workers are processes already.
-        # A repair keeps the published shards that are still intact: no extract or merge reads
-        # anything for them, and the choice of workers counts only what is left to do.
-        reused = reusable_shards(
-            Job(
-                cfg.source, cfg.destination, job.work_url, job.job_key, options,
-                cfg.storage_options, work_lease.run_id,
-            ).as_dict()
+        base = Job(
+            cfg.source, cfg.destination, job.work_url, job.job_key, options,
+            cfg.storage_options, work_lease.run_id, copy=settings.copy,
         )  # fmt: skip
-        unit_options = None
-        if cfg.runner != "dask":
-            unit_options = unit_process_options(
-                job, storage, options, mode=worker_mode(None), reused=reused
-            )
-        task_job = Job(
-            cfg.source, cfg.destination, job.work_url, job.job_key, unit_options or options,
-            cfg.storage_options, work_lease.run_id,
-            workers=unit_options.parallel_tasks if unit_options else 0,
-        ).as_dict()  # fmt: skip
-        try:
-            published, verifies = _run_stages(
-                cfg, options, job, task_job, storage, started=started,
-                leases=(out_lease, work_lease), reused=reused,
-            )  # fmt: skip
-        finally:
-            close_workers(task_job)
-        # `stage_task` types a task's result as its JSON; with `return_state` it is its state
-        cleanup = cast("State[None]", finish(task_job, return_state=True))
-    summary = summarize(job, published, verifies, seconds=time.monotonic() - started)
-    if task_job["workers"]:
-        summary = replace(summary, notes=(*summary.notes, processes_note(task_job["workers"])))
-    if cleanup.is_failed():  # the output is complete: say what is left, do not fail the run
-        warning = cleanup_warning(
-            cfg.destination, job.work_url, cleanup.result(raise_on_failure=False)
-        )
-        get_run_logger().warning("%s", warning)
-        summary = replace(summary, warnings=(*summary.warnings, warning))
+        plan, _, _, _ = context(base)
+        summary = run.run_job(
+            job, plan, storage, options, run_id=work_lease.run_id, started=started,
+            leases=(out_lease, work_lease),
+            open_executor=lambda reused, stages: _open_tasks(
+                cfg, job, base, storage, settings, reused=reused, stages=stages
+            ),
+        )  # fmt: skip
     _summary_artifact(cfg, job, summary)
     return summary
 
 
-def _run_stages(
+@contextlib.contextmanager
+def _open_tasks(
     cfg: JobConfig,
-    options: ConvertOptions,
     job: JobPlan,
-    task_job: dict[str, Any],
+    base: Job,
     storage: Storage,
+    settings: RunSettings,
     *,
-    started: float,
-    leases: tuple[Lease, ...],
-    reused: set[int],
-) -> tuple[PublishResult, list[VerifyResult]]:
-    """Schedule extract, merge and verify (`StageScheduler`), then publish; `reused`: the
-    shards a repair keeps."""
+    reused: Collection[int],
+    stages: dict[str, int],
+) -> Iterator[PrefectExecutor]:
+    """The flow's executor for one run: its tasks, cached in the work area, with worker
+    processes (`ZEROSAFE_WORKERS`) where the tasks run in this process (a Dask cluster's
+    workers are processes already); the choice counts only what is left to do."""
+    options = base.options
+    unit_options = None
+    if cfg.runner != "dask":
+        unit_options = unit_process_options(
+            job, storage, options, mode=settings.workers, reused=reused
+        )
+    task_job = replace(
+        base, options=unit_options or options,
+        workers=unit_options.parallel_tasks if unit_options else 0,
+    ).as_dict()  # fmt: skip
     results = _result_storage(job.work_url, cfg.storage_options)
 
     def submit(task: Any, *args: Any, refresh: bool = False, **kwargs: Any) -> Any:
         run = task.with_options(result_storage=results, refresh_cache=refresh or None)
         return run.submit(*args, **kwargs)
 
-    parts = parts_to_extract(job, direct=options.direct, reused=reused)
     slug = job_slug(cfg.destination)
-    progress = _Progress(
-        stage_bytes(job, parts, direct=options.direct), key=f"zerosafe-{slug}-progress"
-    )
+    progress = _Progress(stages, key=f"zerosafe-{slug}-progress")
     unit_bytes = {
-        "extract": {p.index: p.size_bytes for p in parts},
+        "extract": {p.index: p.size_bytes for p in job.parts},
         "merge": {s.index: s.source_bytes for s in job.shards},
         "verify": {s.index: s.data_bytes for s in job.shards},
     }
-    done = StageScheduler(
-        job, task_job, parts=parts, direct=options.direct, reused=reused, submit=submit,
-        on_done=lambda stage, index: progress.add(unit_bytes[stage][index]),
-        limit=None if cfg.runner == "dask" else options.parallel_tasks,
-        serial_merges=bool(job.serial_merges),
-    ).run()  # fmt: skip
-    extracts = [done.extracts[i] for i in sorted(done.extracts)]
-    merges = [done.merges[i] for i in range(len(job.shards))]
-    verifies = [done.verifies[i] for i in range(len(job.shards))]
-    stats = _stats(
-        job, options, storage, done, seconds=time.monotonic() - started, task_job=task_job
-    )
-    for lease in leases:  # another run took over: it owns the output now
-        lease.check()
+    limit = None if cfg.runner == "dask" else options.parallel_tasks
+    at_once = task_job["workers"] or (unit_options or options).parallel_tasks
     try:
-        published = publish(
-            task_job, [e.to_json() for e in extracts], [m.to_json() for m in merges],
-            [v.to_json() for v in verifies], stats.to_json(), wait_for=done.verify_futures,
+        yield PrefectExecutor(
+            job, task_job, submit=submit, options=unit_options or options, job_options=options,
+            policy=Policy(limit=limit, at_once=at_once, serial_merges=bool(job.serial_merges)),
+            storage=storage, failure_key=f"zerosafe-{slug}-failure",
+            on_done=lambda stage, index: progress.add(unit_bytes[stage][index]),
         )  # fmt: skip
-    except VerificationError as e:
-        rows = "\n".join(
-            f"| {f['file']} | {f['tensor']} | {f['check']} | {f['detail']} |"
-            for f in e.failures[:200]
-        )
-        create_markdown_artifact(
-            f"# zerosafe: checks failed, nothing published\n\n| file | tensor | check | detail |\n|---|---|---|---|\n{rows}\n",
-            key=f"zerosafe-{slug}-failure",
-        )
-        raise
-    return PublishResult.from_json(published), verifies
-
-
-def _stats(
-    job: JobPlan,
-    options: ConvertOptions,
-    storage: Storage,
-    done: StageResults,
-    *,
-    seconds: float,
-    task_job: dict[str, Any],
-) -> RunStats:
-    """The run's stats, with what the journal says of this run's tasks (its entries carry
-    the run id): which ran (not cached) and each stage's own memory peak."""
-    journal = read_journal(storage, job.work_url, run_id=task_job["run_id"])
-    growth, baseline = stage_memory(journal)
-    return run_stats(
-        job, options, extracts=list(done.extracts.values()), merges=list(done.merges.values()),
-        verifies=list(done.verifies.values()), seconds=seconds,
-        tasks_executed={
-            stage: sum(1 for e in journal if e["stage"] == stage)
-            for stage in ("extract", "merge", "verify")
-        },
-        # the process's lifetime peak (ru_maxrss), as the command line has always reported,
-        # and the job's worker processes' peaks where units ran in them (added up)
-        peak_rss_bytes=max((e["peak_rss_bytes"] for e in journal), default=0)
-        + workers_peak_rss(task_job),
-        # Each stage's own peak: the most one of its tasks raised the RSS (zerosafe_app/tasks/_common.py).
-        rss_growth_bytes_by_stage=growth, rss_baseline_bytes=baseline,
-    )  # fmt: skip
+    finally:
+        close_workers(task_job)
 
 
 def _source_text(cfg: JobConfig, source: SourceDescription | None) -> str:
@@ -596,7 +521,7 @@ def run_convert(
     """Run the flow embedded, for `zerosafe convert`. Progress goes to the terminal bar.
 
     `mode` is the mode as asked (`auto` included); by default the one `options` holds."""
-    from zerosafe.stages.progress import NullProgress, TerminalProgress
+    from zerosafe.run.progress import NullProgress, TerminalProgress
 
     bar = TerminalProgress() if show_progress else NullProgress()
     set_progress(bar)  # the flow starts it with the total once the plan is known

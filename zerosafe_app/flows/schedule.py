@@ -1,82 +1,64 @@
-"""Which stage task of one job to submit when: the flow's scheduler.
+"""The flow's executor: the engine's scheduler (`zerosafe.run.schedule.Scheduler`) hands
+units over, and this runs each as a Prefect task (`PrefectExecutor`), so Dask and every
+Prefect task runner run them and Prefect's cache keeps their results.
 
-Extract parts (staged mode) are submitted first. A shard's merge is submitted as soon as the
-parts it reads are extracted (`zerosafe.pipeline.MergeReadiness`), and its verify as soon as
-its merge is done. With a `limit` (the thread runner: the tasks one worker runs at once),
-only that many tasks are in flight and the next one is a verify before a merge before an
-extract, so a merged shard is verified next rather than after every task queued before it;
-without one (Dask), every ready task is submitted at once and Dask orders them. A job whose
-merges should not share the disk (`JobPlan.serial_merges`) runs one merge at a time under a
-limit, with verifies (and extracts) beside it.
-
-Before submitting a task the scheduler checks its unit's output on disk and refreshes the
-task's cache where it vanished or changed; cache keys are `zerosafe_app.tasks._common.cache_key`
-of (stage, job key, unit, the `fingerprint` computed here). A verify's fingerprint holds the
-run, so a rerun verifies every shard again (`zerosafe.pipeline.verify_fingerprint`).
+Cache keys are `zerosafe_app.tasks._common.cache_key` of (stage, job key, unit, the
+`fingerprint` the scheduler computed); where the scheduler finds a unit's output missing or
+changed on disk it asks for `refresh`, and the task runs again whatever its cache holds. A
+verify's fingerprint holds the run, so a rerun verifies every shard again
+(`zerosafe.pipeline.verify_fingerprint`). Statistics come from the task journal (which tasks
+really ran, and each stage's memory), publish and the cleanup are tasks of their own.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import queue
-from collections import deque
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast
 
-from zerosafe.pipeline import MergeReadiness, merge_fingerprint, verify_fingerprint
-from zerosafe.stages.results import (
-    ExtractResult,
-    JobPlan,
-    MergeResult,
-    PartWork,
-    VerifyResult,
-)
-from zerosafe_app.tasks.extract import extract, extract_is_present
-from zerosafe_app.tasks.merge import expected_shard_bytes, merge, shard_identity
+from prefect.artifacts import create_markdown_artifact
+from prefect.client.schemas.objects import State
+
+from zerosafe.config import ConvertOptions
+from zerosafe.errors import VerificationError
+from zerosafe.io.storage import Storage
+from zerosafe.pipeline import run_stats
+from zerosafe.run.schedule import Policy, StageName, StageResults, Unit, UnitFuture
+from zerosafe.run.workers import processes_note
+from zerosafe.stages.results import JobPlan, PublishResult, RunStats
+from zerosafe_app.tasks._common import read_journal, stage_memory, workers_peak_rss
+from zerosafe_app.tasks.extract import extract
+from zerosafe_app.tasks.merge import merge
+from zerosafe_app.tasks.publish import finish, publish
 from zerosafe_app.tasks.verify import verify
 
-__all__ = ["StageResults", "StageScheduler", "Submit"]
+__all__ = ["PrefectExecutor", "Submit"]
 
 log = logging.getLogger(__name__)
-
-
-class Future(Protocol):
-    """What the scheduler needs of a Prefect future (or a `concurrent.futures.Future`)."""
-
-    def result(self) -> Any: ...
-
-    def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
 
 
 class Submit(Protocol):
     """Submits `task(*args, **kwargs)`; `refresh` runs it even if a cached result exists."""
 
-    def __call__(self, task: Any, *args: Any, refresh: bool = False, **kwargs: Any) -> Future: ...
+    def __call__(
+        self, task: Any, *args: Any, refresh: bool = False, **kwargs: Any
+    ) -> UnitFuture: ...
 
 
-@dataclass
-class StageResults:
-    """What the stage tasks returned, by unit index."""
-
-    extracts: dict[int, ExtractResult] = field(default_factory=dict)
-    merges: dict[int, MergeResult] = field(default_factory=dict)
-    verifies: dict[int, VerifyResult] = field(default_factory=dict)
-    verify_futures: list[Future] = field(default_factory=list)
-
-
-class StageScheduler:
-    """Runs the extract, merge and verify tasks of one job; see the module docstring.
+class PrefectExecutor:
+    """Runs units as the flow's tasks (`zerosafe.run.schedule.Executor`), and the job's last
+    steps (`zerosafe.run.job.JobExecutor`).
 
     Args:
         job: What inspect decided.
         task_job: The JSON job context every task gets (`zerosafe_app.tasks._common.Job`).
-        parts: The extract parts this run needs (`zerosafe.pipeline.parts_to_extract`).
-        reused: Shards a repair keeps as published (their merges read nothing).
+        submit: Submits a task (with the run's result storage).
+        policy: How many tasks are in flight (no `limit` on Dask: it orders them).
+        options: The options units run with (in worker processes: their share).
+        storage: Where the journal is read.
         on_done: Called with (stage, index) as each unit finishes (progress).
-        limit: Tasks in flight at most; None for no limit.
-        serial_merges: Run one merge at a time (under a `limit` only).
+        failure_key: The artifact key of a failed publish's table.
+        job_options: The job's own options (stats), where units run with a share of them.
     """
 
     def __init__(
@@ -84,147 +66,92 @@ class StageScheduler:
         job: JobPlan,
         task_job: dict[str, Any],
         *,
-        parts: Sequence[PartWork],
-        direct: bool,
-        reused: Collection[int],
         submit: Submit,
+        policy: Policy,
+        options: ConvertOptions,
+        storage: Storage | None = None,
         on_done: Callable[[str, int], None] = lambda stage, index: None,
-        limit: int | None = None,
-        serial_merges: bool = False,
+        failure_key: str = "",
+        job_options: ConvertOptions | None = None,
     ) -> None:
-        self.job, self.task_job, self.direct, self.reused = job, task_job, direct, set(reused)
-        self._submit, self._on_done, self._limit = submit, on_done, limit
-        self._serial_merges = serial_merges and limit is not None
-        self._merges_in_flight = 0
-        self._merges_submitted = 0  # of the merges that read: the next one's `position`
-        self._readiness = MergeReadiness(job.shards, direct=direct, reused=reused)
-        self._ready: dict[str, deque[Callable[[], None]]] = {
-            "verify": deque(), "merge": deque(), "extract": deque(),
-        }  # fmt: skip
-        self._done: queue.Queue[tuple[str, int, Future]] = queue.Queue()
-        self._in_flight = 0
-        self._futures: dict[tuple[str, int], Future] = {}
-        self._rechecked: set[int] = set()
-        self.results = StageResults()
-        for part in parts:
-            self._ready["extract"].append(functools.partial(self._extract, part, refresh=None))
-        for shard in self._readiness.ready():
-            self._ready["merge"].append(functools.partial(self._merge, shard))
+        self.job, self.task_job, self._submit = job, task_job, submit
+        self.policy, self.options, self.storage = policy, options, storage
+        self._on_done, self._failure_key = on_done, failure_key
+        self.job_options = job_options or options
+        workers = task_job.get("workers", 0)
+        self.notes: tuple[str, ...] = (processes_note(workers),) if workers else ()
 
-    def run(self) -> StageResults:
-        """Submit every task as it becomes ready; returns once every one has finished.
+    def kept(self, unit: Unit) -> Mapping[str, Any] | None:
+        return None  # Prefect's cache is consulted in the task run (`refresh` bypasses it)
 
-        After a failure nothing more is submitted, and every task in flight is waited for
-        before the error is raised: the caller releases its leases then, and a task still
-        writing would race a next run that takes them (as the sequential driver shuts its
-        executor down with `wait=True`).
+    def unit_done(self, stage: StageName, index: int, *, kept: bool) -> None:
+        self._on_done(stage, index)
 
-        Raises:
-            Exception: The first failed task's error, once no task of the job runs.
-        """
+    def submit(self, unit: Unit) -> UnitFuture:
+        count, waits = len(self.job.shards), list(unit.waits)
+        if unit.stage == "extract":
+            assert unit.part is not None
+            return self._submit(
+                extract, self.task_job, unit.index, unit.part.rank, unit.part.label,
+                refresh=unit.refresh,
+            )  # fmt: skip
+        if unit.stage == "merge":
+            return self._submit(
+                merge, self.task_job, unit.index, unit.index + 1, count,
+                fingerprint=unit.fingerprint, refresh=unit.refresh, wait_for=waits,
+                streams=unit.streams,
+            )  # fmt: skip
+        return self._submit(
+            verify, self.task_job, unit.index, unit.index + 1, count, unit.expected,
+            fingerprint=unit.fingerprint, wait_for=waits,
+        )  # fmt: skip
+
+    def stats(self, results: StageResults, *, seconds: float) -> RunStats:
+        """The run's stats, with what the journal says of this run's tasks (its entries carry
+        the run id): which ran (not cached) and each stage's own memory peak."""
+        assert self.storage is not None
+        journal = read_journal(self.storage, self.job.work_url, run_id=self.task_job["run_id"])
+        growth, baseline = stage_memory(journal)
+        extracts, merges, verifies = results.ordered()
+        return run_stats(
+            self.job, self.job_options, extracts=extracts, merges=merges,
+            verifies=verifies, seconds=seconds,
+            tasks_executed={
+                stage: sum(1 for e in journal if e["stage"] == stage)
+                for stage in ("extract", "merge", "verify")
+            },
+            # the process's lifetime peak (ru_maxrss), as the command line has always
+            # reported, and the job's worker processes' peaks where units ran in them
+            peak_rss_bytes=max((e["peak_rss_bytes"] for e in journal), default=0)
+            + workers_peak_rss(self.task_job),
+            # Each stage's own peak: the most one of its tasks raised the RSS
+            # (zerosafe_app/tasks/_common.py).
+            rss_growth_bytes_by_stage=growth, rss_baseline_bytes=baseline,
+        )  # fmt: skip
+
+    def publish(self, results: StageResults, stats: RunStats) -> PublishResult:
+        extracts, merges, verifies = results.ordered()
         try:
-            self._fill()
-            while self._in_flight:
-                stage, index, future = self._next_done()
-                getattr(self, f"_{stage}_done")(index, future.result())
-                self._fill()
-        except BaseException:
-            self._drain()
-            raise
-        assert not self._readiness.waiting, f"shards never became ready: {self._readiness.waiting}"
-        return self.results
-
-    def _next_done(self) -> tuple[str, int, Future]:
-        stage, index, future = self._done.get()
-        self._in_flight -= 1
-        self._merges_in_flight -= stage == "merge"
-        return stage, index, future
-
-    def _drain(self) -> None:
-        """Wait for every task in flight to end, whatever its outcome. None waits on the
-        failed one: a task is submitted only once the tasks it reads from are done."""
-        if self._in_flight:
-            log.info("a task failed; waiting for the %d task(s) still running", self._in_flight)
-        while self._in_flight:
-            self._next_done()
-
-    def _fill(self) -> None:
-        while self._limit is None or self._in_flight < self._limit:
-            queued = next(
-                (q for stage, q in self._ready.items() if q and self._may_start(stage)), None
+            published = publish(
+                self.task_job, [e.to_json() for e in extracts], [m.to_json() for m in merges],
+                [v.to_json() for v in verifies], stats.to_json(), wait_for=results.verify_futures,
+            )  # fmt: skip
+        except VerificationError as e:
+            rows = "\n".join(
+                f"| {f['file']} | {f['tensor']} | {f['check']} | {f['detail']} |"
+                for f in e.failures[:200]
             )
-            if queued is None:
-                return
-            queued.popleft()()
+            create_markdown_artifact(
+                "# zerosafe: checks failed, nothing published\n\n| file | tensor | check | "
+                f"detail |\n|---|---|---|---|\n{rows}\n",
+                key=self._failure_key or None,
+            )
+            raise
+        return PublishResult.from_json(published)
 
-    def _may_start(self, stage: str) -> bool:
-        return stage != "merge" or not self._serial_merges or self._merges_in_flight == 0
-
-    def _watch(self, stage: str, index: int, future: Future) -> None:
-        self._in_flight += 1
-        self._merges_in_flight += stage == "merge"
-        self._futures[(stage, index)] = future
-        future.add_done_callback(lambda f: self._done.put((stage, index, f)))
-
-    def _extract(self, part: PartWork, *, refresh: bool | None) -> None:
-        fresh = not extract_is_present(self.task_job, part.index) if refresh is None else refresh
-        future = self._submit(
-            extract, self.task_job, part.index, part.rank, part.label, refresh=fresh
-        )
-        self._watch("extract", part.index, future)
-
-    def _extract_done(self, index: int, data: dict[str, Any]) -> None:
-        result = ExtractResult.from_json(data)
-        if index not in self._rechecked and not extract_is_present(
-            self.task_job, index, result.content_sha256
-        ):
-            # A cached result whose file vanished between the check and now: run it again.
-            self._rechecked.add(index)
-            part = next(p for p in self.job.parts if p.index == index)
-            self._ready["extract"].appendleft(functools.partial(self._extract, part, refresh=True))
-            return
-        self.results.extracts[index] = result
-        self._on_done("extract", index)
-        for shard in self._readiness.part_done(index):
-            self._ready["merge"].append(functools.partial(self._merge, shard))
-
-    def _merge(self, index: int) -> None:
-        shard = self.job.shards[index]
-        key = merge_fingerprint(
-            shard, direct=self.direct, reused=self.reused,
-            content_sha256={i: e.content_sha256 for i, e in self.results.extracts.items()},
-        )  # fmt: skip
-        on_disk = shard_identity(self.task_job, index)
-        fresh = on_disk is None or on_disk[0] != expected_shard_bytes(self.task_job, index)
-        waits = [
-            self._futures[("extract", p)] for p in shard.parts if ("extract", p) in self._futures
-        ]
-        position = None
-        if index not in self.reused:
-            position, self._merges_submitted = self._merges_submitted, self._merges_submitted + 1
-        future = self._submit(
-            merge, self.task_job, index, index + 1, len(self.job.shards),
-            fingerprint=key, refresh=fresh, wait_for=waits, position=position,
-            merges=len(self.job.shards) - len(self.reused),
-        )  # fmt: skip
-        self._watch("merge", index, future)
-
-    def _merge_done(self, index: int, data: dict[str, Any]) -> None:
-        result = self.results.merges[index] = MergeResult.from_json(data)
-        self._on_done("merge", index)
-        self._ready["verify"].append(functools.partial(self._verify, index, result))
-
-    def _verify(self, index: int, merged: MergeResult) -> None:
-        key = verify_fingerprint(
-            shard_identity(self.task_job, index), merged.tensors, run_id=self.task_job["run_id"]
-        )
-        future = self._submit(
-            verify, self.task_job, index, index + 1, len(self.job.shards), merged.tensors,
-            fingerprint=key, wait_for=[self._futures[("merge", index)]],
-        )  # fmt: skip
-        self._watch("verify", index, future)
-        self.results.verify_futures.append(future)
-
-    def _verify_done(self, index: int, data: dict[str, Any]) -> None:
-        self.results.verifies[index] = VerifyResult.from_json(data)
-        self._on_done("verify", index)
+    def finish(self) -> object | None:
+        # `stage_task` types a task's result as its JSON; with `return_state` it is its state
+        cleanup = cast("State[None]", finish(self.task_job, return_state=True))
+        if cleanup.is_failed():  # the output is complete: say what is left, do not fail
+            return cleanup.result(raise_on_failure=False)
+        return None

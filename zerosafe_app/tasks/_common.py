@@ -20,10 +20,10 @@ from zerosafe.errors import ConversionError
 from zerosafe.io.storage import Storage, join_url
 from zerosafe.pipeline import WorkLayout, peak_rss_bytes, unit_key_options
 from zerosafe.plan.model import Plan, load_plan
-from zerosafe.stages.progress import NullProgress, Progress
-from zerosafe.stages.streaming import set_tasks_at_once
-from zerosafe.stages.unit_records import unit_key
-from zerosafe.stages.workers import Shared, UnitPool
+from zerosafe.run.progress import NullProgress, Progress
+from zerosafe.run.unit_records import unit_key
+from zerosafe.run.workers import Shared, UnitPool
+from zerosafe.stages.streaming import CopyPolicy
 from zerosafe.units import format_bytes
 from zerosafe_app.tasks.credentials import storage_for
 
@@ -62,9 +62,17 @@ class Job:
     it, so a run's stats count its own tasks whatever the workers' clocks say."""
     workers: int = 0
     """Worker processes that run this job's units in a process running its tasks (`run_unit`;
-    `zerosafe.stages.workers`); 0: each task's own thread runs its unit. The flow sets it
+    `zerosafe.run.workers`); 0: each task's own thread runs its unit. The flow sets it
     from `ZEROSAFE_WORKERS` (`zerosafe.pipeline.unit_process_options`), with `options`
     then holding the units' share of the budget."""
+    copy: str = "auto"
+    """How the units' copies run (`zerosafe.stages.streaming.CopyPolicy.mode`): the flow
+    reads `ZEROSAFE_COPY` once, where it starts."""
+
+    def copy_policy(self) -> CopyPolicy:
+        """The units' copy policy: the tasks that run at once on a machine are the job's
+        worker processes, else its parallel tasks."""
+        return CopyPolicy(self.copy, self.workers or self.options.parallel_tasks)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -102,9 +110,8 @@ def context(job: Job) -> tuple[Plan, Storage, ConvertOptions, WorkLayout]:
 
     Every task calls it first; it also has torch run serially in this process, once a cast
     imports it (`serial_torch`): the flow runs tasks in parallel itself, as many as its copies
-    are told (`set_tasks_at_once`)."""
+    are told (`Job.copy_policy`)."""
     serial_torch()
-    set_tasks_at_once(job.workers or job.options.parallel_tasks)
     key = json.dumps(job.storage_options, sort_keys=True)
     storage = storage_for(job.storage_options)
     return (

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from zerosafe.pipeline import extract_unit, intermediate_is_present
+from zerosafe.pipeline import extract_unit
 from zerosafe.stages.results import ExtractResult
 from zerosafe_app.tasks._common import (
     Job,
@@ -34,12 +32,7 @@ def extract(job: Job, index: int, rank: int, label: str, fingerprint: str = "") 
         work,
         options,
         on_bytes=lambda n: progress().advance(n, "extract"),
+        copy=job.copy_policy(),
     )
     record_run(job, "extract", index, result, meter)
     return result
-
-
-def extract_is_present(job: dict[str, Any], index: int, content_sha256: str | None = None) -> bool:
-    """Whether part `index`'s intermediate is on disk, whole, with the recorded content."""
-    plan, storage, _, work = context(Job.from_json(job))
-    return intermediate_is_present(plan, storage, work, index, content_sha256)

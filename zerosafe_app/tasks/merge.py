@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from zerosafe import pipeline
-from zerosafe.pipeline import merge_streams, merge_unit
-from zerosafe.stages import output
+from zerosafe.pipeline import merge_unit
 from zerosafe.stages.results import MergeResult
 from zerosafe_app.tasks._common import (
     Job,
@@ -27,45 +23,20 @@ def merge(
     number: int,
     count: int,
     fingerprint: str = "",
-    position: int | None = None,
-    merges: int | None = None,
+    streams: int = 1,
 ) -> MergeResult:
     """Merge shard `index` (shown as `number`/`count`). `fingerprint` names the content of
     the intermediates it reads, so a re-extracted identical file keeps this result cached.
 
-    `position` is this merge's place in the order the scheduler submitted the run's `merges`
-    merges that read (staged merges become ready in the order their parts are extracted, not
-    in shard order; a shard a repair keeps has none): the last round's merges copy in streams
-    (`merge_streams`). Without them, shard order: `index` of `count`.
+    `streams`: threads copying at once within the shard, as the scheduler decided from this
+    merge's place in the run (`zerosafe.run.schedule`, `zerosafe.pipeline.merge_streams`).
     """
     meter = TaskMeter(job)
     plan, storage, options, work = context(job)
-    at_once = job.workers or options.parallel_tasks
-    if merges is None:
-        streams = merge_streams(index, count, at_once, options)
-    else:
-        streams = 1 if position is None else merge_streams(position, merges, at_once, options)
     result = run_unit(
         job, plan, merge_unit, index, storage, job.destination, work, options,
         on_bytes=lambda n: progress().advance(n, "merge"), streams=streams,
+        copy=job.copy_policy(),
     )  # fmt: skip
     record_run(job, "merge", index, result, meter)
     return result
-
-
-def expected_shard_bytes(job: dict[str, Any], index: int) -> int:
-    """The exact size shard `index` has when written (header + data)."""
-    plan, _, _, _ = context(Job.from_json(job))
-    return pipeline.expected_shard_bytes(plan, index)
-
-
-def shard_identity(job: dict[str, Any], index: int) -> tuple[int, str] | None:
-    """(size, version) of shard `index` on disk (pending, else published), or None."""
-    plan, storage, _, _ = context(Job.from_json(job))
-    return pipeline.shard_identity(plan, storage, job["destination"], index)
-
-
-def reusable_shards(job: dict[str, Any]) -> set[int]:
-    """In a repair: the shards that are published and still intact (nothing to merge)."""
-    plan, storage, _, _ = context(Job.from_json(job))
-    return output.reusable_shards(storage, job["destination"], plan)

@@ -1,6 +1,7 @@
 """A failed task does not release the leases while its siblings still run (issue 24 item 7).
 
-Before the fix, `StageScheduler.run` raised on the first failed future and the `with` blocks
+Before the fix, the flow's scheduler (then `StageScheduler.run`, now the engine's
+`zerosafe.run.schedule.Scheduler.run`) raised on the first failed future and the `with` blocks
 released the output and work-area leases while sibling tasks kept writing; a second run
 starting then would take the leases and remove the first run's in-flight `.partial` files.
 """

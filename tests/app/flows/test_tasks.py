@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from prefect.logging import disable_run_logger
@@ -19,13 +19,15 @@ from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConversionError
 from zerosafe.pipeline import parts_to_extract
+from zerosafe.run.schedule import DiskChecks, Policy, Scheduler, Unit
+from zerosafe.run.unit_records import fingerprint
+from zerosafe.stages.output import reusable_shards
 from zerosafe.stages.results import JobPlan, PublishResult
-from zerosafe.stages.unit_records import fingerprint
-from zerosafe_app.flows.schedule import StageScheduler
-from zerosafe_app.tasks._common import Job, WorkAreaConflictError, cache_key
+from zerosafe_app.flows.schedule import PrefectExecutor
+from zerosafe_app.tasks._common import Job, WorkAreaConflictError, cache_key, context
 from zerosafe_app.tasks.extract import extract
 from zerosafe_app.tasks.inspect import inspect
-from zerosafe_app.tasks.merge import merge, reusable_shards
+from zerosafe_app.tasks.merge import merge
 from zerosafe_app.tasks.publish import finish, publish
 from zerosafe_app.tasks.verify import verify
 
@@ -181,13 +183,46 @@ def _schedule(
     serial_merges: bool = False,
 ) -> tuple[JobPlan, Any]:
     job, task_job = _plan(out, options)
-    reused = reusable_shards(task_job)
-    scheduler = StageScheduler(
-        job, task_job, parts=parts_to_extract(job, direct=options.direct, reused=reused),
-        direct=options.direct, reused=reused, submit=pool, limit=limit,
+    plan, storage, _, _ = context(Job.from_json(task_job))
+    reused = reusable_shards(storage, job.destination, plan)
+    return job, _scheduler(
+        job, task_job, pool, limit=limit, options=options, reused=reused,
         serial_merges=serial_merges,
+    ).run()  # fmt: skip
+
+
+class _Recording(PrefectExecutor):
+    """The flow's executor, recording the units it was handed."""
+
+    units: list[Unit]
+
+    def submit(self, unit: Unit) -> Any:
+        self.units.append(unit)
+        return super().submit(unit)
+
+
+def _scheduler(
+    job: JobPlan,
+    task_job: dict[str, Any],
+    pool: _Pool,
+    *,
+    limit: int | None,
+    options: ConvertOptions,
+    reused: set[int],
+    serial_merges: bool = False,
+) -> Scheduler:
+    """The engine's scheduler driving the flow's executor, on `pool` (no Prefect server)."""
+    plan, storage, _, work = context(Job.from_json(task_job))
+    executor = _Recording(
+        job, task_job, submit=pool, options=options,
+        policy=Policy(limit=limit, at_once=options.parallel_tasks, serial_merges=serial_merges),
     )  # fmt: skip
-    return job, scheduler.run()
+    executor.units = []
+    return Scheduler(
+        job, executor, DiskChecks(plan, storage, work, job.destination),
+        parts=parts_to_extract(job, direct=options.direct, reused=reused),
+        direct=options.direct, reused=reused, run_id=task_job["run_id"],
+    )  # fmt: skip
 
 
 def test_merges_wait_for_their_parts_and_verifies_follow_their_merge(tmp_path: Path) -> None:
@@ -253,17 +288,17 @@ def test_merges_learn_their_place_in_the_order_they_were_submitted(
     pool = _Pool(workers=2)
     # A shard kept by a repair (read directly, so its merge, unneeded, still has a source).
     reused = {1} if direct else set()
-    done = StageScheduler(
-        job, task_job, parts=parts_to_extract(job, direct=direct, reused=reused),
-        direct=direct, reused=reused, submit=pool, limit=None,
-    ).run()  # fmt: skip
+    scheduler = _scheduler(job, task_job, pool, limit=None, options=options, reused=reused)
+    done = scheduler.run()
     assert len(job.shards) > 2 and all(v.ok for v in done.verifies.values())
-    submitted = [i for what, stage, i, _ in pool.events if what == "submit" and stage == "merge"]
-    places = {i: pool.kwargs[("merge", i)]["position"] for i in submitted}
+    executor = cast(_Recording, scheduler.executor)
+    merges = [u for u in executor.units if u.stage == "merge"]
+    places = {u.index: u.position for u in merges}
     assert all(places[i] is None for i in reused)
     to_merge = len(job.shards) - len(reused)
-    assert [places[i] for i in submitted if i not in reused] == list(range(to_merge))
-    assert {pool.kwargs[("merge", i)]["merges"] for i in submitted} == {to_merge}
+    assert [places[u.index] for u in merges if u.index not in reused] == list(range(to_merge))
+    # the task is told the streams the scheduler chose from that place
+    assert all(pool.kwargs[("merge", u.index)]["streams"] == u.streams for u in merges)
 
 
 def test_what_is_on_disk_decides_which_caches_are_refreshed(tmp_path: Path) -> None:

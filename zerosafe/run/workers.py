@@ -30,8 +30,9 @@ at 1.5x one task's speed. `UnitPool` runs the same unit functions (`zerosafe.pip
   a `ConversionError` naming it.
 
 The command's default is `auto` (a job of 2 GB or more runs in workers); the flow and a
-library call keep threads unless asked (`ZEROSAFE_WORKERS=auto|processes|threads`, or
-`workers=` in `convert_checkpoint`). Once casts stopped importing torch (`zerosafe.cast`),
+library call keep threads unless asked (`ZEROSAFE_WORKERS=auto|processes|threads`, read by
+the command and the flow into `zerosafe.run.job.RunSettings`, or `workers=` in
+`convert_checkpoint`). Once casts stopped importing torch (`zerosafe.cast`),
 workers started cheaply and won: a whole 1B command on 2 cores 3.0-3.1 s against 4.2-4.7 s as
 threads, a 2B one on 16 cores 4.0-4.5 s against 4.0-5.3 s (docs/performance.md). A worker dies
 with the process that started it (`_die_with_caller`).
@@ -74,7 +75,6 @@ __all__ = [
     "process_options",
     "processes_note",
     "usable_cores",
-    "worker_mode",
 ]
 
 PROCESS_MIN_BYTES = 2 * 10**9
@@ -101,20 +101,6 @@ class Shared:
     """Stands, in a call's arguments, for the pool's shared object `name`."""
 
     name: str
-
-
-def worker_mode(requested: str | None, default: str = "threads") -> str:
-    """How a run's units run: `requested` (an API argument), else `ZEROSAFE_WORKERS`, else
-    `default`; one of `MODES`. Processes also need a library caller's script to start under a
-    `__main__` guard (the forkserver imports it)."""
-    raw = requested or os.environ.get("ZEROSAFE_WORKERS") or default
-    mode = raw.strip().lower()
-    if mode not in MODES:
-        raise ConfigError(
-            f"ZEROSAFE_WORKERS={raw!r}: expected one of {', '.join(MODES)}; unset it for the "
-            "default"
-        )
-    return mode
 
 
 _START_LOCK = threading.Lock()
@@ -220,7 +206,7 @@ def process_options(
 ) -> ConvertOptions | None:
     """The options a job's units run with in worker processes, or None to keep threads.
 
-    `mode` (`worker_mode`): `threads` never; `auto` takes processes where more than one task
+    `mode` (`MODES`, `zerosafe.run.job.RunSettings.workers`): `threads` never; `auto` takes processes where more than one task
     may run (`options.parallel_tasks`), there is more than one unit of real work (`units`) and
     enough bytes (`nbytes`, `PROCESS_MIN_BYTES`) to pay for starting workers; `processes`
     skips the size test. The workers' own overhead (`WORKER_OVERHEAD_BYTES` each, or
@@ -287,15 +273,10 @@ def _die_with_caller(caller: int) -> None:
     threading.Thread(target=watch, name="zerosafe-watch-caller", daemon=True).start()
 
 
-def _init_worker(
-    shared: dict[str, Any], reports: Any, caller: int, started: Any, workers: int
-) -> None:
+def _init_worker(shared: dict[str, Any], reports: Any, caller: int, started: Any) -> None:
     global _reports, _started
     _die_with_caller(caller)
     _started = started
-    from zerosafe.stages.streaming import set_tasks_at_once
-
-    set_tasks_at_once(workers)
     _shared.update(shared)
     _reports = reports
     from zerosafe.cast import serial_torch
@@ -378,7 +359,7 @@ class UnitPool:
         self._started = ctx.Barrier(workers)
         self._executor = ProcessPoolExecutor(
             workers, mp_context=ctx, initializer=_init_worker,
-            initargs=(dict(shared or {}), self._reports, os.getpid(), self._started, workers),
+            initargs=(dict(shared or {}), self._reports, os.getpid(), self._started),
         )  # fmt: skip
         self.pids: frozenset[int] = frozenset()
         """The workers' process ids, once `start` has brought them up."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from zerosafe.stages.progress import TerminalProgress
+from zerosafe.run.progress import TerminalProgress
 
 
 def test_each_stage_is_shown_with_its_own_total() -> None:

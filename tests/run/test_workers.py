@@ -1,4 +1,4 @@
-"""Units in worker processes (`zerosafe.stages.workers`): the same bytes as threads."""
+"""Units in worker processes (`zerosafe.run.workers`): the same bytes as threads."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.conftest import SAMPLE_CKPT
 from zerosafe.config import ConvertOptions
 from zerosafe.driver import convert_checkpoint
 from zerosafe.errors import ConfigError
-from zerosafe.stages.workers import PROCESS_MIN_BYTES, process_options, worker_mode
+from zerosafe.run.workers import PROCESS_MIN_BYTES, process_options
 
 
 def _weights(out: Path) -> dict[str, bytes]:
@@ -23,8 +23,8 @@ def _weights(out: Path) -> dict[str, bytes]:
 
 
 def test_processes_write_the_bytes_threads_write(tmp_path: Path, monkeypatch) -> None:
-    import zerosafe.driver as driver
-    from zerosafe.stages.workers import UnitPool
+    import zerosafe.run.local as local
+    from zerosafe.run.workers import UnitPool
 
     pools: list[int] = []
 
@@ -33,13 +33,12 @@ def test_processes_write_the_bytes_threads_write(tmp_path: Path, monkeypatch) ->
             pools.append(workers)
             super().__init__(workers, shared, **kw)
 
-    monkeypatch.setattr(driver, "UnitPool", CountedPool)
+    monkeypatch.setattr(local, "UnitPool", CountedPool)
     options = ConvertOptions(dtype="bf16", max_shard_size=4096, direct=True)
     outs = {}
     for mode in ("threads", "processes"):
-        monkeypatch.setenv("ZEROSAFE_WORKERS", mode)
         outs[mode] = tmp_path / mode
-        summary = convert_checkpoint(str(SAMPLE_CKPT), str(outs[mode]), options)
+        summary = convert_checkpoint(str(SAMPLE_CKPT), str(outs[mode]), options, workers=mode)
         assert summary.status == "converted"
     weights = _weights(outs["threads"])
     assert len(weights) >= 2
@@ -68,16 +67,19 @@ def test_process_options_divides_the_budget() -> None:
         process_options(options, **enough, mode="bogus")
 
 
-def test_worker_mode_argument_then_environment_then_default(monkeypatch) -> None:
-    monkeypatch.delenv("ZEROSAFE_WORKERS", raising=False)
-    assert worker_mode(None) == "threads"  # a library call: no forkserver unless asked
-    assert worker_mode(None, default="auto") == "auto"  # the command's default
-    monkeypatch.setenv("ZEROSAFE_WORKERS", "Threads")
-    assert worker_mode(None, default="auto") == "threads"
-    assert worker_mode("processes") == "processes"  # an explicit argument wins
-    monkeypatch.setenv("ZEROSAFE_WORKERS", "bogus")
+def test_run_settings_read_the_environment_only_when_asked(monkeypatch) -> None:
+    """`ZEROSAFE_WORKERS`/`ZEROSAFE_COPY` are read where a run starts (the command, the flow),
+    never inside the engine; a bad value is one clear line."""
+    from zerosafe.run.job import RunSettings
+
+    assert RunSettings() == RunSettings(workers="threads", copy="auto")  # a library call
+    assert RunSettings.from_environ({}, workers="auto").workers == "auto"  # the command's
+    got = RunSettings.from_environ({"ZEROSAFE_WORKERS": "Threads", "ZEROSAFE_COPY": "fused"})
+    assert got == RunSettings(workers="threads", copy="fused")
     with pytest.raises(ConfigError, match="ZEROSAFE_WORKERS='bogus'"):
-        worker_mode(None)
+        RunSettings.from_environ({"ZEROSAFE_WORKERS": "bogus"})
+    with pytest.raises(ConfigError, match="ZEROSAFE_COPY='fast': expected one of auto, fused"):
+        RunSettings.from_environ({"ZEROSAFE_COPY": "fast"})
 
 
 def test_the_command_takes_processes_by_default_and_says_so(
@@ -85,10 +87,12 @@ def test_the_command_takes_processes_by_default_and_says_so(
 ) -> None:
     """The command runs a big enough job in worker processes by default (the size floor is
     lowered so that the sample counts) and the summary says so; `ZEROSAFE_WORKERS=threads`
-    keeps threads, and so does a library call unless asked. Same bytes every way."""
-    import zerosafe.driver as driver
-    import zerosafe.stages.workers as workers
-    from zerosafe.stages.workers import UnitPool
+    keeps threads, and so does a library call unless asked (the engine reads no environment
+    variable: a library call keeps threads even with `ZEROSAFE_WORKERS` set). Same bytes
+    every way."""
+    import zerosafe.run.local as local
+    import zerosafe.run.workers as workers
+    from zerosafe.run.workers import UnitPool
     from zerosafe_app.cli import main
 
     pools: list[int] = []
@@ -98,11 +102,12 @@ def test_the_command_takes_processes_by_default_and_says_so(
             pools.append(n)
             super().__init__(n, shared, **kw)
 
-    monkeypatch.setattr(driver, "UnitPool", CountedPool)
+    monkeypatch.setattr(local, "UnitPool", CountedPool)
     monkeypatch.setattr(workers, "PROCESS_MIN_BYTES", 1)
-    monkeypatch.delenv("ZEROSAFE_WORKERS", raising=False)
+    monkeypatch.setenv("ZEROSAFE_WORKERS", "processes")
     options = ConvertOptions(dtype="bf16", max_shard_size=4096, direct=True)
     convert_checkpoint(str(SAMPLE_CKPT), str(tmp_path / "library"), options)
+    monkeypatch.delenv("ZEROSAFE_WORKERS")
     assert pools == []
     argv = ["convert", str(SAMPLE_CKPT), str(tmp_path / "command"), "--dtype", "bf16",
             "--max-shard-size", "4096", "--mode", "direct", "--parallel", "2"]  # fmt: skip
@@ -143,7 +148,7 @@ def test_workers_started_inside_a_checkpoint_folder_import_nothing_from_it(
     # A pool started with no prestart (the flow's tasks) starts the forkserver itself.
     (tmp_path / "runner").mkdir()
     (tmp_path / "runner" / "pool.py").write_text(
-        "import os, pkgutil, zerosafe\nfrom zerosafe.stages.workers import UnitPool\n"
+        "import os, pkgutil, zerosafe\nfrom zerosafe.run.workers import UnitPool\n"
         "if __name__ == '__main__':\n    with UnitPool(2) as pool:\n        pool.start()\n"
         "        assert pool.run(os.getpid) in pool.pids\n"
         "        assert pool.run(pkgutil.resolve_name, 'zerosafe:__file__') == zerosafe.__file__\n"
@@ -164,7 +169,7 @@ def test_an_installed_engine_adds_nothing_to_the_workers_path(monkeypatch) -> No
     import sysconfig
 
     import zerosafe
-    from zerosafe.stages import workers
+    from zerosafe.run import workers
 
     checkout = os.path.dirname(os.path.dirname(os.path.realpath(zerosafe.__file__)))
     assert workers._engine_folder() == checkout  # this checkout, installed editable
@@ -182,7 +187,7 @@ def test_on_python_3_10_a_folder_of_modules_keeps_the_units_in_threads(
 ) -> None:
     """Python 3.10 has no PYTHONSAFEPATH: there, a current folder holding modules keeps the
     units in threads (`auto`), or is refused with the fix (`processes`)."""
-    from zerosafe.stages import workers
+    from zerosafe.run import workers
 
     (tmp_path / "numpy").mkdir()
     (tmp_path / "numpy" / "__init__.py").write_text("")
@@ -217,12 +222,11 @@ def test_more_than_two_tasks_merge_at_once_as_threads(tmp_path: Path, monkeypatc
     import dataclasses
     import threading
 
-    import zerosafe.driver as driver
+    import zerosafe.run.local as local
 
-    monkeypatch.delenv("ZEROSAFE_WORKERS", raising=False)
     barrier = threading.Barrier(2, timeout=60)
     calls: list[str] = []
-    real_merge = driver.merge_unit
+    real_merge = local.merge_unit
 
     def merge_meeting_another(*args, **kwargs):  # the real merge, after meeting a second one
         calls.append(threading.current_thread().name)
@@ -232,7 +236,7 @@ def test_more_than_two_tasks_merge_at_once_as_threads(tmp_path: Path, monkeypatc
 
     base = ConvertOptions(dtype="bf16", max_shard_size=4096, direct=True, memory=2 * 10**9)
     two = convert_checkpoint(str(SAMPLE_CKPT), str(tmp_path / "two"), base)
-    monkeypatch.setattr(driver, "merge_unit", merge_meeting_another)
+    monkeypatch.setattr(local, "merge_unit", merge_meeting_another)
     four = dataclasses.replace(base, max_parallel_tasks=4)
     summary = convert_checkpoint(str(SAMPLE_CKPT), str(tmp_path / "four"), four)
     assert summary.status == two.status == "converted"
@@ -248,7 +252,7 @@ def test_prestart_starts_the_forkserver_only_where_processes_may_run() -> None:
     code = (
         "import sys\n"
         "from multiprocessing import forkserver\n"
-        "from zerosafe.stages import workers\n"
+        "from zerosafe.run import workers\n"
         "workers.usable_cores = lambda: int(sys.argv[2])\n"
         "started = workers.prestart(sys.argv[1])\n"
         "print(started, forkserver._forkserver._forkserver_pid is not None)\n"
@@ -280,7 +284,7 @@ def test_workers_die_with_a_killed_command(tmp_path: Path) -> None:
     script = tmp_path / "pool.py"
     script.write_text(
         "import os, time\n"
-        "from zerosafe.stages.workers import UnitPool\n"
+        "from zerosafe.run.workers import UnitPool\n"
         "if __name__ == '__main__':\n"
         "    pool = UnitPool(1)\n"
         "    print(pool.run(os.getpid), flush=True)\n"
@@ -306,29 +310,26 @@ def test_workers_die_with_a_killed_command(tmp_path: Path) -> None:
         run.kill()
 
 
-def _pid_and_tasks_at_once() -> tuple[int, int]:
-    from zerosafe.stages import streaming
-
-    return os.getpid(), streaming._tasks_at_once
+def _pid() -> int:
+    return os.getpid()
 
 
 def test_start_brings_every_worker_up_before_the_units() -> None:
     """`start` forks all the workers at once (the executor would fork one per submit, while
-    the other submits wait), and each worker's copies know how many run beside it."""
+    the other submits wait)."""
     import threading
 
-    from zerosafe.stages.workers import UnitPool
+    from zerosafe.run.workers import UnitPool
 
     with UnitPool(3) as pool:
         pool.start()
         assert len(pool.pids) == 3 and os.getpid() not in pool.pids
         barrier = threading.Barrier(3)
 
-        def call(_: int) -> tuple[int, int]:
+        def call(_: int) -> int:
             barrier.wait()
-            return pool.run(_pid_and_tasks_at_once)
+            return pool.run(_pid)
 
         with ThreadPoolExecutor(3) as callers:
             got = list(callers.map(call, range(3)))
-        assert {pid for pid, _ in got} <= pool.pids  # no worker forked after start
-        assert {tasks for _, tasks in got} == {3}
+        assert set(got) <= pool.pids  # no worker forked after start
