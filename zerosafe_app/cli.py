@@ -39,6 +39,10 @@ INTERRUPTED = (
     "\nzerosafe: interrupted; nothing was marked complete. Run the same command again to resume."
 )
 
+TARGET_NAMES = ("safetensors", "universal", "dcp")
+"""`--to`'s choices: the targets of `zerosafe.targets.registry`, written out so the command's
+start-up imports none (tests/app/test_cli.py keeps the two equal)."""
+
 EXTRA_COMMANDS: list[str] = [
     "zerosafe_app.pt2st_cli",
     "zerosafe_app.lazify_cli",
@@ -138,7 +142,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--to",
         default="safetensors",
-        choices=["safetensors", "universal", "dcp"],
+        choices=TARGET_NAMES,
         help="what to write: safetensors weights (default), a DeepSpeed universal "
         "checkpoint (masters and Adam moments) that DeepSpeed resumes at any world size with "
         '`"checkpoint": {"load_universal": true}`, or a PyTorch DCP checkpoint of the model and '
@@ -590,10 +594,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
         return convert_universal(args, _storage(args))
     if args.to == "dcp":
-        from zerosafe_app.cli_universal import check_universal_args
         from zerosafe_app.dcp_cli import convert_dcp
 
-        check_universal_args(args)
         return convert_dcp(args, _storage(args))
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()

@@ -8,7 +8,7 @@ import contextlib
 import importlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from zerosafe.errors import ConversionError
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from zerosafe.config import ConvertOptions
     from zerosafe.stages.results import RunSummary
 
-__all__ = ["convert_with_flow", "lost_api", "preload", "route"]
+__all__ = ["convert_with_flow", "lost_api", "prefect_api", "preload", "route"]
 
 
 def preload(module: str, then: Callable[[], None] | None = None) -> None:
@@ -64,12 +64,7 @@ def convert_with_flow(
 ) -> RunSummary:
     """Run the flow `convert` against the configured Prefect API, or, with none, against a
     private server that ends with this command."""
-    from zerosafe_app.flows.runtime import configure_embedded_prefect, private_server, use_api
-
-    configure_embedded_prefect(verbose=args.verbose)
-    with contextlib.ExitStack() as stack:
-        if api is None:
-            stack.enter_context(use_api(*stack.enter_context(private_server())))
+    with prefect_api(args, api):
         from zerosafe_app.flows.convert import run_convert  # Prefect only from here on
 
         try:
@@ -86,6 +81,19 @@ def convert_with_flow(
                 f"({type(e).__name__}: {e}); nothing was marked complete and finished work is "
                 "kept: start the server again (or use --via local) and run the same command"
             ) from e
+
+
+@contextlib.contextmanager
+def prefect_api(args: argparse.Namespace, api: str | None) -> Iterator[None]:
+    """Prefect configured for a flow this command runs: against `api`, or, with none, a
+    private server that ends with the block."""
+    from zerosafe_app.flows.runtime import configure_embedded_prefect, private_server, use_api
+
+    configure_embedded_prefect(verbose=args.verbose)
+    with contextlib.ExitStack() as stack:
+        if api is None:
+            stack.enter_context(use_api(*stack.enter_context(private_server())))
+        yield
 
 
 def lost_api(error: BaseException) -> bool:

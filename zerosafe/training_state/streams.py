@@ -1,28 +1,26 @@
 """Reading the byte runs a training-state plan names: open sources counted, chunks with their
 CRC-32s entered in a ledger, and the source records checked against their zip CRC-32s at the
-end; the written units checked last, a failing one dropped so the next run redoes it. Shared
-by `--to universal` and `--to dcp`."""
+end. Shared by `--to universal` and `--to dcp`."""
 
 from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import numpy as np
 
-from zerosafe.errors import IntegrityError, VerificationError
+from zerosafe.errors import IntegrityError
 from zerosafe.formats.crc import CrcLedger
-from zerosafe.io.storage import ByteSource, Storage, join_url
-from zerosafe.stages.unit_records import Stage, UnitRecords
+from zerosafe.io.storage import ByteSource, Storage
+from zerosafe.stages.unit_records import UnitRecords
 from zerosafe.training_state.universal_plan import Run, SourceRecord
 
 __all__ = [
     "Sources",
+    "check_plan_sources",
     "check_source_records",
-    "check_units",
-    "files_intact",
     "read_runs",
     "record_crc",
     "to_float32",
@@ -41,58 +39,6 @@ def record_crc(source: _Ranged, start: int, size_bytes: int, chunk_bytes: int = 
     for pos in range(start, start + size_bytes, chunk_bytes):
         crc = zlib.crc32(source.read_range(pos, min(pos + chunk_bytes, start + size_bytes)), crc)
     return crc
-
-
-def files_intact(storage: Storage, out_url: str, written: Iterable[Mapping[str, Any]]) -> bool:
-    """Whether every file a unit recorded (`path` under `out_url`, `size_bytes`) is there with
-    its size: a recorded unit is kept only then (any storage error: it runs again)."""
-    for w in written:
-        try:
-            if storage.identity(join_url(out_url, w["path"])).size_bytes != w["size_bytes"]:
-                return False
-        except Exception:  # noqa: BLE001 - any storage error: the unit runs again
-            return False
-    return True
-
-
-def check_units(
-    storage: Storage,
-    out_url: str,
-    records: UnitRecords,
-    stage: Stage,
-    units: Sequence[tuple[int, Sequence[Mapping[str, Any]]]],
-    check: Callable[[Mapping[str, Any]], None],
-) -> None:
-    """Check every file of every unit (`(index, files written)`) with `check`, the final
-    re-read. A unit with a file that fails is dropped, its record and its files, whether it
-    ran now or was kept: a file damaged at its recorded size (a zero-filled block after a
-    crash, bit rot on NFS) passes `files_intact`, and kept it would fail every later run.
-
-    Raises:
-        VerificationError: Naming the first failure and the units dropped; the next run of
-            the command redoes them.
-    """
-    failed: dict[int, Exception] = {}
-    for index, files in units:
-        for w in files:
-            try:
-                check(w)
-            except (VerificationError, ValueError) as e:  # damaged: its CRC, zip or pickle
-                failed[index] = e
-                break
-    if not failed:
-        return
-    for index, files in units:
-        if index in failed:
-            records.drop(stage, index)
-            for w in files:
-                storage.remove(join_url(out_url, w["path"]))
-    first = next(iter(failed.values()))
-    raise VerificationError(
-        f"{first}. {len(failed)} unit(s) of work failed this final check ({stage} "
-        f"{', '.join(map(str, failed))}) and were dropped, their files removed: run the "
-        "command again to redo them (the other units are kept)."
-    ) from first
 
 
 log = logging.getLogger(__name__)
@@ -185,3 +131,20 @@ def check_source_records(
     for key, why in result.skipped:
         log.info("%s: not checked against its CRC-32 (%s)", key, why)
     return len(result.checked)
+
+
+def check_plan_sources(
+    storage: Storage,
+    urls: list[str],
+    records: list[SourceRecord],
+    ledger: CrcLedger,
+    *,
+    units: UnitRecords,
+) -> tuple[int, int]:
+    """`check_source_records` with the plan's files opened for it: returns the records
+    checked and the bytes read to check them."""
+    sources = Sources(storage, urls)
+    try:
+        return check_source_records(sources, records, ledger, units=units), sources.bytes_read
+    finally:
+        sources.close()

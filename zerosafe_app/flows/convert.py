@@ -197,11 +197,12 @@ def convert(
     dask_address: str | None = None,
     storage_options: dict[str, Any] | None = None,
     timeout_seconds: int | None = None,
+    to: str | None = None,
+    dcp_layout: str | None = None,
 ) -> Any:
     """Convert one checkpoint (a DeepSpeed ZeRO tag or a PyTorch DCP save) into verified
-    safetensors.
-
-    The stages run in a subflow, `convert-job`, so this flow can pick its task runner. The
+    safetensors, or (`to`) its training state (`zerosafe_app.flows.training_state`). The
+    stages run in a subflow, `convert-job`, so this flow can pick its task runner. The
     subflow carries this run's tags; this run's state message and its link artifact name the
     subflow, and a permanent error (bad input or options) fails both with the one-line message,
     without a traceback.
@@ -223,7 +224,7 @@ def convert(
         adapter=adapter, quantize=quantize, quantize_ignore=quantize_ignore,
         extract_part_size=extract_part_size, work_dir=work_dir, runner=runner,
         dask_address=dask_address, storage_options=storage_options,
-        timeout_seconds=timeout_seconds,
+        timeout_seconds=timeout_seconds, to=to, dcp_layout=dcp_layout,
     )  # fmt: skip
     try:
         cfg = load_job_config(conf, **params)
@@ -232,6 +233,8 @@ def convert(
         log.error("%s", message)
         _announce_failure(message, destination or "")
         return _hand_back(Failed(message=message, data=e))
+    if cfg.to != "safetensors":  # training state: its own subflow
+        return _hand_back(_convert_state(cfg))
     job_flow = run_job.with_options(
         task_runner=_task_runner(cfg, cfg.options()),
         timeout_seconds=cfg.timeout_seconds,
@@ -262,6 +265,20 @@ def convert(
     return _hand_back(
         Completed(message=f"{result['status']}: {cfg.destination} ({where})", data=result)
     )
+
+
+def _convert_state(cfg: JobConfig) -> Any:
+    """`to: universal|dcp`: the training-state subflow's summary, or a Failed state with the
+    one-line message of a `ConversionError`."""
+    from zerosafe_app.flows.training_state import dispatch
+
+    try:
+        return dispatch(cfg)
+    except ConversionError as e:
+        message = failure_message(e, cfg)
+        get_run_logger().error("%s", message)
+        _announce_failure(message, cfg.destination)
+        return Failed(message=message, data=e)
 
 
 def _announce_failure(message: str, destination: str) -> None:
