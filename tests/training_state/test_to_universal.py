@@ -289,15 +289,6 @@ def test_round_robin_params_match_live_weights(tmp_path: Path) -> None:
         assert moment.shape == got.shape and bool((moment >= 0).all()), folder.name
 
 
-def test_via_prefect_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    ckpt = shared_checkpoint(SHARED[0])
-    code = main(
-        ["convert", str(ckpt), str(tmp_path / "o"), "--to", "universal", "--via", "prefect"]
-    )
-    assert code == 2
-    assert "runs in the command's own process only" in capsys.readouterr().err
-
-
 def test_verify_checks_a_universal_output(
     sources: dict[str, Source],
     ours: dict[str, Path],

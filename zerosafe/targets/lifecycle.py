@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from zerosafe.errors import OutputExistsError, VerificationError
 from zerosafe.formats.crc import CrcLedger
+from zerosafe.io.buffers import pin_mmap_threshold
 from zerosafe.io.lease import Lease, work_lease
 from zerosafe.io.storage import JSON_MAX_BYTES, Storage, join_url, normalize_url
 from zerosafe.pipeline import hold_destination, peak_rss_bytes
@@ -61,24 +62,31 @@ def check_units(
     stage: Stage,
     units: Sequence[tuple[int, Sequence[Mapping[str, Any]]]],
     check: Callable[[Mapping[str, Any]], None],
+    *,
+    tasks: int = 1,
 ) -> None:
     """Check every file of every unit (`(index, files written)`) with `check`, the final
-    re-read. A unit with a file that fails is dropped, its record and its files, whether it
-    ran now or was kept: a file damaged at its recorded size (a zero-filled block after a
-    crash, bit rot on NFS) passes `files_intact`, and kept it would fail every later run.
+    re-read, `tasks` units at once. A unit with a file that fails is dropped, its record and
+    its files, whether it ran now or was kept: a file damaged at its recorded size (a
+    zero-filled block after a crash, bit rot on NFS) passes `files_intact`, and kept it would
+    fail every later run.
 
     Raises:
         VerificationError: Naming the first failure and the units dropped; the next run of
             the command redoes them.
     """
-    failed: dict[int, Exception] = {}
-    for index, files in units:
+
+    def first_failure(files: Sequence[Mapping[str, Any]]) -> Exception | None:
         for w in files:
             try:
                 check(w)
             except (VerificationError, ValueError) as e:  # damaged: its CRC, zip or pickle
-                failed[index] = e
-                break
+                return e
+        return None
+
+    with ThreadPoolExecutor(max(tasks, 1), thread_name_prefix=f"zerosafe-check-{stage}") as pool:
+        found = list(pool.map(first_failure, [files for _, files in units]))
+    failed = {index: e for (index, _), e in zip(units, found, strict=True) if e is not None}
     if not failed:
         return
     for index, files in units:
@@ -193,6 +201,7 @@ class TargetRun:
         check_units(
             storage, self.out_url, self.records, target.name, units,
             lambda f: target.check_file(storage, self.out_url, f, chunk),
+            tasks=self.options.tasks_at_once,
         )  # fmt: skip
         marker = target.publish(storage, self.out_url, [f for _, fs in units for f in fs], chunk)
         self.out_lease.check()
@@ -277,6 +286,7 @@ def run_target(
     """The whole call sequence in this process: the units on `options.tasks_at_once` threads,
     each reading and writing `options.chunk` bytes at a time."""
     storage = storage or Storage()
+    pin_mmap_threshold()  # freed chunks go back at once, whatever the threads freed before
     with hold_target(name, open_target, storage, source, out_url, options) as run:
         if not run.complete:
             run.publish(run.run_units())
