@@ -174,10 +174,10 @@ def test_the_flow_path_writes_the_same_bytes_and_resumes_after_sigkill(
     """`convert --to ...` with a Prefect API configured runs the flow `convert` (`to`), each
     unit a cached task; killed once units are recorded, the same command keeps every one of
     them (their records untouched) and publishes the bytes the local run writes."""
-    reference = tmp_path / "local"
-    local = convert_json(local_env, str(ckpt), str(reference), "--to", to, "--parallel", "1")
-    out = tmp_path / "flow"
+    out, reference = tmp_path / "out", tmp_path / "local"  # one folder: `.metadata` names it
     args = (str(ckpt), str(out), "--to", to, "--parallel", "1")
+    local = convert_json(local_env, *args)
+    out.rename(reference)
     proc = _start(prefect_env, *args)
     units = out / ".zerosafe-work"
 

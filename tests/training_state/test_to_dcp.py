@@ -345,7 +345,7 @@ def write_then_die(self, index, items):
     return write_unit(self, index, items)
 
 dcp._Job.write_unit = write_then_die
-dcp.convert_to_dcp(ckpt, out, unit_bytes=1)
+dcp.convert_to_dcp(ckpt, out, unit_bytes=1, parallel=1)  # one unit at a time: the kill lands in one
 """
 
 

@@ -229,7 +229,7 @@ def write_then_die(self, param):
     return write_param(self, param)
 
 universal._Job.write_param = write_then_die
-universal.convert_to_universal(ckpt, out, unit_bytes=1)
+universal.convert_to_universal(ckpt, out, unit_bytes=1, parallel=1)  # one unit at a time
 """
 
 
