@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypedDict
 
 from zerosafe.config import DEFAULT_MEMORY_BYTES, ConvertOptions
 from zerosafe.formats.crc import CrcLedger
@@ -38,6 +38,7 @@ from zerosafe.io.storage import Storage
 
 __all__ = [
     "DEFAULT_UNIT_BYTES",
+    "StateKwargs",
     "StateOptions",
     "StateSummary",
     "OutputTarget",
@@ -81,6 +82,17 @@ class StateOptions:
     @property
     def chunk(self) -> int:
         return self.chunk_bytes or self.budget.chunk_bytes
+
+
+class StateKwargs(TypedDict, total=False):
+    """`StateOptions`' fields as keyword arguments (`convert_to_universal(..., parallel=4)`)."""
+
+    memory: int
+    parallel: int
+    chunk_bytes: int | None
+    unit_bytes: int
+    overwrite: bool
+    keep_work: bool
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -30,16 +30,14 @@ from __future__ import annotations
 import json
 import pickle
 import struct
-import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Unpack
 
 import numpy as np
 
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import OutputExistsError, VerificationError
-from zerosafe.formats.crc import CrcLedger
 from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.storage import (
@@ -54,9 +52,9 @@ from zerosafe.io.storage import (
 from zerosafe.stages.destination import DCP_MARKER_NAME as MARKER_NAME
 from zerosafe.stages.destination import DCP_METADATA_NAME as METADATA_NAME
 from zerosafe.stages.destination import clear_dcp_output
-from zerosafe.stages.unit_records import UnitRecords, fingerprint
+from zerosafe.stages.unit_records import fingerprint
 from zerosafe.targets.base import (
-    DEFAULT_UNIT_BYTES,
+    StateKwargs,
     StateOptions,
     StateSummary,
     UnitSpec,
@@ -66,9 +64,8 @@ from zerosafe.targets.lifecycle import WORK_DIR_NAME, run_target
 from zerosafe.training_state.client_files import carry_client_files, check_carried
 from zerosafe.training_state.dcp_plan import DcpItem, DcpPlan, plan_dcp
 from zerosafe.training_state.streams import (
-    Sources,
-    check_plan_sources,
-    read_runs,
+    SourcesOfPlan,
+    UnitJob,
     record_crc,
     to_float32,
 )
@@ -141,23 +138,15 @@ def _float32_bytes(value: Any) -> bytes:
 
 
 @dataclass(kw_only=True)
-class _Job:
-    storage: Storage
+class _Job(UnitJob):
+    """One unit's writer (`UnitJob`: its own sources, counts and ledger)."""
+
     plan: DcpPlan
-    out_url: str
-    chunk_bytes: int
-    sources: Sources
-    small_lock: threading.Lock
-    """Held around reads through the plan's own zip readers (shared by every unit)."""
-    bytes_written: int = 0
-    ledger: CrcLedger = field(default_factory=CrcLedger)
 
     def _step_bytes(self, small: Any) -> bytes:
         if not isinstance(small, TensorRecord):
             return _float32_bytes(small)
-        with self.small_lock:
-            raw = self.plan.universal.ckpt.optim_files[0].zip.read_tensor_bytes(small)
-        self.sources.bytes_read += small.nbytes
+        raw = self.read_small(small)
         if small.dtype == "float32":
             return raw
         return _float32_bytes(np.frombuffer(raw, np.dtype(small.dtype))[0])
@@ -166,11 +155,7 @@ class _Job:
         if item.small is not None:
             yield self._step_bytes(item.small), None
             return
-        itemsize = dtype_info(item.src_dtype).itemsize
-        chunks = read_runs(
-            self.sources, self.plan.records, item.runs, chunk_bytes=self.chunk_bytes,
-            ledger=self.ledger, itemsize=itemsize,
-        )  # fmt: skip
+        chunks = self.chunks(item.runs, dtype_info(item.src_dtype).itemsize)
         if item.src_dtype == item.dtype:
             yield from chunks
         else:
@@ -324,7 +309,7 @@ def metadata_bytes(
     return pickle.dumps(metadata)
 
 
-class DcpTarget:
+class DcpTarget(SourcesOfPlan):
     """`--to dcp` as an `OutputTarget` (`zerosafe.targets.base`): its plan, units, unit
     writer, item check and `.metadata`; `zerosafe.targets.lifecycle` runs it."""
 
@@ -335,12 +320,14 @@ class DcpTarget:
     def __init__(
         self, storage: Storage, ckpt_url: str, *, tag: str | None = None, layout: str = "torch"
     ) -> None:
+        super().__init__()
         self.plan = plan_dcp(storage, ckpt_url, tag=tag, layout=layout)
         self.job_key = self.plan.job_key
         self.source_url = self.plan.universal.ckpt.ckpt_url
         self.notes = self.plan.notes
+        self.urls, self.records = self.plan.urls, self.plan.records
+        self.small_zip = self.plan.universal.ckpt.optim_files[0].zip
         self._by_fqn = {i.fqn: i for i in self.plan.items}
-        self._small_lock = threading.Lock()
 
     def _metadata_urls(self, out_url: str) -> list[str]:
         return [
@@ -388,23 +375,12 @@ class DcpTarget:
     def write_unit(
         self, storage: Storage, out_url: str, unit: UnitSpec, chunk_bytes: int
     ) -> UnitWork:
-        job = _Job(
-            storage=storage, plan=self.plan, out_url=out_url, chunk_bytes=chunk_bytes,
-            sources=Sources(storage, self.plan.urls), small_lock=self._small_lock,
-        )  # fmt: skip
+        job = _Job(plan=self.plan, **self.unit_job(storage, out_url, chunk_bytes))
         try:
             written = job.write_unit(unit.index, list(unit.members))
         finally:
             job.sources.close()
-        return UnitWork(
-            files=[written], ledger=job.ledger, bytes_read=job.sources.bytes_read,
-            bytes_written=job.bytes_written,
-        )  # fmt: skip
-
-    def check_source(
-        self, storage: Storage, ledger: CrcLedger, records: UnitRecords
-    ) -> tuple[int, int]:
-        return check_plan_sources(storage, self.plan.urls, self.plan.records, ledger, units=records)
+        return job.done([written])
 
     def check_file(
         self, storage: Storage, out_url: str, file: Mapping[str, Any], chunk_bytes: int
@@ -453,19 +429,14 @@ def convert_to_dcp(
     *,
     tag: str | None = None,
     storage: Storage | None = None,
-    unit_bytes: int = DEFAULT_UNIT_BYTES,
-    chunk_bytes: int | None = None,
-    memory: int | None = None,
-    parallel: int = 2,
-    overwrite: bool = False,
-    keep_work: bool = False,
     layout: str = "torch",
+    **options: Unpack[StateKwargs],
 ) -> DcpSummary:
     """Write the DCP checkpoint of a ZeRO checkpoint's model and Adam state into `out_url`;
     an FSDP2 run of the same module loads it with `dcp.load` + `set_state_dict`
     (docs/training-state.md). `layout`: `torch` (one checkpoint of `{"model", "optim"}`) or
     `accelerate` (`pytorch_model_fsdp_0/` and `optimizer_0/`, as accelerate saves FSDP2).
-    `memory`, `parallel` and `chunk_bytes` as for `convert_to_universal`.
+    `options`: `StateOptions`' fields, as for `convert_to_universal`.
 
     Raises:
         UnsupportedCheckpointError: What is not converted yet, named in one line.
@@ -477,13 +448,9 @@ def convert_to_dcp(
             next run redoes it.
     """
     storage = storage or Storage()
-    options = StateOptions(
-        unit_bytes=unit_bytes, chunk_bytes=chunk_bytes, parallel=parallel,
-        overwrite=overwrite, keep_work=keep_work, **({"memory": memory} if memory else {}),
-    )  # fmt: skip
     summary = run_target(
         "dcp", lambda: DcpTarget(storage, ckpt_url, tag=tag, layout=layout), ckpt_url, out_url,
-        options, storage=storage,
+        StateOptions(**options), storage=storage,
     )  # fmt: skip
     assert isinstance(summary, DcpSummary)
     return summary

@@ -5,20 +5,27 @@ end. Shared by `--to universal` and `--to dcp`."""
 from __future__ import annotations
 
 import logging
+import threading
 import zlib
-from collections.abc import Callable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
 from zerosafe.errors import IntegrityError
 from zerosafe.formats.crc import CrcLedger
+from zerosafe.formats.torch_pickle import TensorRecord
+from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.storage import ByteSource, Storage
 from zerosafe.stages.unit_records import UnitRecords
+from zerosafe.targets.base import UnitWork
 from zerosafe.training_state.universal_plan import Run, SourceRecord
 
 __all__ = [
+    "SourcesOfPlan",
     "Sources",
+    "UnitJob",
     "check_plan_sources",
     "check_source_records",
     "read_runs",
@@ -63,6 +70,7 @@ class Sources:
     def close(self) -> None:
         for src in self._open.values():
             src.close()
+        self._open.clear()
 
 
 def to_float32(raw: bytes, dtype: str) -> bytes:
@@ -148,3 +156,74 @@ def check_plan_sources(
         return check_source_records(sources, records, ledger, units=units), sources.bytes_read
     finally:
         sources.close()
+
+
+@dataclass(kw_only=True)
+class UnitJob:
+    """What one unit of a training-state target reads and writes with: its own open sources,
+    byte counts and CRC ledger (units run on several threads at once), the plan's files."""
+
+    storage: Storage
+    out_url: str
+    chunk_bytes: int
+    urls: list[str]
+    records: list[SourceRecord]
+    small_zip: TorchZipFile
+    """Rank 0's optimizer file, whence every small state comes (shared by every unit)."""
+    small_lock: threading.Lock
+    """Held around reads through `small_zip`."""
+    sources: Sources = field(init=False)
+    bytes_written: int = 0
+    ledger: CrcLedger = field(default_factory=CrcLedger)
+    """CRC-32s of the source bytes the unit read, by record."""
+
+    def __post_init__(self) -> None:
+        self.sources = Sources(self.storage, self.urls)
+
+    def chunks(
+        self, runs: tuple[Run, ...], itemsize: int = 4
+    ) -> Iterator[tuple[bytes, int | None]]:
+        """`(bytes, CRC-32)` of each chunk of `runs`; a run inside a zip record adds its
+        chunks' CRCs to the unit's ledger (checked against the record's CRC at the end)."""
+        return read_runs(
+            self.sources, self.records, runs, chunk_bytes=self.chunk_bytes, ledger=self.ledger,
+            itemsize=itemsize,
+        )  # fmt: skip
+
+    def read_small(self, t: TensorRecord) -> bytes:
+        """A small tensor of rank 0's optimizer file, read whole."""
+        with self.small_lock:
+            raw = self.small_zip.read_tensor_bytes(t)
+        self.sources.bytes_read += t.nbytes
+        return raw
+
+    def done(self, files: list[Mapping[str, Any]]) -> UnitWork:
+        """What the unit did, its sources closed."""
+        self.sources.close()
+        return UnitWork(
+            files=[dict(f) for f in files], ledger=self.ledger,
+            bytes_read=self.sources.bytes_read, bytes_written=self.bytes_written,
+        )  # fmt: skip
+
+
+class SourcesOfPlan:
+    """What both training-state targets do with their plan's source files: open them for a
+    unit (`unit_job`) and check every record read against its zip CRC-32 (`check_source`)."""
+
+    urls: list[str]
+    records: list[SourceRecord]
+    small_zip: TorchZipFile
+
+    def __init__(self) -> None:
+        self._small_lock = threading.Lock()
+
+    def unit_job(self, storage: Storage, out_url: str, chunk_bytes: int) -> dict[str, Any]:
+        """The `UnitJob` fields of one unit."""
+        return {"storage": storage, "out_url": out_url, "chunk_bytes": chunk_bytes,
+                "urls": self.urls, "records": self.records, "small_zip": self.small_zip,
+                "small_lock": self._small_lock}  # fmt: skip
+
+    def check_source(
+        self, storage: Storage, ledger: CrcLedger, records: UnitRecords
+    ) -> tuple[int, int]:
+        return check_plan_sources(storage, self.urls, self.records, ledger, units=records)

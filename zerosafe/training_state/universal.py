@@ -28,15 +28,13 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Unpack
 
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import VerificationError
-from zerosafe.formats.crc import CrcLedger
 from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
@@ -53,9 +51,9 @@ from zerosafe.stages.destination import UNIVERSAL_MARKER_NAME as MARKER_NAME
 from zerosafe.stages.destination import clear_universal_output as _clear_universal_output
 from zerosafe.stages.model_files import copy_model_files, sha256_of
 from zerosafe.stages.output import OUTPUT_JSON_MAX_BYTES
-from zerosafe.stages.unit_records import UnitRecords, fingerprint
+from zerosafe.stages.unit_records import fingerprint
 from zerosafe.targets.base import (
-    DEFAULT_UNIT_BYTES,
+    StateKwargs,
     StateOptions,
     StateSummary,
     UnitSpec,
@@ -63,9 +61,8 @@ from zerosafe.targets.base import (
 )
 from zerosafe.targets.lifecycle import run_target
 from zerosafe.training_state.streams import (
-    Sources,
-    check_plan_sources,
-    read_runs,
+    SourcesOfPlan,
+    UnitJob,
     record_crc,
     to_float32,
 )
@@ -121,20 +118,10 @@ class _Written:
 
 
 @dataclass(kw_only=True)
-class _Job:
-    """What one unit writes with: its own open sources, counters and ledger (units run on
-    several threads at once)."""
+class _Job(UnitJob):
+    """One unit's writer (`UnitJob`: its own sources, counts and ledger)."""
 
-    storage: Storage
     plan: UniversalPlan
-    out_url: str
-    chunk_bytes: int
-    sources: Sources
-    small_lock: threading.Lock
-    """Held around reads through the plan's own zip readers (shared by every unit)."""
-    bytes_written: int = 0
-    ledger: CrcLedger = field(default_factory=CrcLedger)
-    """CRC-32s of the source bytes the unit read, by record."""
 
     @property
     def folder_url(self) -> str:
@@ -166,16 +153,6 @@ class _Job:
         self.bytes_written += writer.bytes_written
         return _Written(path=rel, size_bytes=writer.bytes_written, crcs=crcs, expect=expect)
 
-    def _chunks(
-        self, runs: tuple[Run, ...], itemsize: int = 4
-    ) -> Iterator[tuple[bytes, int | None]]:
-        """`(bytes, CRC-32)` of each chunk of `runs`; a run inside a zip record adds its
-        chunks' CRCs to the unit's ledger (checked against the record's CRC at the end)."""
-        return read_runs(
-            self.sources, self.plan.records, runs, chunk_bytes=self.chunk_bytes,
-            ledger=self.ledger, itemsize=itemsize,
-        )  # fmt: skip
-
     # -- units ---------------------------------------------------------------------------------
 
     def write_param(self, p: ParamOut) -> list[_Written]:
@@ -191,7 +168,7 @@ class _Job:
             expect = {"kind": "state", "shape": list(tensor.shape), "requires_grad": grad,
                       "wrapped": z12}  # fmt: skip
             out.append(
-                self._write_pt(rel, obj, [("0", 4 * p.numel, self._chunks(p.runs[state]))], expect)
+                self._write_pt(rel, obj, [("0", 4 * p.numel, self.chunks(p.runs[state]))], expect)
             )
         if z12 and p.group in self.plan.steps:
             rel = f"{self.plan.folder}/zero/{p.name}/step.pt"
@@ -209,14 +186,8 @@ class _Job:
             outs[id(t)] = TensorOut(
                 key=key, dtype=t.dtype, shape=t.shape, requires_grad=t.requires_grad
             )
-            records.append((key, t.nbytes, iter([(self._read_small(t), None)])))
+            records.append((key, t.nbytes, iter([(self.read_small(t), None)])))
         return self._write_pt(rel, _replace_records(obj, outs), records, expect)
-
-    def _read_small(self, t: TensorRecord) -> bytes:
-        """A small tensor of rank 0's optimizer file (every small state comes from there)."""
-        self.sources.bytes_read += t.nbytes
-        with self.small_lock:
-            return self.plan.ckpt.optim_files[0].zip.read_tensor_bytes(t)
 
     def write_optimizer_state(self) -> list[_Written]:
         rel = f"{self.plan.folder}/zero/optimizer_state.pt"
@@ -229,7 +200,7 @@ class _Job:
         tensor = TensorOut(key="0", dtype="float32", shape=c.shape)
         rel = f"{self.plan.folder}/zero/{c.name}/fp32.pt"
         itemsize = dtype_info(c.dtype).itemsize
-        chunks = ((to_float32(b, c.dtype), None) for b, _ in self._chunks((c.run,), itemsize))
+        chunks = ((to_float32(b, c.dtype), None) for b, _ in self.chunks((c.run,), itemsize))
         expect = {"kind": "state", "shape": list(c.shape), "requires_grad": False, "wrapped": True,
                   "only_param": True}  # fmt: skip
         return self._write_pt(rel, {"param": tensor}, [("0", 4 * c.run.numel, chunks)], expect)
@@ -243,7 +214,7 @@ class _Job:
             size = self.storage.identity(url).size_bytes
             sink = self.storage.open_sink(join_url(self.out_url, rel))
             try:
-                for chunk, _ in self._chunks((Run(file, 0, size),), itemsize=1):
+                for chunk, _ in self.chunks((Run(file, 0, size),), itemsize=1):
                     sink.write(chunk)
                 sink.commit()
             except BaseException:
@@ -384,7 +355,7 @@ def _check_state(url: str, obj: Any, expect: dict[str, Any]) -> None:
         )
 
 
-class UniversalTarget:
+class UniversalTarget(SourcesOfPlan):
     """`--to universal` as an `OutputTarget` (`zerosafe.targets.base`): its plan, units, unit
     writer, file check and manifest; `zerosafe.targets.lifecycle` runs it."""
 
@@ -393,11 +364,13 @@ class UniversalTarget:
     label = "universal checkpoint"
 
     def __init__(self, storage: Storage, ckpt_url: str, *, tag: str | None = None) -> None:
+        super().__init__()
         self.plan = plan_universal(storage, ckpt_url, tag=tag)
         self.job_key = self.plan.job_key
         self.source_url = self.plan.ckpt.ckpt_url
         self.notes = self.plan.notes
-        self._small_lock = threading.Lock()
+        self.urls, self.records = self.plan.urls, self.plan.records
+        self.small_zip = self.plan.ckpt.optim_files[0].zip
 
     def prepare(
         self, storage: Storage, out_url: str, marker: Mapping[str, Any] | None, *, overwrite: bool
@@ -418,10 +391,7 @@ class UniversalTarget:
         self, storage: Storage, out_url: str, unit: UnitSpec, chunk_bytes: int
     ) -> UnitWork:
         plan = self.plan
-        job = _Job(
-            storage=storage, plan=plan, out_url=out_url, chunk_bytes=chunk_bytes,
-            sources=Sources(storage, plan.urls), small_lock=self._small_lock,
-        )  # fmt: skip
+        job = _Job(plan=plan, **self.unit_job(storage, out_url, chunk_bytes))
         try:
             if unit.kind == "optimizer_state":
                 files = job.write_optimizer_state()
@@ -433,15 +403,7 @@ class UniversalTarget:
                 files = [w for i in unit.members for w in job.write_param(plan.params[i])]
         finally:
             job.sources.close()
-        return UnitWork(
-            files=[w.to_json() for w in files], ledger=job.ledger,
-            bytes_read=job.sources.bytes_read, bytes_written=job.bytes_written,
-        )  # fmt: skip
-
-    def check_source(
-        self, storage: Storage, ledger: CrcLedger, records: UnitRecords
-    ) -> tuple[int, int]:
-        return check_plan_sources(storage, self.plan.urls, self.plan.records, ledger, units=records)
+        return job.done([w.to_json() for w in files])
 
     def check_file(
         self, storage: Storage, out_url: str, file: Mapping[str, Any], chunk_bytes: int
@@ -496,12 +458,7 @@ def convert_to_universal(
     *,
     tag: str | None = None,
     storage: Storage | None = None,
-    unit_bytes: int = DEFAULT_UNIT_BYTES,
-    chunk_bytes: int | None = None,
-    memory: int | None = None,
-    parallel: int = 2,
-    overwrite: bool = False,
-    keep_work: bool = False,
+    **options: Unpack[StateKwargs],
 ) -> UniversalSummary:
     """Write the DeepSpeed universal checkpoint of a ZeRO checkpoint into `out_url`.
 
@@ -510,15 +467,11 @@ def convert_to_universal(
         out_url: The output folder; `engine.load_checkpoint(out_url)` with
             `"checkpoint": {"load_universal": true}` resumes from it.
         tag: The tag to convert; by default the one `latest` names.
-        unit_bytes: Masters + moments bytes per unit of work (the granularity of resume).
-        chunk_bytes: Bytes read and written at a time per unit; by default `memory` divided
-            among the units running at once.
-        memory: The budget of the units at once (default 1 GB, as `--memory`).
-        parallel: Units at once at most, within `memory`.
-        overwrite: Replace a complete universal checkpoint of another source in `out_url`,
-            or another kind's output there (`zerosafe.stages.destination`), and redo every
-            unit an unfinished run left.
-        keep_work: Keep the unit records after publishing.
+        options: `StateOptions`' fields: `memory` and `parallel` (the units at once and their
+            chunk), `unit_bytes` (masters + moments per unit: the granularity of resume),
+            `overwrite` (replace a complete universal checkpoint of another source in
+            `out_url`, or another kind's output there, and redo every unit an unfinished run
+            left), `keep_work`.
 
     Returns:
         What was done, with bytes read and written and peak memory.
@@ -533,13 +486,9 @@ def convert_to_universal(
             next run redoes it.
     """
     storage = storage or Storage()
-    options = StateOptions(
-        unit_bytes=unit_bytes, chunk_bytes=chunk_bytes, parallel=parallel,
-        overwrite=overwrite, keep_work=keep_work, **({"memory": memory} if memory else {}),
-    )  # fmt: skip
     summary = run_target(
         "universal", lambda: UniversalTarget(storage, ckpt_url, tag=tag), ckpt_url, out_url,
-        options, storage=storage,
+        StateOptions(**options), storage=storage,
     )  # fmt: skip
     assert isinstance(summary, UniversalSummary)
     return summary
