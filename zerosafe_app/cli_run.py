@@ -17,7 +17,14 @@ if TYPE_CHECKING:
     from zerosafe.config import ConvertOptions
     from zerosafe.stages.results import RunSummary
 
-__all__ = ["convert_with_flow", "lost_api", "prefect_api", "preload", "route"]
+__all__ = [
+    "convert_with_flow",
+    "lost_api",
+    "prefect_api",
+    "preload",
+    "route",
+    "run_state_flow",
+]
 
 
 def preload(module: str, then: Callable[[], None] | None = None) -> None:
@@ -94,6 +101,28 @@ def prefect_api(args: argparse.Namespace, api: str | None) -> Iterator[None]:
         if api is None:
             stack.enter_context(use_api(*stack.enter_context(private_server())))
         yield
+
+
+def run_state_flow(
+    args: argparse.Namespace, storage_options: dict[str, Any], api: str | None
+) -> dict[str, Any]:
+    """`convert --to universal|dcp` as the flow `convert` with `to`, embedded (against `api`,
+    else a private server); returns its summary. A `ConversionError` raises here (one line,
+    exit 2)."""
+    with prefect_api(args, api):
+        from prefect.client.schemas.objects import State
+
+        from zerosafe_app.flows.convert import convert, flow_result
+
+        state = convert(
+            source=args.checkpoint, destination=args.output, to=args.to, tag=args.tag,
+            memory=str(args.memory), max_parallel_tasks=args.parallel, overwrite=args.overwrite,
+            keep_work=args.keep_work, dcp_layout=args.dcp_layout,
+            storage_options=storage_options, return_state=True,
+        )  # fmt: skip
+        assert isinstance(state, State)
+        result: dict[str, Any] = flow_result(state)
+        return result
 
 
 def lost_api(error: BaseException) -> bool:

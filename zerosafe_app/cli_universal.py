@@ -98,7 +98,7 @@ def run_state(args: argparse.Namespace, storage: Storage) -> dict[str, Any]:
     or, where a Prefect API is configured or with `--via prefect`, the flow `convert` with
     `to` (each unit a cached task). Returns the run summary's JSON, with `via`."""
     from zerosafe.targets.registry import get_target
-    from zerosafe_app.cli_run import prefect_api, route
+    from zerosafe_app.cli_run import route, run_state_flow
 
     check_universal_args(args)
     via, _, api = route(args.via)
@@ -109,16 +109,10 @@ def run_state(args: argparse.Namespace, storage: Storage) -> dict[str, Any]:
             parallel=args.parallel, overwrite=args.overwrite, keep_work=args.keep_work, **layout,
         ).to_json()  # fmt: skip
     else:
-        from zerosafe_app.cli import _storage_options
+        from zerosafe.io.s3 import parse_option_pairs
 
-        with prefect_api(args, api):
-            from zerosafe_app.flows.training_state import run_state_convert
-
-            summary = run_state_convert(
-                args.checkpoint, args.output, to=args.to, tag=args.tag, memory=args.memory,
-                parallel=args.parallel, overwrite=args.overwrite, keep_work=args.keep_work,
-                dcp_layout=args.dcp_layout, storage_options=_storage_options(args),
-            )  # fmt: skip
+        options = parse_option_pairs(getattr(args, "storage_option", None) or [])
+        summary = run_state_flow(args, options, api)
     return {**summary, "via": via}
 
 

@@ -203,3 +203,19 @@ def test_the_flow_path_writes_the_same_bytes_and_resumes_after_sigkill(
     _same_tree(reference, out)
     again = convert_json(prefect_env, *args)
     assert again["status"] == "already-complete"
+
+
+def test_the_flow_refuses_the_weights_options_for_training_state(tmp_path: Path) -> None:
+    """A deployment's `to: universal` with a weights-only field set fails in one line, before
+    anything is read."""
+    from zerosafe.errors import ConfigError
+    from zerosafe_app.flows.config import JobConfig
+    from zerosafe_app.flows.training_state import dispatch
+
+    cfg = JobConfig(
+        source=str(tmp_path / "ckpt"), destination=str(tmp_path / "out"), to="universal",
+        dtype="bf16",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="`dtype` does not apply with `to: universal`"):
+        dispatch(cfg)
+    assert not (tmp_path / "out").exists()

@@ -71,7 +71,7 @@ from zerosafe_app.tasks.inspect import inspect
 from zerosafe_app.tasks.merge import reusable_shards
 from zerosafe_app.tasks.publish import finish, publish
 
-__all__ = ["convert", "run_convert"]
+__all__ = ["convert", "flow_result", "run_convert"]
 
 
 def _task_runner(cfg: JobConfig, options: ConvertOptions) -> Any:
@@ -148,6 +148,11 @@ def _result_of(state: State[Any], *, raise_on_failure: bool = True) -> Any:
     if isinstance(returned, State):
         return returned.result(raise_on_failure=raise_on_failure)
     return returned
+
+
+def flow_result(state: State[Any]) -> Any:
+    """What the flow run that ended in `state` returned (`_result_of`), its error raised."""
+    return _result_of(state)
 
 
 def failure_message(e: ConversionError, cfg: JobConfig | None = None) -> str:

@@ -10,7 +10,7 @@ flow's own threads (`--parallel` within `--memory`), since the run holds the lea
 file is checked and the output published, the marker last.
 
 `convert(..., to="universal")` dispatches here (`zerosafe_app.flows.convert`); `zerosafe convert
---to universal --via prefect` runs it embedded (`run_state_convert`).
+--to universal --via prefect` runs that flow embedded (`zerosafe_app.cli_run.run_state_flow`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, cast
 
 from prefect import flow, get_run_logger, task
-from prefect.client.schemas.objects import State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from zerosafe.config import DEFAULT_MEMORY_BYTES
@@ -33,7 +32,7 @@ from zerosafe.units import parse_size
 from zerosafe_app.flows.config import JobConfig
 from zerosafe_app.tasks.credentials import storage_for
 
-__all__ = ["run_state_convert", "training_state"]
+__all__ = ["dispatch", "training_state"]
 
 STATE_TARGETS = ("universal", "dcp")
 
@@ -123,34 +122,6 @@ def training_state(
     summary = run.finish().to_json()
     get_run_logger().info("%s: %s (--to %s)", destination, summary["status"], to)
     return summary
-
-
-def run_state_convert(
-    source: str,
-    destination: str,
-    *,
-    to: str,
-    tag: str | None,
-    memory: int,
-    parallel: int,
-    overwrite: bool,
-    keep_work: bool,
-    dcp_layout: str,
-    storage_options: dict[str, Any],
-) -> dict[str, Any]:
-    """Run the `convert` flow with `to` embedded, for `zerosafe convert --to ... --via prefect`;
-    a `ConversionError` raises here (one line, exit 2)."""
-    from zerosafe_app.flows.convert import _result_of, convert
-
-    state = cast(
-        "State[Any]",
-        convert(
-            source=source, destination=destination, to=to, tag=tag, memory=str(memory),
-            max_parallel_tasks=parallel, overwrite=overwrite, keep_work=keep_work,
-            dcp_layout=dcp_layout, storage_options=storage_options, return_state=True,
-        ),
-    )  # fmt: skip
-    return cast("dict[str, Any]", _result_of(state))
 
 
 def dispatch(cfg: JobConfig) -> Any:
