@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 from zerosafe.errors import OutputExistsError, VerificationError
 from zerosafe.formats.crc import CrcLedger
-from zerosafe.io.buffers import pin_mmap_threshold
 from zerosafe.io.lease import Lease, work_lease
 from zerosafe.io.storage import JSON_MAX_BYTES, Storage, join_url, normalize_url
 from zerosafe.pipeline import hold_destination, peak_rss_bytes
@@ -286,7 +285,6 @@ def run_target(
     """The whole call sequence in this process: the units on `options.tasks_at_once` threads,
     each reading and writing `options.chunk` bytes at a time."""
     storage = storage or Storage()
-    pin_mmap_threshold()  # freed chunks go back at once, whatever the threads freed before
     with hold_target(name, open_target, storage, source, out_url, options) as run:
         if not run.complete:
             run.publish(run.run_units())

@@ -23,7 +23,6 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from zerosafe.config import DEFAULT_MEMORY_BYTES
 from zerosafe.errors import ConfigError
-from zerosafe.io.buffers import pin_mmap_threshold
 from zerosafe.io.storage import is_local, join_url, local_path
 from zerosafe.targets.base import OutputTarget, StateOptions, UnitSpec, UnitWork
 from zerosafe.targets.lifecycle import TargetRun, hold_target
@@ -103,7 +102,6 @@ def training_state(
     if entry.target is None or to not in STATE_TARGETS:
         raise ConfigError(f"`to={to}`: the training-state flow writes {', '.join(STATE_TARGETS)}")
     storage = storage_for(storage_options)
-    pin_mmap_threshold()
     options = StateOptions(
         memory=parse_size(memory) if memory is not None else DEFAULT_MEMORY_BYTES,
         parallel=max_parallel_tasks or 2, overwrite=overwrite, keep_work=keep_work,
