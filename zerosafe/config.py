@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any, Literal
 
 from zerosafe.dtypes import dtype_info, output_dtype
@@ -20,6 +21,7 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "DEFAULT_MEMORY_BYTES",
     "ConvertOptions",
+    "Mode",
     "choose_mode",
     "environ_during",
     "usable_cores",
@@ -53,35 +55,45 @@ def _dotted_prefix(field: str, prefix: str) -> str:
     return name
 
 
-MODES = ("auto", "direct", "staged")
-"""How merges read the fp32 masters: `direct` in place, `staged` from intermediates that one
-extract per rank part writes first, `auto` by where the checkpoint is (`choose_mode`)."""
+class Mode(StrEnum):
+    """How merges read the fp32 masters (`--mode`, a job's `mode`). Both ways resume: each
+    merge task is cached and restartable either way."""
+
+    AUTO = "auto"
+    """By where the checkpoint is (`choose_mode`): `direct` for a local or NFS path, `staged`
+    for an object store."""
+    DIRECT = "direct"
+    """In place, from the checkpoint's own fp32 records, with no intermediate copy (local or
+    NFS paths only)."""
+    STAGED = "staged"
+    """From intermediates that one extract per rank part writes first."""
 
 
-def choose_mode(source_url: str, mode: str = "auto") -> tuple[bool, str]:
+def choose_mode(source_url: str, mode: Mode | str = Mode.AUTO) -> tuple[bool, str]:
     """`(direct, why)` for a checkpoint at `source_url` and a requested `mode`.
 
     `auto` reads a local or NFS checkpoint in place: its ranged reads are cheap, so the
     extract stage's extra copy of every fp32 byte only costs time. An object store answers
     many small ranged reads slowly, so there one sequential extract per rank part comes first.
-    Both keep resume: each merge task is cached and restartable either way.
 
     Raises:
         ConfigError: For an unknown mode, or `direct` on an object store.
     """
     from zerosafe.io.storage import is_local
 
-    if mode not in MODES:
-        raise ConfigError(f"`mode` must be one of {', '.join(MODES)} (got '{mode}')")
+    try:
+        mode = Mode(mode)
+    except ValueError:
+        raise ConfigError(f"`mode` must be one of {', '.join(Mode)} (got '{mode}')") from None
     local = is_local(source_url)
-    if mode == "direct":
+    if mode is Mode.DIRECT:
         if not local:
             raise ConfigError(
                 f"`mode: direct` reads the checkpoint in place and needs a local or NFS path, "
                 f"not '{source_url}'; use `mode: staged` (or `auto`) for object stores"
             )
         return True, "direct, as asked"
-    if mode == "staged":
+    if mode is Mode.STAGED:
         return False, "staged, as asked"
     if local:
         return True, (

@@ -116,8 +116,8 @@ def run_state_flow(
 
         state = convert(
             source=args.checkpoint, destination=args.output, to=args.to, tag=args.tag,
-            memory=str(args.memory), max_parallel_tasks=args.parallel, overwrite=args.overwrite,
-            keep_work=args.keep_work, dcp_layout=args.dcp_layout,
+            memory=str(args.memory), max_parallel_tasks=args.max_parallel_tasks,
+            overwrite=args.overwrite, keep_work=args.keep_work, dcp_layout=args.dcp_layout,
             storage_options=storage_options, return_state=True,
         )  # fmt: skip
         assert isinstance(state, State)

@@ -106,7 +106,8 @@ def run_state(args: argparse.Namespace, storage: Storage) -> dict[str, Any]:
     if via == "local":
         summary = get_target(args.to).load()(
             args.checkpoint, args.output, tag=args.tag, storage=storage, memory=args.memory,
-            parallel=args.parallel, overwrite=args.overwrite, keep_work=args.keep_work, **layout,
+            parallel=args.max_parallel_tasks, overwrite=args.overwrite,
+            keep_work=args.keep_work, **layout,
         ).to_json()  # fmt: skip
     else:
         from zerosafe.io.s3 import parse_option_pairs

@@ -64,7 +64,7 @@ def test_to_takes_its_choices_from_the_registry() -> None:
     """`--to` is written out (the command's start-up imports no target); it must list exactly
     the registry's targets, and every entry's code must be there."""
     from zerosafe.targets.registry import TARGETS, target_names
-    from zerosafe_app.cli import TARGET_NAMES
+    from zerosafe_app.option_table import TARGET_NAMES
 
     assert TARGET_NAMES == target_names()
     for t in TARGETS:

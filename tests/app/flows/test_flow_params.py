@@ -1,29 +1,15 @@
-"""The flow `convert` hands every parameter to the job config by name (no `locals()`), and
-its parameters are exactly the job config's fields plus `conf`."""
+"""The command's options cross the flow's edge unchanged (the signature against the field
+table: tests/app/test_option_table.py)."""
 
 from __future__ import annotations
 
-import ast
 import inspect
-import textwrap
 
-from zerosafe_app.flows.config import JobConfig
+import pytest
+
+from tests.conftest import SAMPLE_CKPT
+from zerosafe.config import choose_mode
 from zerosafe_app.flows.convert import convert
-
-
-def test_every_flow_parameter_reaches_the_job_config() -> None:
-    parameters = [n for n in inspect.signature(convert.fn).parameters if n != "conf"]
-    assert sorted(parameters) == sorted(JobConfig.model_fields)
-    tree = ast.parse(textwrap.dedent(inspect.getsource(convert.fn)))
-    (call,) = [
-        node.value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Assign)
-        and any(isinstance(t, ast.Name) and t.id == "params" for t in node.targets)
-    ]
-    assert isinstance(call, ast.Call)
-    passed = {k.arg: k.value.id for k in call.keywords if isinstance(k.value, ast.Name)}
-    assert passed == {name: name for name in parameters}
 
 
 def test_the_command_options_cross_the_flow_edge_unchanged(tmp_path) -> None:
@@ -56,3 +42,22 @@ def test_the_command_options_cross_the_flow_edge_unchanged(tmp_path) -> None:
     auto = _options(_parser().parse_args(["convert", "/ckpt", out]))
     again = load_job_config(None, **flow_parameters("/ckpt", out, auto, mode="auto")).options()
     assert again == auto and again.direct and again.dtype == "float32"
+
+
+@pytest.mark.slow
+def test_a_flow_run_builds_its_options_once(prefect_server: None, tmp_path, monkeypatch) -> None:
+    """Issue 38: the job is validated once, by `convert`; the subflow gets that very job config
+    (Prefect does not validate a model instance again), so its `ConvertOptions` (and the mode
+    it chose) are built once per run, not once per use."""
+    from zerosafe_app.flows import config
+
+    chosen: list[str] = []
+
+    def counted(source_url: str, mode: str = "auto") -> tuple[bool, str]:
+        chosen.append(mode)
+        return choose_mode(source_url, mode)
+
+    monkeypatch.setattr(config, "choose_mode", counted)
+    result = convert(source=str(SAMPLE_CKPT), destination=str(tmp_path / "out"), mode="staged")
+    assert result["status"] == "converted"
+    assert chosen == ["staged"]
