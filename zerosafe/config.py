@@ -156,13 +156,17 @@ class ConvertOptions:
     `adapter_config.json` copied from the model-files folder."""
 
     quantize: str | None = None
-    """Write the weights quantized in this scheme (`fp8-block`, `fp8-dynamic`:
+    """Write the weights quantized in this scheme (`fp8-block`, `fp8-dynamic`, `nvfp4a16`:
     `zerosafe.quantize`); the tensors left unquantized (`quantize_skip_reason`) take `dtype`.
     None: no quantization."""
     quantize_ignore: tuple[str, ...] = ()
     """Regular expressions on tensor names (`re.search`): matching weights stay unquantized,
     and their modules are listed in `quantization_config` (`modules_to_not_convert`, or
     `ignore` for compressed-tensors)."""
+    quantize_scale_fmt: str = "float"
+    """`fp8-block`'s scale format, as transformers' `scale_fmt`: `float` (a float32
+    `weight_scale_inv`) or `ue8m0` (powers of two, `float8_e8m0fnu`), which `--quantize-like`
+    takes from a base release's `quantization_config`."""
 
     select: tuple[str, ...] = ()
     """PyTorch DCP: key prefixes to convert (`model`, `optim.state`); a prefix matches whole
@@ -173,6 +177,11 @@ class ConvertOptions:
     """PyTorch DCP: a prefix removed from the output names (`model`); `""` strips nothing;
     None: `model` with the default selection, nothing with `select`. Dots around it are
     ignored; one that is only dots (`.`) is refused."""
+
+    keep_names: bool = False
+    """Megatron-LM: write Megatron's own tensor names, layers unstacked
+    (`decoder.layers.0.self_attention.linear_qkv.weight`), nothing split or trimmed, no
+    `config.json` generated; other formats refuse it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", output_dtype(self.dtype))
@@ -226,14 +235,22 @@ class ConvertOptions:
 
     def _check_quantize(self) -> None:
         """Refuse a `quantize` option the output cannot carry, before any I/O."""
-        from zerosafe.quantize import QUANTIZE_SCHEMES
+        from zerosafe.quantize import QUANTIZE_SCHEMES, SCALE_FORMATS
 
         object.__setattr__(self, "quantize_ignore", tuple(self.quantize_ignore))
+        if self.quantize_scale_fmt not in SCALE_FORMATS or (
+            self.quantize_scale_fmt != "float" and self.quantize != "fp8-block"
+        ):
+            raise ConfigError(
+                f"`quantize_scale_fmt` '{self.quantize_scale_fmt}': expected float, or ue8m0 "
+                f"with `quantize` fp8-block (got `quantize` {self.quantize})"
+            )
         if self.quantize is None:
             if self.quantize_ignore:
                 raise ConfigError(
                     "`quantize_ignore` names weights to leave unquantized, but `quantize` is "
-                    "not given; add `quantize` (fp8-block, fp8-dynamic) or drop `quantize_ignore`"
+                    "not given; add `quantize` (fp8-block, fp8-dynamic, nvfp4a16) or drop "
+                    "`quantize_ignore`"
                 )
             return
         if self.quantize not in QUANTIZE_SCHEMES:
@@ -248,7 +265,7 @@ class ConvertOptions:
         if not self.copy_model_files:
             raise ConfigError(
                 f"`quantize` {self.quantize} writes its `quantization_config` into the copied "
-                "config.json (without it loaders read the FP8 weights unscaled), and with "
+                "config.json (without it loaders read the weights unscaled), and with "
                 "`copy_model_files` nothing is copied; drop it"
             )
         if self.dtype == "float16":
@@ -332,9 +349,13 @@ class ConvertOptions:
             ident["strip_prefix"] = self.strip_prefix
         if self.adapter:
             ident["adapter"] = True
+        if self.keep_names:
+            ident["keep_names"] = True
         if self.quantize is not None:
             ident["quantize"] = self.quantize
             ident["quantize_ignore"] = list(self.quantize_ignore)
+        if self.quantize_scale_fmt != "float":
+            ident["quantize_scale_fmt"] = self.quantize_scale_fmt
         # Not the model files: which are copied is checked apart, file by file, so changing
         # them (or `--model-files`) only copies again instead of converting again.
         return ident

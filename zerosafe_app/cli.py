@@ -74,7 +74,7 @@ def default_parallel() -> int:
 def with_flag_names(e: ConfigError) -> ConfigError:
     """`e` with the `ConvertOptions` fields it names replaced by the flags a user typed."""
     message = str(e)
-    for field, flag in FLAG_OF_FIELD.items():
+    for field, flag in {**FLAG_OF_FIELD, "`quantize_like`": "`--quantize-like`"}.items():
         message = message.replace(field, flag)
     return ConfigError(message)
 
@@ -101,6 +101,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         "FSDP2 folders pytorch_model_fsdp_0/ and optimizer_0/",
     )
     add_job_flags(p, Scope.PLAN, skip=("tag",))
+    _add_quantize_like(p)
     _add_storage_option(p)
 
 
@@ -288,9 +289,36 @@ def _options(args: argparse.Namespace) -> ConvertOptions:
             direct, why = choose_mode(source, args.mode)
         else:  # `inspect --simulate`: no source to choose by
             direct, why = args.mode == "direct", f"{args.mode}, as asked"
-        return ConvertOptions(direct=direct, mode_reason=why, **options_values(vars(args)))
+        values = {**options_values(vars(args)), **_quantize_like_options(args)}
+        return ConvertOptions(direct=direct, mode_reason=why, **values)
     except ConfigError as e:
         raise with_flag_names(e) from e
+
+
+def _quantize_like_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options `--quantize-like DIR` reads from a base release (none without it)."""
+    like = getattr(args, "quantize_like", None)
+    if like is None:
+        return {}
+    if getattr(args, "quantize", None):
+        raise ConfigError("`--quantize-like` reads the scheme that `--quantize` gives: give one")
+    from zerosafe.quantize_like import read_quantize_like
+
+    base = read_quantize_like(_storage(args), like)
+    ignore = (*base.ignore, *(getattr(args, "quantize_ignore", None) or ()))
+    return {"quantize": base.quantize, "quantize_scale_fmt": base.scale_fmt,
+            "quantize_ignore": ignore}  # fmt: skip
+
+
+def _add_quantize_like(p: argparse.ArgumentParser) -> None:
+    """`--quantize-like`: no job field of its own, it gives the `quantize*` fields."""
+    p.add_argument(
+        "--quantize-like",
+        metavar="DIR",
+        help="quantize as the release in DIR (local or s3://) is: the scheme, scale format and "
+        "ignore list of its config.json's quantization_config; what cannot be reproduced "
+        "exactly is refused, naming the field (not with --quantize)",
+    )
 
 
 _SIMULATION_ONLY = ("world_size", "extract_part_size", "workers", "bandwidth", "task_rate",

@@ -112,8 +112,10 @@ _QUANTIZE_HELP = (
     "write the weights quantized: fp8-block is float8_e4m3fn with a float32 "
     "weight_scale_inv per 128x128 block, as transformers' fine-grained FP8 writes it; "
     "fp8-dynamic is compressed-tensors' float-quantized (a float32 weight_scale per "
-    "output channel), as llm-compressor's FP8_DYNAMIC writes it (embeddings, lm_head, "
-    "norms, routers stay in --dtype)"
+    "output channel), as llm-compressor's FP8_DYNAMIC writes it; nvfp4a16 is "
+    "compressed-tensors' nvfp4-pack-quantized (FP4 packed two a byte, float8 scales per "
+    "16 values, a float32 global scale), as llm-compressor's NVFP4A16 writes it "
+    "(embeddings, lm_head, norms, routers stay in --dtype)"
 )
 _PARALLEL_HELP = (
     "tasks at once, within the memory budget (default: half the usable cores, 2 to "
@@ -143,6 +145,12 @@ JOB_FIELDS: tuple[JobField, ...] = (
         scope=Scope.PLAN, metavar="PREFIX",
         help="PyTorch DCP: remove this prefix from the output names (default: 'model' with "
         "the default selection, nothing with --select; '' strips nothing)",
+    ),
+    JobField(
+        name="keep_names", kind=Kind.SWITCH, default=False, engine=True, flag="--keep-names",
+        scope=Scope.PLAN,
+        help="Megatron-LM: write Megatron's own names with the layers unstacked "
+        "(decoder.layers.0.self_attention.linear_qkv.weight), nothing split, no config.json",
     ),
     JobField(
         name="dtype", kind=Kind.CHOICE, default="fp32", engine=True, flag="--dtype",
@@ -197,13 +205,17 @@ JOB_FIELDS: tuple[JobField, ...] = (
     ),
     JobField(
         name="quantize", kind=Kind.CHOICE, default=None, engine=True, flag="--quantize",
-        scope=Scope.PLAN, choices=("fp8-block", "fp8-dynamic"), help=_QUANTIZE_HELP,
+        scope=Scope.PLAN, choices=("fp8-block", "fp8-dynamic", "nvfp4a16"), help=_QUANTIZE_HELP,
     ),
     JobField(
         name="quantize_ignore", kind=Kind.PATTERNS, default=[], engine=True,
         flag="--quantize-ignore", scope=Scope.PLAN, metavar="PATTERN",
         help="with --quantize: leave weights whose name matches this regular expression "
         "(re.search) unquantized, e.g. 'layers\\.0\\.' (repeatable)",
+    ),
+    JobField(
+        name="quantize_scale_fmt", kind=Kind.CHOICE, default="float", engine=True,
+        choices=("float", "ue8m0"),  # no flag: the command's `--quantize-like` sets it
     ),
     JobField(
         name="overwrite", kind=Kind.SWITCH, default=False, engine=True, flag="--overwrite",

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from zerosafe.dtypes import dtype_info, torch_dtype
 from zerosafe.errors import IntegrityError
@@ -28,10 +28,13 @@ from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, r
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, PositionalSink, Storage, join_url
 from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, Slot, TensorSpec
-from zerosafe.quantize import BAND_ROWS, FP8_DTYPE, quantize_band
+from zerosafe.quantize import BAND_ROWS, global_scale, quantize_band
 from zerosafe.stages.results import ExtractResult, MergeResult
 from zerosafe.stages.streaming import CopyJob, copy_in_streams, copy_stream, fusable
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DirectLocator",
@@ -353,7 +356,7 @@ def _copy_quantizing(
     ordinal = 0
     while ordinal < len(tensors):
         tensor = tensors[ordinal]
-        if tensor.out_dtype != FP8_DTYPE:
+        if not tensor.quantized:
             pending.extend(_tensor_jobs(plan, tensor, ordinal, locator))
             ordinal += 1
             continue
@@ -364,7 +367,9 @@ def _copy_quantizing(
             pending = []
         assert tensors[ordinal + 1].role == SCALE_ROLE, tensors[ordinal + 1]
         read += _quantize_tensor(plan, tensor, ordinal, locator, writer, ledger, on_bytes)
-        ordinal += 2
+        ordinal += 1
+        while ordinal < len(tensors) and tensors[ordinal].role == SCALE_ROLE:
+            ordinal += 1
     if pending:
         read += copy_stream(
             pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
@@ -381,52 +386,88 @@ def _quantize_tensor(
     ledger: CrcLedger,
     on_bytes: Callable[[int], None] | None,
 ) -> int:
-    """Write weight `tensor` (the `ordinal`-th of the file) in FP8 (`--quantize`'s scheme)
-    and its scales after it: each band of 128 rows is read from the fragments that cover it
-    (CRC'd as any read), widened to float32, quantized (`zerosafe.quantize.quantize_band`)
-    and written; the band's scales (one float32 per block or row) are kept until the weight
-    is done. Holds one band of float32 (`512 * cols` bytes) at a time.
+    """Write weight `tensor` (the `ordinal`-th of the file) quantized in `--quantize`'s
+    scheme and its scales after it: each band of 128 rows is read from the fragments that
+    cover it (CRC'd as any read), widened to float32, quantized
+    (`zerosafe.quantize.quantize_band`) and written; the band's scales (one per block, row
+    or group) are kept until the weight is done. `nvfp4a16` first reads the bands once more
+    for the weight's largest magnitude (its global scale, written last). Holds one band of
+    float32 (`512 * cols` bytes) at a time.
 
     Returns:
         Bytes read.
     """
     import torch
 
-    rows, cols = tensor.shape
-    fragments = plan.fragments.for_tensor(tensor.index)
+    rows, cols = tensor.source_shape
     scheme = str(plan.options["quantize"])
     band = torch.empty(BAND_ROWS * cols, dtype=torch.float32)
-    band_bytes = band.numpy().data.cast("B")
+    bands = [(r * cols, min(rows, r + BAND_ROWS) * cols) for r in range(0, rows, BAND_ROWS)]
+    read, whole = 0, None
+    if scheme == "nvfp4a16":  # the global scale first: a pass for max|w|, CRC'd by the next
+        amax = torch.zeros((), dtype=torch.float32)
+        for lo, hi in bands:
+            read += _read_band(plan, tensor, lo, hi, band, locator, None, on_bytes)
+            amax = torch.maximum(amax, band[: hi - lo].abs().amax())
+        whole = global_scale(amax)
     scales = []
-    read = 0
-    for first_row in range(0, rows, BAND_ROWS):
-        lo, hi = first_row * cols, min(rows, first_row + BAND_ROWS) * cols
-        for slot_index, src_offset, numel, dst in fragments:
-            start, end = max(lo, dst), min(hi, dst + numel)
-            if start >= end:
-                continue
-            slot = plan.slots[slot_index]
-            at = start - lo
-            for seg in locator.locate(slot_index, src_offset + start - dst, end - start):
-                count = seg.nbytes // slot.itemsize
-                if slot.dtype == "float32":  # the masters: read straight into the band
-                    data = band_bytes[at * 4 : (at + count) * 4]
-                    seg.source.readinto_at(seg.offset, data)
-                else:  # a frozen 16-bit param: widened exactly
-                    data = memoryview(bytearray(seg.nbytes))
-                    seg.source.readinto_at(seg.offset, data)
-                    band[at : at + count] = torch.frombuffer(
-                        data, dtype=torch_dtype(slot.dtype)
-                    ).to(torch.float32)
-                ledger.add(seg.crc_key, seg.crc_offset, seg.nbytes, crc32(data))
-                at += count
-                read += seg.nbytes
-                if on_bytes is not None:
-                    on_bytes(seg.nbytes)
-        quantized = quantize_band(scheme, band[: hi - lo].view(-1, cols))
+    for lo, hi in bands:
+        read += _read_band(plan, tensor, lo, hi, band, locator, ledger, on_bytes)
+        quantized = quantize_band(
+            scheme, band[: hi - lo].view(-1, cols), whole,
+            scale_fmt=str(plan.options.get("quantize_scale_fmt", "float")),
+        )  # fmt: skip
         writer.write(ordinal, quantized.data)
         scales.append(quantized.scales)
     writer.write(ordinal + 1, torch.cat(scales).numpy().tobytes())
+    if whole is not None:
+        writer.write(ordinal + 2, whole.numpy().tobytes())
+    return read
+
+
+def _read_band(
+    plan: Plan,
+    tensor: TensorSpec,
+    lo: int,
+    hi: int,
+    band: torch.Tensor,
+    locator: SlotLocator,
+    ledger: CrcLedger | None,
+    on_bytes: Callable[[int], None] | None,
+) -> int:
+    """Read elements `[lo, hi)` of weight `tensor`'s source into float32 `band`, from the
+    fragments that cover them; their CRCs go to `ledger` where one is given.
+
+    Returns:
+        Bytes read.
+    """
+    import torch
+
+    band_bytes = band.numpy().data.cast("B")
+    read = 0
+    for slot_index, src_offset, numel, dst in plan.fragments.for_tensor(tensor.index):
+        start, end = max(lo, dst), min(hi, dst + numel)
+        if start >= end:
+            continue
+        slot = plan.slots[slot_index]
+        at = start - lo
+        for seg in locator.locate(slot_index, src_offset + start - dst, end - start):
+            count = seg.nbytes // slot.itemsize
+            if slot.dtype == "float32":  # the masters: read straight into the band
+                data = band_bytes[at * 4 : (at + count) * 4]
+                seg.source.readinto_at(seg.offset, data)
+            else:  # a frozen 16-bit param: widened exactly
+                data = memoryview(bytearray(seg.nbytes))
+                seg.source.readinto_at(seg.offset, data)
+                band[at : at + count] = torch.frombuffer(data, dtype=torch_dtype(slot.dtype)).to(
+                    torch.float32
+                )
+            if ledger is not None:
+                ledger.add(seg.crc_key, seg.crc_offset, seg.nbytes, crc32(data))
+            at += count
+            read += seg.nbytes
+            if on_bytes is not None:
+                on_bytes(seg.nbytes)
     return read
 
 

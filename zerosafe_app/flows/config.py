@@ -53,6 +53,9 @@ class JobConfig(BaseModel):
     strip_prefix: str | None = None
     """PyTorch DCP: a prefix removed from the output names; null: `model` with the default
     selection, nothing with `select`; `""` strips nothing. Refused for DeepSpeed."""
+    keep_names: bool = False
+    """Megatron-LM: write Megatron's own names with the layers unstacked, nothing split, no
+    `config.json` generated. Refused for other formats."""
     work_dir: str | None = None
     """Where the plan, intermediates and cached task results go (default: DESTINATION/.zerosafe-work)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -95,13 +98,17 @@ class JobConfig(BaseModel):
     adapter: bool = False
     """Write the PEFT adapter the checkpoint holds: `adapter_model.safetensors` with PEFT's
     names and `adapter_config.json`, for `PeftModel.from_pretrained(base, destination)`."""
-    quantize: Literal["fp8-block", "fp8-dynamic"] | None = None
+    quantize: Literal["fp8-block", "fp8-dynamic", "nvfp4a16"] | None = None
     """Write the weights quantized: `fp8-block` (float8_e4m3fn, a float32 `weight_scale_inv`
-    per 128x128 block, as transformers' fine-grained FP8 writes it) or `fp8-dynamic`
+    per 128x128 block, as transformers' fine-grained FP8 writes it), `fp8-dynamic`
     (compressed-tensors' float-quantized, a float32 `weight_scale` per output channel, as
-    llm-compressor's FP8_DYNAMIC writes it); null: not quantized."""
+    llm-compressor's FP8_DYNAMIC writes it) or `nvfp4a16` (compressed-tensors'
+    nvfp4-pack-quantized, as llm-compressor's NVFP4A16 writes it); null: not quantized."""
     quantize_ignore: list[str] = Field(default_factory=list)
     """With `quantize`: regular expressions on tensor names (`re.search`) left unquantized."""
+    quantize_scale_fmt: Literal["float", "ue8m0"] = "float"
+    """With `quantize` fp8-block: `float` (float32 `weight_scale_inv`) or `ue8m0` (powers of
+    two as float8_e8m0fnu, transformers' `scale_fmt`; what `--quantize-like` reads)."""
     extract_part_size: int = Field(default=2 * 10**9, gt=0)
     """Staged mode: a rank's fp32 bytes are extracted in parts of at most this size."""
     runner: Literal["threads", "dask"] = "threads"

@@ -26,7 +26,7 @@ def test_the_command_options_cross_the_flow_edge_unchanged(tmp_path) -> None:
         "20KB", "--parallel", "3", "--mode", "staged", "--tied", "copy", "--exclude-frozen",
         "--keep-fp32", "norm", "--keep-fp32", "router", "--overwrite", "--keep-work",
         "--allow-nonfinite", "--check-lowp", "--file-sha256", "--select", "model.",
-        "--strip-prefix", "", "--model-files", str(tmp_path), "--work-dir", str(tmp_path / "w"),
+        "--strip-prefix", "", "--keep-names", "--model-files", str(tmp_path), "--work-dir", str(tmp_path / "w"),
     ]  # fmt: skip
     args = _parser().parse_args(argv)
     options = _options(args)
@@ -37,7 +37,7 @@ def test_the_command_options_cross_the_flow_edge_unchanged(tmp_path) -> None:
     assert set(params) <= parameters
     assert params["dtype"] == "bf16" and params["memory"] == str(256 * 2**20)
     cfg = load_job_config(None, **params)
-    assert cfg.options() == options
+    assert cfg.options() == options and options.keep_names
     assert (cfg.work_dir, cfg.mode) == (str(tmp_path / "w"), "staged")
     auto = _options(_parser().parse_args(["convert", "/ckpt", out]))
     again = load_job_config(None, **flow_parameters("/ckpt", out, auto, mode="auto")).options()
