@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from zerosafe._version import __version__
 from zerosafe.errors import ConfigError, ConversionError, VerificationError
 from zerosafe_app.arg_types import int_at_least, list_of, positive_size, seconds, size_argument
-from zerosafe_app.option_table import FLAG_OF_FIELD, Scope, add_job_flags, options_values
+from zerosafe_app.option_table import (
+    FLAG_OF_FIELD,
+    TARGET_NAMES,
+    Scope,
+    add_job_flags,
+    options_values,
+)
 
 if TYPE_CHECKING:
     from zerosafe.config import ConvertOptions
@@ -80,7 +86,7 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--to",
         default="safetensors",
-        choices=["safetensors", "universal", "dcp"],
+        choices=TARGET_NAMES,
         help="what to write: safetensors weights (default), a DeepSpeed universal "
         "checkpoint (masters and Adam moments) that DeepSpeed resumes at any world size with "
         '`"checkpoint": {"load_universal": true}`, or a PyTorch DCP checkpoint of the model and '
@@ -409,10 +415,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
         return convert_universal(args, _storage(args))
     if args.to == "dcp":
-        from zerosafe_app.cli_universal import check_universal_args
         from zerosafe_app.dcp_cli import convert_dcp
 
-        check_universal_args(args)
         return convert_dcp(args, _storage(args))
     options = _options(args)
     show_progress = not args.quiet and not args.json and sys.stderr.isatty()

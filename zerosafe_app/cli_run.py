@@ -8,7 +8,7 @@ import contextlib
 import importlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from zerosafe.errors import ConversionError
@@ -17,7 +17,14 @@ if TYPE_CHECKING:
     from zerosafe.config import ConvertOptions
     from zerosafe.stages.results import RunSummary
 
-__all__ = ["convert_with_flow", "lost_api", "preload", "route"]
+__all__ = [
+    "convert_with_flow",
+    "lost_api",
+    "prefect_api",
+    "preload",
+    "route",
+    "run_state_flow",
+]
 
 
 def preload(module: str, then: Callable[[], None] | None = None) -> None:
@@ -64,12 +71,7 @@ def convert_with_flow(
 ) -> RunSummary:
     """Run the flow `convert` against the configured Prefect API, or, with none, against a
     private server that ends with this command."""
-    from zerosafe_app.flows.runtime import configure_embedded_prefect, private_server, use_api
-
-    configure_embedded_prefect(verbose=args.verbose)
-    with contextlib.ExitStack() as stack:
-        if api is None:
-            stack.enter_context(use_api(*stack.enter_context(private_server())))
+    with prefect_api(args, api):
         from zerosafe_app.flows.convert import run_convert  # Prefect only from here on
 
         try:
@@ -86,6 +88,41 @@ def convert_with_flow(
                 f"({type(e).__name__}: {e}); nothing was marked complete and finished work is "
                 "kept: start the server again (or use --via local) and run the same command"
             ) from e
+
+
+@contextlib.contextmanager
+def prefect_api(args: argparse.Namespace, api: str | None) -> Iterator[None]:
+    """Prefect configured for a flow this command runs: against `api`, or, with none, a
+    private server that ends with the block."""
+    from zerosafe_app.flows.runtime import configure_embedded_prefect, private_server, use_api
+
+    configure_embedded_prefect(verbose=args.verbose)
+    with contextlib.ExitStack() as stack:
+        if api is None:
+            stack.enter_context(use_api(*stack.enter_context(private_server())))
+        yield
+
+
+def run_state_flow(
+    args: argparse.Namespace, storage_options: dict[str, Any], api: str | None
+) -> dict[str, Any]:
+    """`convert --to universal|dcp` as the flow `convert` with `to`, embedded (against `api`,
+    else a private server); returns its summary. A `ConversionError` raises here (one line,
+    exit 2)."""
+    with prefect_api(args, api):
+        from prefect.client.schemas.objects import State
+
+        from zerosafe_app.flows.convert import convert, flow_result
+
+        state = convert(
+            source=args.checkpoint, destination=args.output, to=args.to, tag=args.tag,
+            memory=str(args.memory), max_parallel_tasks=args.max_parallel_tasks,
+            overwrite=args.overwrite, keep_work=args.keep_work, dcp_layout=args.dcp_layout,
+            storage_options=storage_options, return_state=True,
+        )  # fmt: skip
+        assert isinstance(state, State)
+        result: dict[str, Any] = flow_result(state)
+        return result
 
 
 def lost_api(error: BaseException) -> bool:

@@ -1,5 +1,6 @@
-"""`zerosafe inspect|convert --to universal`: a DeepSpeed universal checkpoint, written in the
-command's own process (`zerosafe.training_state`)."""
+"""`zerosafe inspect|convert --to universal`: a DeepSpeed universal checkpoint
+(`zerosafe.training_state`), written in the command's own process or as the Prefect flow
+`convert` with `to`; `run_state` runs `--to dcp` the same way."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ __all__ = [
     "check_universal_args",
     "convert_universal",
     "inspect_universal",
+    "print_state_tail",
     "print_verified",
+    "run_state",
     "verify_universal",
 ]
 
@@ -64,11 +67,6 @@ def check_universal_args(args: argparse.Namespace) -> None:
             f"`--work-dir` does not apply with {to} yet: its unit records live in "
             "OUTPUT/.zerosafe-work"
         )
-    if getattr(args, "via", "local") == "prefect":
-        raise ConfigError(
-            f"{to} runs in the command's own process only for now; drop `--via "
-            "prefect` (or pass `--via local`)"
-        )
 
 
 def inspect_universal(args: argparse.Namespace, storage: Storage) -> int:
@@ -95,39 +93,65 @@ def inspect_universal(args: argparse.Namespace, storage: Storage) -> int:
     return 0
 
 
-def convert_universal(args: argparse.Namespace, storage: Storage) -> int:
-    """`convert --to universal`: in this process (`zerosafe.training_state`)."""
-    from zerosafe.training_state import convert_to_universal
+def run_state(args: argparse.Namespace, storage: Storage) -> dict[str, Any]:
+    """`convert --to universal|dcp`: the target (`zerosafe.targets.registry`) in this process,
+    or, where a Prefect API is configured or with `--via prefect`, the flow `convert` with
+    `to` (each unit a cached task). Returns the run summary's JSON, with `via`."""
+    from zerosafe.targets.registry import get_target
+    from zerosafe_app.cli_run import route, run_state_flow
 
     check_universal_args(args)
-    summary = convert_to_universal(
-        args.checkpoint, args.output, tag=args.tag, storage=storage,
-        overwrite=args.overwrite, keep_work=args.keep_work,
-    )  # fmt: skip
+    via, _, api = route(args.via)
+    layout = {"layout": args.dcp_layout} if args.to == "dcp" else {}
+    if via == "local":
+        summary = get_target(args.to).load()(
+            args.checkpoint, args.output, tag=args.tag, storage=storage, memory=args.memory,
+            parallel=args.max_parallel_tasks, overwrite=args.overwrite,
+            keep_work=args.keep_work, **layout,
+        ).to_json()  # fmt: skip
+    else:
+        from zerosafe.io.s3 import parse_option_pairs
+
+        options = parse_option_pairs(getattr(args, "storage_option", None) or [])
+        summary = run_state_flow(args, options, api)
+    return {**summary, "via": via}
+
+
+def convert_universal(args: argparse.Namespace, storage: Storage) -> int:
+    """`convert --to universal`: `run_state`, then what it did."""
+    s = run_state(args, storage)
     if args.json:
-        print(json.dumps({**summary.to_json(), "via": "local"}, indent=1))
-    elif summary.status == "already-complete":
+        print(json.dumps(s, indent=1))
+    elif s["status"] == "already-complete":
         print(
             f"{args.output}: already a complete universal checkpoint of this checkpoint; nothing to do."
         )
     elif not args.quiet:
         print(
-            f"wrote a DeepSpeed universal checkpoint of {summary.num_params} params into "
-            f"{args.output}/{summary.folder} in {summary.seconds:.1f} s ({summary.files_written} "
-            f"files; read {format_bytes(summary.bytes_read)} for "
-            f"{format_bytes(summary.masters_bytes + summary.moments_bytes)} of masters and "
-            f"moments; peak memory {format_bytes(summary.peak_rss_bytes)})"
+            f"wrote a DeepSpeed universal checkpoint of {s['num_params']} params into "
+            f"{args.output}/{s['folder']} in {s['seconds']:.1f} s ({s['files_written']} "
+            f"files; read {format_bytes(s['bytes_read'])} for "
+            f"{format_bytes(s['masters_bytes'] + s['moments_bytes'])} of masters and "
+            f"moments; {s['parallel']} unit(s) at once; peak memory "
+            f"{format_bytes(s['peak_rss_bytes'])})"
         )
-        print(
-            f"  verified: every file written re-read and checked; "
-            f"{summary.source_records_checked} checkpoint records matched their CRC-32"
-        )
-        if summary.units_kept:
-            print(f"  resumed: kept {summary.units_kept} finished unit(s), ran {summary.units_run}")
+        print_state_tail(s, "file written")
         print(
             '  resume with `"checkpoint": {"load_universal": true}` and '
             f"`engine.load_checkpoint('{args.output}')`"
         )
-        for note in summary.notes:
+        for note in s["notes"]:
             print(f"  note: {note}")
     return 0
+
+
+def print_state_tail(s: dict[str, Any], what: str) -> None:
+    """The lines every training-state summary shares: verified, resumed, and where it ran."""
+    print(
+        f"  verified: every {what} re-read and checked; "
+        f"{s['source_records_checked']} checkpoint records matched their CRC-32"
+    )
+    if s["units_kept"]:
+        print(f"  resumed: kept {s['units_kept']} finished unit(s), ran {s['units_run']}")
+    if s["via"] == "prefect":
+        print("  ran as the Prefect flow `convert` (a subflow per run, each unit a cached task)")

@@ -1,5 +1,6 @@
 """The `--to dcp` side of `zerosafe convert`, `inspect` and `verify`: what each prints
-(`zerosafe.training_state.dcp` does the work). `zerosafe_app.cli` checks the arguments first."""
+(`zerosafe.training_state.dcp` does the work, `zerosafe_app.cli_universal.run_state` runs it).
+`zerosafe_app.cli` checks the arguments first."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 from zerosafe.errors import ConfigError
 from zerosafe.units import format_bytes
-from zerosafe_app.cli_universal import print_verified
+from zerosafe_app.cli_universal import print_state_tail, print_verified, run_state
 
 __all__ = ["convert_dcp", "inspect_dcp", "verify_dcp"]
 
@@ -40,38 +41,28 @@ def inspect_dcp(args: argparse.Namespace, storage: Any) -> int:
 
 
 def convert_dcp(args: argparse.Namespace, storage: Any) -> int:
-    """`convert --to dcp`: in this process (`zerosafe.training_state.dcp`)."""
-    from zerosafe.training_state.dcp import convert_to_dcp
-
-    summary = convert_to_dcp(
-        args.checkpoint, args.output, tag=args.tag, storage=storage,
-        overwrite=args.overwrite, keep_work=args.keep_work, layout=args.dcp_layout,
-    )  # fmt: skip
+    """`convert --to dcp`: `run_state` (`zerosafe_app.cli_universal`), then what it did."""
+    s = run_state(args, storage)
     if args.json:
-        print(json.dumps({**summary.to_json(), "via": "local"}, indent=1))
-    elif summary.status == "already-complete":
+        print(json.dumps(s, indent=1))
+    elif s["status"] == "already-complete":
         print(
             f"{args.output}: already a complete DCP checkpoint of this checkpoint; nothing to do."
         )
     elif not args.quiet:
         print(
-            f"wrote a PyTorch DCP checkpoint ({summary.num_items} items: model and AdamW state "
-            f"of {summary.num_params} params) into {args.output} in {summary.seconds:.1f} s "
-            f"(read {format_bytes(summary.bytes_read)}, wrote "
-            f"{format_bytes(summary.bytes_written)}; peak memory "
-            f"{format_bytes(summary.peak_rss_bytes)})"
+            f"wrote a PyTorch DCP checkpoint ({s['num_items']} items: model and AdamW state "
+            f"of {s['num_params']} params) into {args.output} in {s['seconds']:.1f} s "
+            f"(read {format_bytes(s['bytes_read'])}, wrote "
+            f"{format_bytes(s['bytes_written'])}; {s['parallel']} unit(s) at once; peak memory "
+            f"{format_bytes(s['peak_rss_bytes'])})"
         )
-        print(
-            "  verified: every item re-read and checked; "
-            f"{summary.source_records_checked} checkpoint records matched their CRC-32"
-        )
-        if summary.units_kept:
-            print(f"  resumed: kept {summary.units_kept} finished unit(s), ran {summary.units_run}")
+        print_state_tail(s, "item")
         print(
             "  resume with `dcp.load({'model': msd, 'optim': osd}, checkpoint_id=...)` and "
             "`set_state_dict` (docs/training-state.md)"
         )
-        for note in summary.notes:
+        for note in s["notes"]:
             print(f"  note: {note}")
     return EXIT_OK
 

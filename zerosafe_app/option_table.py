@@ -37,6 +37,7 @@ __all__ = [
     "JOB_FIELDS",
     "Kind",
     "Scope",
+    "TARGET_NAMES",
     "add_job_flags",
     "field_named",
     "fields_of_kind",
@@ -121,6 +122,10 @@ _PARALLEL_HELP = (
     "4; %(default)s here); ZEROSAFE_WORKERS=auto runs them as worker processes "
     "for a job of 2 GB or more"
 )
+
+TARGET_NAMES = ("safetensors", "universal", "dcp")
+"""`to`'s choices (`--to`): the targets of `zerosafe.targets.registry`, written out so the
+command's start-up imports none (tests/training_state/test_targets.py keeps the two equal)."""
 
 JOB_FIELDS: tuple[JobField, ...] = (
     JobField(name="source", kind=Kind.URL, default=None),
@@ -256,6 +261,13 @@ JOB_FIELDS: tuple[JobField, ...] = (
         flag="--storage-option",  # added by the command itself: `verify` and `clean` take it too
     ),
     JobField(name="timeout_seconds", kind=Kind.COUNT, default=None),
+    JobField(
+        name="to", kind=Kind.CHOICE, default="safetensors", flag="--to", choices=TARGET_NAMES,
+    ),  # the command adds `--to` and `--dcp-layout` itself, beside `--tag`
+    JobField(
+        name="dcp_layout", kind=Kind.CHOICE, default="torch", flag="--dcp-layout",
+        choices=("torch", "accelerate"),
+    ),
 )  # fmt: skip
 """Every job field; the flags of a scope come in this order."""
 

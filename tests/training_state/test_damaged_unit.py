@@ -53,7 +53,7 @@ def write_then_die(self, *args):
 
 setattr(module._Job, name, write_then_die)
 convert = universal.convert_to_universal if to == "universal" else dcp.convert_to_dcp
-convert(ckpt, out, unit_bytes=1)
+convert(ckpt, out, unit_bytes=1, parallel=1)  # one unit at a time: the kill lands in one
 """
 
 
@@ -92,7 +92,7 @@ def _zero_a_kept_block(to: str, out: Path, units: Path) -> tuple[Path, Path]:
         start, size = zf.data_offset(zf.storage_record("0")), zf.storage_record("0").size_bytes
     else:
         record = units / "dcp-00000.json"
-        written = json.loads(record.read_text())["result"]["file"]
+        (written,) = json.loads(record.read_text())["result"]["files"]
         entry = next(e for e in written["items"] if e["crc32"] is not None)
         path = out / written["path"]
         item = _Slice(Storage().open_source(str(path)), entry["offset"], entry["length"])

@@ -29,21 +29,17 @@ from __future__ import annotations
 
 import json
 import pickle
-import resource
 import struct
-import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Unpack
 
 import numpy as np
 
 from zerosafe.dtypes import dtype_info
 from zerosafe.errors import OutputExistsError, VerificationError
-from zerosafe.formats.crc import CrcLedger
 from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
-from zerosafe.io.lease import work_lease
 from zerosafe.io.storage import (
     JSON_MAX_BYTES,
     ByteSource,
@@ -53,55 +49,48 @@ from zerosafe.io.storage import (
     join_url,
     normalize_url,
 )
-from zerosafe.run.unit_records import UnitRecords, fingerprint, unit_key
+from zerosafe.run.unit_records import fingerprint
 from zerosafe.stages.destination import DCP_MARKER_NAME as MARKER_NAME
 from zerosafe.stages.destination import DCP_METADATA_NAME as METADATA_NAME
-from zerosafe.stages.destination import check_output_apart, check_output_kind, clear_dcp_output
+from zerosafe.stages.destination import clear_dcp_output
+from zerosafe.targets.base import (
+    StateKwargs,
+    StateOptions,
+    StateSummary,
+    UnitSpec,
+    UnitWork,
+)
+from zerosafe.targets.lifecycle import WORK_DIR_NAME, run_target
 from zerosafe.training_state.client_files import carry_client_files, check_carried
 from zerosafe.training_state.dcp_plan import DcpItem, DcpPlan, plan_dcp
 from zerosafe.training_state.streams import (
-    Sources,
-    check_source_records,
-    check_units,
-    files_intact,
-    read_runs,
+    SourcesOfPlan,
+    UnitJob,
     record_crc,
     to_float32,
 )
 from zerosafe.training_state.torch_save import TensorOut, TorchZipWriter, pickle_bytes
 
-__all__ = ["MARKER_NAME", "DcpSummary", "convert_to_dcp", "is_dcp_output", "verify_dcp_output"]
+__all__ = [
+    "MARKER_NAME",
+    "DcpSummary",
+    "DcpTarget",
+    "convert_to_dcp",
+    "is_dcp_output",
+    "verify_dcp_output",
+]
 
 _MARKER = "a zerosafe completion marker (JSON)"
-WORK_DIR_NAME = ".zerosafe-work"
 DCP_VERSION = "1.0.0"
-DEFAULT_UNIT_BYTES = 256 << 20
 DEFAULT_CHUNK_BYTES = 8 << 20
+"""The chunk `verify OUT` re-reads an item in."""
 
 
 @dataclass(kw_only=True)
-class DcpSummary:
+class DcpSummary(StateSummary):
     """What a `--to dcp` run did."""
 
-    status: str
-    """`converted` or `already-complete`."""
-    output: str
-    num_params: int
     num_items: int
-    units_run: int
-    units_kept: int
-    files_written: int
-    bytes_read: int
-    bytes_written: int
-    masters_bytes: int
-    moments_bytes: int
-    seconds: float
-    peak_rss_bytes: int
-    source_records_checked: int = 0
-    notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 class _Window:
@@ -149,20 +138,15 @@ def _float32_bytes(value: Any) -> bytes:
 
 
 @dataclass(kw_only=True)
-class _Job:
-    storage: Storage
+class _Job(UnitJob):
+    """One unit's writer (`UnitJob`: its own sources, counts and ledger)."""
+
     plan: DcpPlan
-    out_url: str
-    chunk_bytes: int
-    sources: Sources
-    bytes_written: int = 0
-    ledger: CrcLedger = field(default_factory=CrcLedger)
 
     def _step_bytes(self, small: Any) -> bytes:
         if not isinstance(small, TensorRecord):
             return _float32_bytes(small)
-        raw = self.plan.universal.ckpt.optim_files[0].zip.read_tensor_bytes(small)
-        self.sources.bytes_read += small.nbytes
+        raw = self.read_small(small)
         if small.dtype == "float32":
             return raw
         return _float32_bytes(np.frombuffer(raw, np.dtype(small.dtype))[0])
@@ -171,11 +155,7 @@ class _Job:
         if item.small is not None:
             yield self._step_bytes(item.small), None
             return
-        itemsize = dtype_info(item.src_dtype).itemsize
-        chunks = read_runs(
-            self.sources, self.plan.records, item.runs, chunk_bytes=self.chunk_bytes,
-            ledger=self.ledger, itemsize=itemsize,
-        )  # fmt: skip
+        chunks = self.chunks(item.runs, dtype_info(item.src_dtype).itemsize)
         if item.src_dtype == item.dtype:
             yield from chunks
         else:
@@ -329,72 +309,97 @@ def metadata_bytes(
     return pickle.dumps(metadata)
 
 
-def convert_to_dcp(
-    ckpt_url: str,
-    out_url: str,
-    *,
-    tag: str | None = None,
-    storage: Storage | None = None,
-    unit_bytes: int = DEFAULT_UNIT_BYTES,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    overwrite: bool = False,
-    keep_work: bool = False,
-    layout: str = "torch",
-) -> DcpSummary:
-    """Write the DCP checkpoint of a ZeRO checkpoint's model and Adam state into `out_url`;
-    an FSDP2 run of the same module loads it with `dcp.load` + `set_state_dict`
-    (docs/training-state.md). `layout`: `torch` (one checkpoint of `{"model", "optim"}`) or
-    `accelerate` (`pytorch_model_fsdp_0/` and `optimizer_0/`, as accelerate saves FSDP2).
+class DcpTarget(SourcesOfPlan):
+    """`--to dcp` as an `OutputTarget` (`zerosafe.targets.base`): its plan, units, unit
+    writer, item check and `.metadata`; `zerosafe.targets.lifecycle` runs it."""
 
-    Raises:
-        UnsupportedCheckpointError: What is not converted yet, named in one line.
-        ConfigError: `out_url` is the checkpoint folder, inside it or holds it.
-        OutputExistsError: `out_url` holds another DCP checkpoint, or another kind's output
-            (`zerosafe.stages.destination`), and `overwrite` is not set.
-        VerificationError: A written item failed its check; its unit was dropped, so the
-            next run redoes it.
-    """
-    started = time.monotonic()
-    storage = storage or Storage()
-    check_output_apart(storage, ckpt_url, out_url)
-    out_url = normalize_url(out_url)
-    check_output_kind(storage, out_url, "dcp", overwrite=overwrite)
-    plan = plan_dcp(storage, ckpt_url, tag=tag, layout=layout)
-    u = plan.universal
-    summary = DcpSummary(
-        status="converted", output=out_url, num_params=len(u.params), num_items=len(plan.items),
-        units_run=0, units_kept=0, files_written=0, bytes_read=0, bytes_written=0,
-        masters_bytes=u.masters_bytes, moments_bytes=u.moments_bytes, seconds=0.0,
-        peak_rss_bytes=0, notes=list(plan.notes),
-    )  # fmt: skip
-    if _prepare_output(storage, out_url, plan, overwrite):
-        summary.status = "already-complete"
-        summary.seconds = time.monotonic() - started
-        return summary
-    work_url = join_url(out_url, WORK_DIR_NAME, plan.job_key[:16])
-    job = _Job(
-        storage=storage, plan=plan, out_url=out_url, chunk_bytes=chunk_bytes,
-        sources=Sources(storage, plan.urls),
-    )  # fmt: skip
-    folders = [join_url(out_url, f) if f else out_url for f in plan.folders]
-    clean = [f for f in folders if is_local(f) and storage.isdir(f)]
-    with work_lease(storage, work_url, clean=clean):
-        records = UnitRecords(storage, work_url)
-        if overwrite:  # a killed attempt's units are not kept either: start clean
-            records.clear()
+    name: Literal["dcp"] = "dcp"
+    marker_name = MARKER_NAME
+    label = "DCP checkpoint"
+
+    def __init__(
+        self, storage: Storage, ckpt_url: str, *, tag: str | None = None, layout: str = "torch"
+    ) -> None:
+        super().__init__()
+        self.plan = plan_dcp(storage, ckpt_url, tag=tag, layout=layout)
+        self.job_key = self.plan.job_key
+        self.source_url = self.plan.universal.ckpt.ckpt_url
+        self.notes = self.plan.notes
+        self.urls, self.records = self.plan.urls, self.plan.records
+        self.small_zip = self.plan.universal.ckpt.optim_files[0].zip
+        self._by_fqn = {i.fqn: i for i in self.plan.items}
+
+    def _metadata_urls(self, out_url: str) -> list[str]:
+        return [
+            join_url(out_url, f, METADATA_NAME) if f else join_url(out_url, METADATA_NAME)
+            for f in self.plan.folders
+        ]
+
+    def prepare(
+        self, storage: Storage, out_url: str, marker: Mapping[str, Any] | None, *, overwrite: bool
+    ) -> bool:
+        """True when `marker` is this conversion's and every `.metadata` is there. Otherwise
+        remove an old `.metadata` before any unit writes (a rerun never shows an old index
+        beside new files).
+
+        Raises:
+            OutputExistsError: A DCP checkpoint zerosafe did not write is there (no marker, no
+                work area) and `overwrite` is not set.
+        """
+        metadata_urls = self._metadata_urls(out_url)
+        if marker is not None:
+            if all(map(storage.exists, metadata_urls)):
+                return True
+        elif not storage.exists(join_url(out_url, WORK_DIR_NAME)):
+            found = [u for u in metadata_urls if storage.exists(u)]
+            if found and not overwrite:
+                raise OutputExistsError(
+                    f"{found[0]}: a DCP checkpoint zerosafe did not write (no {MARKER_NAME}); "
+                    "choose another output folder or pass --overwrite"
+                )
+        for url in metadata_urls:
+            if storage.exists(url):
+                storage.remove(url)
+        return False
+
+    def clear(self, storage: Storage, out_url: str) -> None:
+        clear_dcp_output(storage, out_url)
+
+    def units(self, unit_bytes: int) -> Sequence[UnitSpec]:
+        return [
+            UnitSpec(index=index, kind="items", members=tuple(items),
+                     fingerprint=fingerprint([i.fqn for i in items]))
+            for index, items in enumerate(_units(self.plan, unit_bytes))
+        ]  # fmt: skip
+
+    def write_unit(
+        self, storage: Storage, out_url: str, unit: UnitSpec, chunk_bytes: int
+    ) -> UnitWork:
+        job = _Job(plan=self.plan, **self.unit_job(storage, out_url, chunk_bytes))
         try:
-            units = _run_units(job, records, unit_bytes, summary)
+            written = job.write_unit(unit.index, list(unit.members))
         finally:
             job.sources.close()
+        return job.done([written])
+
+    def check_file(
+        self, storage: Storage, out_url: str, file: Mapping[str, Any], chunk_bytes: int
+    ) -> None:
+        _verify_file(storage, out_url, self._by_fqn, file, chunk_bytes=chunk_bytes)
+
+    def temp_folders(self, storage: Storage, out_url: str) -> list[str]:
+        folders = [join_url(out_url, f) if f else out_url for f in self.plan.folders]
+        return [f for f in folders if is_local(f) and storage.isdir(f)]
+
+    def publish(
+        self, storage: Storage, out_url: str, files: list[dict[str, Any]], chunk_bytes: int
+    ) -> dict[str, Any]:
+        """The client's files, then each folder's `.metadata`; the marker (returned, holding
+        the manifest) goes last."""
+        plan, u = self.plan, self.plan.universal
         carried = carry_client_files(
             storage, u.ckpt.ckpt_url, u.client_files, out_url, chunk_bytes=chunk_bytes
         )
-        by_fqn = {i.fqn: i for i in plan.items}
-        check_units(
-            storage, out_url, records, "dcp", [(index, [f]) for index, f in units],
-            lambda f: _verify_file(storage, out_url, by_fqn, f, chunk_bytes=chunk_bytes),
-        )  # fmt: skip
-        files = [f for _, f in units]
         if problems := check_carried(storage, out_url, carried):
             raise VerificationError(problems[0]["error"])
         manifest = {"format": "torch-dcp", "layout": plan.layout, "folders": plan.folders,
@@ -405,85 +410,50 @@ def convert_to_dcp(
             storage.write_bytes(
                 join_url(where, METADATA_NAME), metadata_bytes(plan, files, out_url, folder)
             )
-        marker = {"job_key": plan.job_key, "source": {
+        return {"job_key": plan.job_key, "source": {
             "checkpoint": u.ckpt.ckpt_url, "tag": u.tag, "stage": u.stage,
             "world_size": u.world_size}, **manifest, "notes": plan.notes}  # fmt: skip
-        storage.write_bytes(join_url(out_url, MARKER_NAME), json.dumps(marker, indent=1).encode())
-    if not keep_work:
-        storage.remove_tree(join_url(out_url, WORK_DIR_NAME))
-    summary.bytes_read = job.sources.bytes_read
-    summary.bytes_written = job.bytes_written
-    summary.seconds = time.monotonic() - started
-    summary.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return summary
+
+    def summary(self, status: str, output: str) -> DcpSummary:
+        u = self.plan.universal
+        return DcpSummary(
+            status=status, output=output, num_params=len(u.params),
+            num_items=len(self.plan.items), masters_bytes=u.masters_bytes,
+            moments_bytes=u.moments_bytes, notes=list(self.plan.notes),
+        )  # fmt: skip
 
 
-def _prepare_output(storage: Storage, out_url: str, plan: DcpPlan, overwrite: bool) -> bool:
-    """True when `out_url` already holds this conversion. Otherwise remove an old `.metadata`
-    (and, with `overwrite`, another conversion's files) before any unit writes.
+def convert_to_dcp(
+    ckpt_url: str,
+    out_url: str,
+    *,
+    tag: str | None = None,
+    storage: Storage | None = None,
+    layout: str = "torch",
+    **options: Unpack[StateKwargs],
+) -> DcpSummary:
+    """Write the DCP checkpoint of a ZeRO checkpoint's model and Adam state into `out_url`;
+    an FSDP2 run of the same module loads it with `dcp.load` + `set_state_dict`
+    (docs/training-state.md). `layout`: `torch` (one checkpoint of `{"model", "optim"}`) or
+    `accelerate` (`pytorch_model_fsdp_0/` and `optimizer_0/`, as accelerate saves FSDP2).
+    `options`: `StateOptions`' fields, as for `convert_to_universal`.
 
     Raises:
-        OutputExistsError: Another DCP checkpoint is there and `overwrite` is not set.
+        UnsupportedCheckpointError: What is not converted yet, named in one line.
+        ConfigError: `out_url` is the checkpoint folder, inside it or holds it.
+        LeaseHeldError: Another run converts into `out_url` now.
+        OutputExistsError: `out_url` holds another DCP checkpoint, or another kind's output
+            (`zerosafe.stages.destination`), and `overwrite` is not set.
+        VerificationError: A written item failed its check; its unit was dropped, so the
+            next run redoes it.
     """
-    marker_url = join_url(out_url, MARKER_NAME)
-    metadata_urls = [
-        join_url(out_url, f, METADATA_NAME) if f else join_url(out_url, METADATA_NAME)
-        for f in plan.folders
-    ]
-    if storage.exists(marker_url):
-        done = json.loads(storage.read_small(marker_url, limit_bytes=JSON_MAX_BYTES, what=_MARKER))
-        if done.get("job_key") == plan.job_key and all(map(storage.exists, metadata_urls)):
-            return True
-        if not overwrite:
-            raise OutputExistsError(
-                f"{out_url}: holds a complete DCP checkpoint of another source "
-                f"({done.get('source', {}).get('checkpoint')}); choose another output folder "
-                "or pass --overwrite"
-            )
-        clear_dcp_output(storage, out_url)
-    elif not storage.exists(join_url(out_url, WORK_DIR_NAME)):
-        found = [u for u in metadata_urls if storage.exists(u)]
-        if found and not overwrite:
-            raise OutputExistsError(
-                f"{found[0]}: a DCP checkpoint zerosafe did not write (no {MARKER_NAME}); "
-                "choose another output folder or pass --overwrite"
-            )
-    for url in metadata_urls:
-        if storage.exists(url):
-            storage.remove(url)
-    return False
-
-
-def _run_units(
-    job: _Job, records: UnitRecords, unit_bytes: int, summary: DcpSummary
-) -> list[tuple[int, dict[str, Any]]]:
-    """Run every unit not recorded with its file intact; returns the file each unit wrote,
-    by unit index."""
-    plan, storage = job.plan, job.storage
-    files: list[tuple[int, dict[str, Any]]] = []
-    ledger = CrcLedger()
-    for index, items in enumerate(_units(plan, unit_bytes)):
-        key = unit_key(
-            "dcp", plan.job_key, index, fingerprint([i.fqn for i in items]),
-            direct=None, allow_nonfinite=None,
-        )  # fmt: skip
-        record = records.load("dcp", index, key)
-        if record is not None and files_intact(storage, job.out_url, [record["result"]["file"]]):
-            files.append((index, record["result"]["file"]))
-            ledger.update(CrcLedger.from_json(record["result"].get("ledger", {})))
-            summary.units_kept += 1
-            continue
-        job.ledger = CrcLedger()
-        written = job.write_unit(index, items)
-        records.save("dcp", index, key, {"file": written, "ledger": job.ledger.to_json()})
-        ledger.update(job.ledger)
-        files.append((index, written))
-        summary.units_run += 1
-        summary.files_written += 1
-    summary.source_records_checked = check_source_records(
-        job.sources, plan.records, ledger, units=records
-    )
-    return files
+    storage = storage or Storage()
+    summary = run_target(
+        "dcp", lambda: DcpTarget(storage, ckpt_url, tag=tag, layout=layout), ckpt_url, out_url,
+        StateOptions(**options), storage=storage,
+    )  # fmt: skip
+    assert isinstance(summary, DcpSummary)
+    return summary
 
 
 def is_dcp_output(storage: Storage, out_url: str) -> bool:

@@ -1,28 +1,33 @@
 """Reading the byte runs a training-state plan names: open sources counted, chunks with their
 CRC-32s entered in a ledger, and the source records checked against their zip CRC-32s at the
-end; the written units checked last, a failing one dropped so the next run redoes it. Shared
-by `--to universal` and `--to dcp`."""
+end. Shared by `--to universal` and `--to dcp`."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from zerosafe.errors import IntegrityError, VerificationError
+from zerosafe.errors import IntegrityError
 from zerosafe.formats.crc import CrcLedger
-from zerosafe.io.storage import ByteSource, Storage, join_url
-from zerosafe.run.unit_records import Stage, UnitRecords
+from zerosafe.formats.torch_pickle import TensorRecord
+from zerosafe.formats.torch_zip import TorchZipFile
+from zerosafe.io.storage import ByteSource, Storage
+from zerosafe.run.unit_records import UnitRecords
+from zerosafe.targets.base import UnitWork
 from zerosafe.training_state.universal_plan import Run, SourceRecord
 
 __all__ = [
+    "SourcesOfPlan",
     "Sources",
+    "UnitJob",
+    "check_plan_sources",
     "check_source_records",
-    "check_units",
-    "files_intact",
     "read_runs",
     "record_crc",
     "to_float32",
@@ -41,58 +46,6 @@ def record_crc(source: _Ranged, start: int, size_bytes: int, chunk_bytes: int = 
     for pos in range(start, start + size_bytes, chunk_bytes):
         crc = zlib.crc32(source.read_range(pos, min(pos + chunk_bytes, start + size_bytes)), crc)
     return crc
-
-
-def files_intact(storage: Storage, out_url: str, written: Iterable[Mapping[str, Any]]) -> bool:
-    """Whether every file a unit recorded (`path` under `out_url`, `size_bytes`) is there with
-    its size: a recorded unit is kept only then (any storage error: it runs again)."""
-    for w in written:
-        try:
-            if storage.identity(join_url(out_url, w["path"])).size_bytes != w["size_bytes"]:
-                return False
-        except Exception:  # noqa: BLE001 - any storage error: the unit runs again
-            return False
-    return True
-
-
-def check_units(
-    storage: Storage,
-    out_url: str,
-    records: UnitRecords,
-    stage: Stage,
-    units: Sequence[tuple[int, Sequence[Mapping[str, Any]]]],
-    check: Callable[[Mapping[str, Any]], None],
-) -> None:
-    """Check every file of every unit (`(index, files written)`) with `check`, the final
-    re-read. A unit with a file that fails is dropped, its record and its files, whether it
-    ran now or was kept: a file damaged at its recorded size (a zero-filled block after a
-    crash, bit rot on NFS) passes `files_intact`, and kept it would fail every later run.
-
-    Raises:
-        VerificationError: Naming the first failure and the units dropped; the next run of
-            the command redoes them.
-    """
-    failed: dict[int, Exception] = {}
-    for index, files in units:
-        for w in files:
-            try:
-                check(w)
-            except (VerificationError, ValueError) as e:  # damaged: its CRC, zip or pickle
-                failed[index] = e
-                break
-    if not failed:
-        return
-    for index, files in units:
-        if index in failed:
-            records.drop(stage, index)
-            for w in files:
-                storage.remove(join_url(out_url, w["path"]))
-    first = next(iter(failed.values()))
-    raise VerificationError(
-        f"{first}. {len(failed)} unit(s) of work failed this final check ({stage} "
-        f"{', '.join(map(str, failed))}) and were dropped, their files removed: run the "
-        "command again to redo them (the other units are kept)."
-    ) from first
 
 
 log = logging.getLogger(__name__)
@@ -117,6 +70,7 @@ class Sources:
     def close(self) -> None:
         for src in self._open.values():
             src.close()
+        self._open.clear()
 
 
 def to_float32(raw: bytes, dtype: str) -> bytes:
@@ -185,3 +139,91 @@ def check_source_records(
     for key, why in result.skipped:
         log.info("%s: not checked against its CRC-32 (%s)", key, why)
     return len(result.checked)
+
+
+def check_plan_sources(
+    storage: Storage,
+    urls: list[str],
+    records: list[SourceRecord],
+    ledger: CrcLedger,
+    *,
+    units: UnitRecords,
+) -> tuple[int, int]:
+    """`check_source_records` with the plan's files opened for it: returns the records
+    checked and the bytes read to check them."""
+    sources = Sources(storage, urls)
+    try:
+        return check_source_records(sources, records, ledger, units=units), sources.bytes_read
+    finally:
+        sources.close()
+
+
+@dataclass(kw_only=True)
+class UnitJob:
+    """What one unit of a training-state target reads and writes with: its own open sources,
+    byte counts and CRC ledger (units run on several threads at once), the plan's files."""
+
+    storage: Storage
+    out_url: str
+    chunk_bytes: int
+    urls: list[str]
+    records: list[SourceRecord]
+    small_zip: TorchZipFile
+    """Rank 0's optimizer file, whence every small state comes (shared by every unit)."""
+    small_lock: threading.Lock
+    """Held around reads through `small_zip`."""
+    sources: Sources = field(init=False)
+    bytes_written: int = 0
+    ledger: CrcLedger = field(default_factory=CrcLedger)
+    """CRC-32s of the source bytes the unit read, by record."""
+
+    def __post_init__(self) -> None:
+        self.sources = Sources(self.storage, self.urls)
+
+    def chunks(
+        self, runs: tuple[Run, ...], itemsize: int = 4
+    ) -> Iterator[tuple[bytes, int | None]]:
+        """`(bytes, CRC-32)` of each chunk of `runs`; a run inside a zip record adds its
+        chunks' CRCs to the unit's ledger (checked against the record's CRC at the end)."""
+        return read_runs(
+            self.sources, self.records, runs, chunk_bytes=self.chunk_bytes, ledger=self.ledger,
+            itemsize=itemsize,
+        )  # fmt: skip
+
+    def read_small(self, t: TensorRecord) -> bytes:
+        """A small tensor of rank 0's optimizer file, read whole."""
+        with self.small_lock:
+            raw = self.small_zip.read_tensor_bytes(t)
+        self.sources.bytes_read += t.nbytes
+        return raw
+
+    def done(self, files: list[Mapping[str, Any]]) -> UnitWork:
+        """What the unit did, its sources closed."""
+        self.sources.close()
+        return UnitWork(
+            files=[dict(f) for f in files], ledger=self.ledger,
+            bytes_read=self.sources.bytes_read, bytes_written=self.bytes_written,
+        )  # fmt: skip
+
+
+class SourcesOfPlan:
+    """What both training-state targets do with their plan's source files: open them for a
+    unit (`unit_job`) and check every record read against its zip CRC-32 (`check_source`)."""
+
+    urls: list[str]
+    records: list[SourceRecord]
+    small_zip: TorchZipFile
+
+    def __init__(self) -> None:
+        self._small_lock = threading.Lock()
+
+    def unit_job(self, storage: Storage, out_url: str, chunk_bytes: int) -> dict[str, Any]:
+        """The `UnitJob` fields of one unit."""
+        return {"storage": storage, "out_url": out_url, "chunk_bytes": chunk_bytes,
+                "urls": self.urls, "records": self.records, "small_zip": self.small_zip,
+                "small_lock": self._small_lock}  # fmt: skip
+
+    def check_source(
+        self, storage: Storage, ledger: CrcLedger, records: UnitRecords
+    ) -> tuple[int, int]:
+        return check_plan_sources(storage, self.urls, self.records, ledger, units=records)

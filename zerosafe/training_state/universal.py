@@ -1,13 +1,15 @@
 """`zerosafe convert CKPT OUT --to universal`: a DeepSpeed universal checkpoint, written as
 restartable units in bounded memory, verified, and published with a marker written last.
 
-The lifecycle, in this process (`convert_to_universal`):
+The target (`UniversalTarget`; `zerosafe.targets.lifecycle` runs it, in this process or as
+Prefect tasks, holding the output folder against a second run):
 
 1. inspect: plan every file from the pickles (`zerosafe.training_state.universal_plan`).
 2. units: the optimizer state (and, ZeRO-1/2, the module copies), the model states copies,
    then the trained params in order, grouped so each unit writes about `unit_bytes`. A param
    streams from its byte runs into its `.pt` files (`zerosafe.training_state.torch_save`) in
-   chunks of `chunk_bytes`, never whole in memory, whatever its size. Each finished unit is
+   chunks of `chunk_bytes` (`--memory` divided among the units at once; several units run
+   at once, `--parallel`), never whole in memory, whatever its size. Each finished unit is
    recorded with what it wrote (`zerosafe.run.unit_records`); a rerun keeps every recorded
    unit whose files are all there with their recorded sizes, and redoes the rest.
    `--overwrite` keeps none.
@@ -26,20 +28,16 @@ from __future__ import annotations
 
 import json
 import logging
-import resource
-import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Unpack
 
 from zerosafe.dtypes import dtype_info
-from zerosafe.errors import OutputExistsError, VerificationError
-from zerosafe.formats.crc import CrcLedger
+from zerosafe.errors import VerificationError
 from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
-from zerosafe.io.lease import work_lease
 from zerosafe.io.storage import (
     JSON_MAX_BYTES,
     TAG_NAME_MAX_BYTES,
@@ -48,18 +46,23 @@ from zerosafe.io.storage import (
     join_url,
     normalize_url,
 )
-from zerosafe.run.unit_records import UnitRecords, fingerprint, unit_key
-from zerosafe.stages.destination import LATEST_UNIVERSAL, check_output_apart, check_output_kind
+from zerosafe.run.unit_records import fingerprint
+from zerosafe.stages.destination import LATEST_UNIVERSAL
 from zerosafe.stages.destination import UNIVERSAL_MARKER_NAME as MARKER_NAME
 from zerosafe.stages.destination import clear_universal_output as _clear_universal_output
 from zerosafe.stages.model_files import copy_model_files, sha256_of
 from zerosafe.stages.output import OUTPUT_JSON_MAX_BYTES
+from zerosafe.targets.base import (
+    StateKwargs,
+    StateOptions,
+    StateSummary,
+    UnitSpec,
+    UnitWork,
+)
+from zerosafe.targets.lifecycle import run_target
 from zerosafe.training_state.streams import (
-    Sources,
-    check_source_records,
-    check_units,
-    files_intact,
-    read_runs,
+    SourcesOfPlan,
+    UnitJob,
     record_crc,
     to_float32,
 )
@@ -78,6 +81,7 @@ __all__ = [
     "LATEST_UNIVERSAL",
     "MARKER_NAME",
     "UniversalSummary",
+    "UniversalTarget",
     "convert_to_universal",
     "is_universal_output",
     "verify_universal_output",
@@ -87,35 +91,15 @@ log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "zerosafe-manifest.json"
 _MARKER = "a zerosafe completion marker (JSON)"
-WORK_DIR_NAME = ".zerosafe-work"
-DEFAULT_UNIT_BYTES = 256 << 20
 DEFAULT_CHUNK_BYTES = 8 << 20
+"""The chunk `verify OUT` re-reads a file in."""
 
 
 @dataclass(kw_only=True)
-class UniversalSummary:
+class UniversalSummary(StateSummary):
     """What a `--to universal` run did."""
 
-    status: str
-    """`converted` or `already-complete`."""
-    output: str
     folder: str
-    num_params: int
-    units_run: int
-    units_kept: int
-    files_written: int
-    bytes_read: int
-    bytes_written: int
-    masters_bytes: int
-    moments_bytes: int
-    seconds: float
-    peak_rss_bytes: int
-    source_records_checked: int = 0
-    """Source zip records whose bytes, as read, matched their recorded CRC-32."""
-    notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 @dataclass(kw_only=True)
@@ -134,15 +118,10 @@ class _Written:
 
 
 @dataclass(kw_only=True)
-class _Job:
-    storage: Storage
+class _Job(UnitJob):
+    """One unit's writer (`UnitJob`: its own sources, counts and ledger)."""
+
     plan: UniversalPlan
-    out_url: str
-    chunk_bytes: int
-    sources: Sources
-    bytes_written: int = 0
-    ledger: CrcLedger = field(default_factory=CrcLedger)
-    """CRC-32s of the source bytes the current unit read, by record."""
 
     @property
     def folder_url(self) -> str:
@@ -174,16 +153,6 @@ class _Job:
         self.bytes_written += writer.bytes_written
         return _Written(path=rel, size_bytes=writer.bytes_written, crcs=crcs, expect=expect)
 
-    def _chunks(
-        self, runs: tuple[Run, ...], itemsize: int = 4
-    ) -> Iterator[tuple[bytes, int | None]]:
-        """`(bytes, CRC-32)` of each chunk of `runs`; a run inside a zip record adds its
-        chunks' CRCs to the unit's ledger (checked against the record's CRC at the end)."""
-        return read_runs(
-            self.sources, self.plan.records, runs, chunk_bytes=self.chunk_bytes,
-            ledger=self.ledger, itemsize=itemsize,
-        )  # fmt: skip
-
     # -- units ---------------------------------------------------------------------------------
 
     def write_param(self, p: ParamOut) -> list[_Written]:
@@ -199,7 +168,7 @@ class _Job:
             expect = {"kind": "state", "shape": list(tensor.shape), "requires_grad": grad,
                       "wrapped": z12}  # fmt: skip
             out.append(
-                self._write_pt(rel, obj, [("0", 4 * p.numel, self._chunks(p.runs[state]))], expect)
+                self._write_pt(rel, obj, [("0", 4 * p.numel, self.chunks(p.runs[state]))], expect)
             )
         if z12 and p.group in self.plan.steps:
             rel = f"{self.plan.folder}/zero/{p.name}/step.pt"
@@ -217,13 +186,8 @@ class _Job:
             outs[id(t)] = TensorOut(
                 key=key, dtype=t.dtype, shape=t.shape, requires_grad=t.requires_grad
             )
-            records.append((key, t.nbytes, iter([(self._read_small(t), None)])))
+            records.append((key, t.nbytes, iter([(self.read_small(t), None)])))
         return self._write_pt(rel, _replace_records(obj, outs), records, expect)
-
-    def _read_small(self, t: TensorRecord) -> bytes:
-        """A small tensor of rank 0's optimizer file (every small state comes from there)."""
-        self.sources.bytes_read += t.nbytes
-        return self.plan.ckpt.optim_files[0].zip.read_tensor_bytes(t)
 
     def write_optimizer_state(self) -> list[_Written]:
         rel = f"{self.plan.folder}/zero/optimizer_state.pt"
@@ -236,7 +200,7 @@ class _Job:
         tensor = TensorOut(key="0", dtype="float32", shape=c.shape)
         rel = f"{self.plan.folder}/zero/{c.name}/fp32.pt"
         itemsize = dtype_info(c.dtype).itemsize
-        chunks = ((to_float32(b, c.dtype), None) for b, _ in self._chunks((c.run,), itemsize))
+        chunks = ((to_float32(b, c.dtype), None) for b, _ in self.chunks((c.run,), itemsize))
         expect = {"kind": "state", "shape": list(c.shape), "requires_grad": False, "wrapped": True,
                   "only_param": True}  # fmt: skip
         return self._write_pt(rel, {"param": tensor}, [("0", 4 * c.run.numel, chunks)], expect)
@@ -250,7 +214,7 @@ class _Job:
             size = self.storage.identity(url).size_bytes
             sink = self.storage.open_sink(join_url(self.out_url, rel))
             try:
-                for chunk, _ in self._chunks((Run(file, 0, size),), itemsize=1):
+                for chunk, _ in self.chunks((Run(file, 0, size),), itemsize=1):
                     sink.write(chunk)
                 sink.commit()
             except BaseException:
@@ -391,16 +355,110 @@ def _check_state(url: str, obj: Any, expect: dict[str, Any]) -> None:
         )
 
 
+class UniversalTarget(SourcesOfPlan):
+    """`--to universal` as an `OutputTarget` (`zerosafe.targets.base`): its plan, units, unit
+    writer, file check and manifest; `zerosafe.targets.lifecycle` runs it."""
+
+    name: Literal["universal"] = "universal"
+    marker_name = MARKER_NAME
+    label = "universal checkpoint"
+
+    def __init__(self, storage: Storage, ckpt_url: str, *, tag: str | None = None) -> None:
+        super().__init__()
+        self.plan = plan_universal(storage, ckpt_url, tag=tag)
+        self.job_key = self.plan.job_key
+        self.source_url = self.plan.ckpt.ckpt_url
+        self.notes = self.plan.notes
+        self.urls, self.records = self.plan.urls, self.plan.records
+        self.small_zip = self.plan.ckpt.optim_files[0].zip
+
+    def prepare(
+        self, storage: Storage, out_url: str, marker: Mapping[str, Any] | None, *, overwrite: bool
+    ) -> bool:
+        return marker is not None and marker.get("job_key") == self.job_key
+
+    def clear(self, storage: Storage, out_url: str) -> None:
+        _clear_universal_output(storage, out_url)
+
+    def units(self, unit_bytes: int) -> Sequence[UnitSpec]:
+        return [
+            UnitSpec(index=index, kind=kind, members=tuple(members),
+                     fingerprint=fingerprint(kind, [self.plan.params[i].name for i in members]))
+            for index, (kind, members) in enumerate(_units(self.plan, unit_bytes))
+        ]  # fmt: skip
+
+    def write_unit(
+        self, storage: Storage, out_url: str, unit: UnitSpec, chunk_bytes: int
+    ) -> UnitWork:
+        plan = self.plan
+        job = _Job(plan=plan, **self.unit_job(storage, out_url, chunk_bytes))
+        try:
+            if unit.kind == "optimizer_state":
+                files = job.write_optimizer_state()
+            elif unit.kind == "model_states":
+                files = job.copy_model_states()
+            elif unit.kind == "client_files":
+                files = job.copy_client_files()
+            else:
+                files = [w for i in unit.members for w in job.write_param(plan.params[i])]
+        finally:
+            job.sources.close()
+        return job.done([w.to_json() for w in files])
+
+    def check_file(
+        self, storage: Storage, out_url: str, file: Mapping[str, Any], chunk_bytes: int
+    ) -> None:
+        verify_file(storage, out_url, file, chunk_bytes=chunk_bytes)
+
+    def temp_folders(self, storage: Storage, out_url: str) -> list[str]:
+        """The folders a killed run may have left temporary files in (local outputs only)."""
+        plan = self.plan
+        if not is_local(out_url):
+            return []
+        folder = join_url(out_url, plan.folder)
+        names = [p.name for p in plan.params] + [c.name for c in plan.module_copies]
+        candidates = [
+            folder, join_url(folder, "zero"), *(join_url(folder, "zero", n) for n in names)
+        ]  # fmt: skip
+        if plan.client_files:
+            candidates.append(out_url)
+        return [url for url in candidates if storage.isdir(url)]
+
+    def publish(
+        self, storage: Storage, out_url: str, files: list[dict[str, Any]], chunk_bytes: int
+    ) -> dict[str, Any]:
+        """The manifest, then `latest_universal`; the marker (returned) goes last."""
+        plan = self.plan
+        manifest = {
+            "format": "deepspeed-universal",
+            "job_key": plan.job_key,
+            "source": {"checkpoint": plan.ckpt.ckpt_url, "tag": plan.tag, "stage": plan.stage,
+                       "world_size": plan.world_size},
+            "files": files,
+            "notes": plan.notes,
+        }  # fmt: skip
+        storage.write_bytes(
+            join_url(out_url, plan.folder, MANIFEST_NAME), json.dumps(manifest, indent=1).encode()
+        )
+        storage.write_bytes(join_url(out_url, LATEST_UNIVERSAL), plan.folder.encode())
+        return {"job_key": plan.job_key, "folder": plan.folder, "source": manifest["source"]}
+
+    def summary(self, status: str, output: str) -> UniversalSummary:
+        plan = self.plan
+        return UniversalSummary(
+            status=status, output=output, folder=plan.folder, num_params=len(plan.params),
+            masters_bytes=plan.masters_bytes, moments_bytes=plan.moments_bytes,
+            notes=list(plan.notes),
+        )  # fmt: skip
+
+
 def convert_to_universal(
     ckpt_url: str,
     out_url: str,
     *,
     tag: str | None = None,
     storage: Storage | None = None,
-    unit_bytes: int = DEFAULT_UNIT_BYTES,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    overwrite: bool = False,
-    keep_work: bool = False,
+    **options: Unpack[StateKwargs],
 ) -> UniversalSummary:
     """Write the DeepSpeed universal checkpoint of a ZeRO checkpoint into `out_url`.
 
@@ -409,12 +467,11 @@ def convert_to_universal(
         out_url: The output folder; `engine.load_checkpoint(out_url)` with
             `"checkpoint": {"load_universal": true}` resumes from it.
         tag: The tag to convert; by default the one `latest` names.
-        unit_bytes: Masters + moments bytes per unit of work (the granularity of resume).
-        chunk_bytes: Bytes read and written at a time: the memory a unit holds.
-        overwrite: Replace a complete universal checkpoint of another source in `out_url`,
-            or another kind's output there (`zerosafe.stages.destination`), and redo every
-            unit an unfinished run left.
-        keep_work: Keep the unit records after publishing.
+        options: `StateOptions`' fields: `memory` and `parallel` (the units at once and their
+            chunk), `unit_bytes` (masters + moments per unit: the granularity of resume),
+            `overwrite` (replace a complete universal checkpoint of another source in
+            `out_url`, or another kind's output there, and redo every unit an unfinished run
+            left), `keep_work`.
 
     Returns:
         What was done, with bytes read and written and peak memory.
@@ -422,135 +479,19 @@ def convert_to_universal(
     Raises:
         UnsupportedCheckpointError: What is not converted yet, named in one line.
         ConfigError: `out_url` is the checkpoint folder, inside it or holds it.
+        LeaseHeldError: Another run converts into `out_url` now.
         OutputExistsError: `out_url` holds a complete conversion of another checkpoint, or
             another kind's output (without `overwrite`).
         VerificationError: A written file failed its check; its unit was dropped, so the
             next run redoes it.
     """
-    started = time.monotonic()
     storage = storage or Storage()
-    check_output_apart(storage, ckpt_url, out_url)
-    out_url = normalize_url(out_url)
-    check_output_kind(storage, out_url, "universal", overwrite=overwrite)
-    plan = plan_universal(storage, ckpt_url, tag=tag)
-    marker_url = join_url(out_url, MARKER_NAME)
-    summary = UniversalSummary(
-        status="converted", output=out_url, folder=plan.folder, num_params=len(plan.params),
-        units_run=0, units_kept=0, files_written=0, bytes_read=0, bytes_written=0,
-        masters_bytes=plan.masters_bytes, moments_bytes=plan.moments_bytes, seconds=0.0,
-        peak_rss_bytes=0, notes=list(plan.notes),
+    summary = run_target(
+        "universal", lambda: UniversalTarget(storage, ckpt_url, tag=tag), ckpt_url, out_url,
+        StateOptions(**options), storage=storage,
     )  # fmt: skip
-    if storage.exists(marker_url):
-        done = json.loads(storage.read_small(marker_url, limit_bytes=JSON_MAX_BYTES, what=_MARKER))
-        if done.get("job_key") == plan.job_key:
-            summary.status = "already-complete"
-            summary.seconds = time.monotonic() - started
-            return summary
-        if not overwrite:
-            raise OutputExistsError(
-                f"{out_url}: holds a complete universal checkpoint of another source "
-                f"({done.get('source')}); choose another output folder or pass --overwrite"
-            )
-        _clear_universal_output(storage, out_url)
-    work_url = join_url(out_url, WORK_DIR_NAME, plan.job_key[:16])
-    job = _Job(
-        storage=storage, plan=plan, out_url=out_url, chunk_bytes=chunk_bytes,
-        sources=Sources(storage, plan.urls),
-    )  # fmt: skip
-    with work_lease(storage, work_url, clean=_output_folders(storage, plan, out_url)):
-        records = UnitRecords(storage, work_url)
-        if overwrite:  # a killed attempt's units are not kept either: start clean
-            records.clear()
-        try:
-            units = _run_units(job, records, unit_bytes, summary)
-        finally:
-            job.sources.close()
-        check_units(
-            storage, out_url, records, "universal", units,
-            lambda w: verify_file(storage, out_url, w, chunk_bytes=chunk_bytes),
-        )  # fmt: skip
-        _publish(storage, plan, out_url, [w for _, files in units for w in files])
-    if not keep_work:
-        storage.remove_tree(join_url(out_url, WORK_DIR_NAME))
-    summary.bytes_read = job.sources.bytes_read
-    summary.bytes_written = job.bytes_written
-    summary.seconds = time.monotonic() - started
-    summary.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert isinstance(summary, UniversalSummary)
     return summary
-
-
-def _output_folders(storage: Storage, plan: UniversalPlan, out_url: str) -> list[str]:
-    """The folders a killed run may have left temporary files in (local outputs only)."""
-    if not is_local(out_url):
-        return []
-    folder = join_url(out_url, plan.folder)
-    names = [p.name for p in plan.params] + [c.name for c in plan.module_copies]
-    candidates = [folder, join_url(folder, "zero"), *(join_url(folder, "zero", n) for n in names)]
-    if plan.client_files:
-        candidates.append(out_url)
-    return [url for url in candidates if storage.isdir(url)]
-
-
-def _run_units(
-    job: _Job, records: UnitRecords, unit_bytes: int, summary: UniversalSummary
-) -> list[tuple[int, list[dict[str, Any]]]]:
-    """Run every unit not recorded with its files intact; returns what each unit wrote, by
-    unit index."""
-    plan, storage = job.plan, job.storage
-    written: list[tuple[int, list[dict[str, Any]]]] = []
-    ledger = CrcLedger()
-    for index, (kind, members) in enumerate(_units(plan, unit_bytes)):
-        names = [plan.params[i].name for i in members]
-        key = unit_key(
-            "universal", plan.job_key, index, fingerprint(kind, names),
-            direct=None, allow_nonfinite=None,
-        )  # fmt: skip
-        record = records.load("universal", index, key)
-        if record is not None and files_intact(storage, job.out_url, record["result"]["files"]):
-            written.append((index, record["result"]["files"]))
-            ledger.update(CrcLedger.from_json(record["result"].get("ledger", {})))
-            summary.units_kept += 1
-            continue
-        job.ledger = CrcLedger()
-        if kind == "optimizer_state":
-            files = job.write_optimizer_state()
-        elif kind == "model_states":
-            files = job.copy_model_states()
-        elif kind == "client_files":
-            files = job.copy_client_files()
-        else:
-            files = [w for i in members for w in job.write_param(plan.params[i])]
-        files_json = [w.to_json() for w in files]
-        result = {"kind": kind, "files": files_json, "ledger": job.ledger.to_json()}
-        records.save("universal", index, key, result)
-        ledger.update(job.ledger)
-        written.append((index, files_json))
-        summary.units_run += 1
-        summary.files_written += len(files)
-    summary.source_records_checked = check_source_records(
-        job.sources, plan.records, ledger, units=records
-    )
-    return written
-
-
-def _publish(
-    storage: Storage, plan: UniversalPlan, out_url: str, written: list[dict[str, Any]]
-) -> None:
-    """The manifest, then `latest_universal`, then the completion marker, last."""
-    manifest = {
-        "format": "deepspeed-universal",
-        "job_key": plan.job_key,
-        "source": {"checkpoint": plan.ckpt.ckpt_url, "tag": plan.tag, "stage": plan.stage,
-                   "world_size": plan.world_size},
-        "files": written,
-        "notes": plan.notes,
-    }  # fmt: skip
-    storage.write_bytes(
-        join_url(out_url, plan.folder, MANIFEST_NAME), json.dumps(manifest, indent=1).encode()
-    )
-    storage.write_bytes(join_url(out_url, LATEST_UNIVERSAL), plan.folder.encode())
-    marker = {"job_key": plan.job_key, "folder": plan.folder, "source": manifest["source"]}
-    storage.write_bytes(join_url(out_url, MARKER_NAME), json.dumps(marker, indent=1).encode())
 
 
 def is_universal_output(storage: Storage, out_url: str) -> bool:

@@ -122,6 +122,13 @@ class JobConfig(BaseModel):
     themselves: parameters are stored and shown by the Prefect server."""
     timeout_seconds: int | None = Field(default=None, gt=0)
     """Fail the run if it takes longer than this."""
+    to: Literal["safetensors", "universal", "dcp"] = "safetensors"
+    """What to write (`zerosafe.targets.registry`): safetensors weights; `universal`, a
+    DeepSpeed universal checkpoint; `dcp`, a PyTorch DCP checkpoint of the model and AdamW
+    state. The last two keep the float32 masters and moments as they are: the weights' options
+    (`dtype`, `quantize`, `select`, ...) do not apply (docs/training-state.md)."""
+    dcp_layout: Literal["torch", "accelerate"] = "torch"
+    """With `to: dcp`: one checkpoint of `{model, optim}`, or accelerate's FSDP2 folders."""
 
     _options: ConvertOptions | None = PrivateAttr(default=None)
 

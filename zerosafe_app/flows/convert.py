@@ -58,7 +58,7 @@ from zerosafe_app.tasks._common import progress as task_progress
 from zerosafe_app.tasks.credentials import storage_for
 from zerosafe_app.tasks.inspect import inspect
 
-__all__ = ["convert", "run_convert"]
+__all__ = ["convert", "flow_result", "run_convert"]
 
 
 def _task_runner(cfg: JobConfig, options: ConvertOptions) -> Any:
@@ -137,6 +137,11 @@ def _result_of(state: State[Any], *, raise_on_failure: bool = True) -> Any:
     return returned
 
 
+def flow_result(state: State[Any]) -> Any:
+    """What the flow run that ended in `state` returned (`_result_of`), its error raised."""
+    return _result_of(state)
+
+
 def failure_message(e: ConversionError, cfg: JobConfig | None = None) -> str:
     """The one line a user needs for a permanent error: the error's own message (file,
     expected, found, fix), and, on a worker, where local paths were read."""
@@ -186,12 +191,14 @@ def convert(
     dask_address: str | None = None,
     storage_options: dict[str, Any] | None = None,
     timeout_seconds: int | None = None,
+    to: str | None = None,
+    dcp_layout: str | None = None,
 ) -> Any:
     """Convert one checkpoint (DeepSpeed ZeRO, DeepSpeed universal, PyTorch DCP, Megatron-LM
     torch_dist, verl FSDP, torch_checkpointing, HuggingFaceStorageWriter rank files or a
-    safetensors model folder) into verified safetensors.
-
-    The stages run in a subflow, `convert-job`, so this flow can pick its task runner. The
+    safetensors model folder) into verified safetensors, or (`to`) a DeepSpeed ZeRO tag's
+    training state (`zerosafe_app.flows.training_state`). The stages run in a subflow,
+    `convert-job`, so this flow can pick its task runner. The
     subflow carries this run's tags; this run's state message and its link artifact name the
     subflow, and a permanent error (bad input or options) fails both with the one-line message,
     without a traceback.
@@ -213,6 +220,8 @@ def convert(
         log.error("%s", message)
         _announce_failure(message, destination or "")
         return _hand_back(Failed(message=message, data=e))
+    if cfg.to != "safetensors":  # training state: its own subflow
+        return _hand_back(_convert_state(cfg))
     job_flow = run_job.with_options(
         task_runner=_task_runner(cfg, cfg.options()),
         timeout_seconds=cfg.timeout_seconds,
@@ -243,6 +252,20 @@ def convert(
     return _hand_back(
         Completed(message=f"{result['status']}: {cfg.destination} ({where})", data=result)
     )
+
+
+def _convert_state(cfg: JobConfig) -> Any:
+    """`to: universal|dcp`: the training-state subflow's summary, or a Failed state with the
+    one-line message of a `ConversionError`."""
+    from zerosafe_app.flows.training_state import dispatch
+
+    try:
+        return dispatch(cfg)
+    except ConversionError as e:
+        message = failure_message(e, cfg)
+        get_run_logger().error("%s", message)
+        _announce_failure(message, cfg.destination)
+        return Failed(message=message, data=e)
 
 
 def _announce_failure(message: str, destination: str) -> None:
