@@ -29,12 +29,11 @@ Which tensors are quantized is decided in one place, `ConvertOptions.quantize_sk
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
+from typing import Any
 
 __all__ = [
     "BAND_BYTES_PER_COLUMN",
@@ -49,6 +48,7 @@ __all__ = [
     "SKIPPED_MODULE",
     "QuantizedBand",
     "block_skip_reason",
+    "e4m3fn_codes",
     "expected_scale_shape",
     "quantization_config",
     "quantize_band",
@@ -123,38 +123,97 @@ def block_skip_reason(scheme: str, shape: tuple[int, ...]) -> str | None:
 @dataclass(frozen=True, slots=True)
 class QuantizedBand:
     """One band of up to 128 rows, quantized: its `float8_e4m3fn` bytes (row-major) and its
-    scales, a 2-D float32 tensor (`[1, cols / 128]` or `[rows, 1]`): a weight's scales are
-    its bands' concatenated on dim 0."""
+    scales, a 2-D float32 numpy array (`[1, cols / 128]` or `[rows, 1]`): a weight's scales
+    are its bands' concatenated on axis 0."""
 
     data: bytes
     scales: Any
-    """A float32 torch tensor."""
+    """A float32 numpy array."""
 
 
-def quantize_band(scheme: str, band: torch.Tensor) -> QuantizedBand:
-    """Quantize `band` (float32, `[rows <= 128, cols]`) in `scheme`, computing in float32 as
-    the reference does (for `fp8-block`, cols a multiple of 128: one row of blocks)."""
-    import torch
+def quantize_band(scheme: str, band: Any) -> QuantizedBand:
+    """Quantize `band` (float32, `[rows <= 128, cols]`, a numpy array or a CPU torch tensor)
+    in `scheme`, computing in float32 as the reference does (for `fp8-block`, cols a
+    multiple of 128: one row of blocks).
 
-    if scheme == "fp8-block":
-        rows, cols = band.shape
-        blocks = band.reshape(rows, cols // FP8_BLOCK, FP8_BLOCK)
-        amax = blocks.abs().amax(dim=(0, 2))
-        nonzero = amax > 0
-        one = torch.ones_like(amax)
-        scale = torch.where(nonzero, FP8_MAX / torch.where(nonzero, amax, one), one)
-        inv = (1.0 / scale).to(torch.float32)
-        scaled = blocks * scale.reshape(1, -1, 1)
-        quantized = scaled.clamp(min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
-        data = quantized.reshape(rows, cols).view(torch.uint8).numpy().tobytes()
-        return QuantizedBand(data, inv.reshape(1, -1))
-    assert scheme == "fp8-dynamic", scheme
-    amax = band.abs().amax(dim=1, keepdim=True)
-    scale = amax / FP8_MAX
-    scale = torch.where(scale == 0, torch.full_like(scale, _FLOAT32_EPS), scale)
-    scaled = band / scale + 0.0
-    quantized = scaled.clamp(min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
-    return QuantizedBand(quantized.view(torch.uint8).numpy().tobytes(), scale)
+    In numpy, single-threaded, so a merge needs no torch (its import costs more than the
+    whole quantization of a 0.5B model) and threads can quantize bands side by side. Each
+    float32 operation is the reference's, rounded alike: transformers' `448 / amax` is torch's
+    `Tensor.__rdiv__`, `reciprocal(amax) * 448`; its `1 / scale` a reciprocal;
+    compressed-tensors' `amax / 448` and `w / scale` true divisions. The cast to
+    `float8_e4m3fn` with the reference's clamp to +-448 is `e4m3fn_codes`.
+    """
+    import numpy as np
+
+    band = np.asarray(band, dtype=np.float32)
+    rows, cols = band.shape
+    with np.errstate(all="ignore"):  # zero, subnormal and non-finite blocks: as the reference
+        if scheme == "fp8-block":
+            blocks = band.reshape(rows, cols // FP8_BLOCK, FP8_BLOCK)
+            amax = np.abs(blocks).max(axis=0).max(axis=1)  # down the rows first: SIMD-wide
+            nonzero = amax > 0
+            one = np.float32(1.0)
+            safe = np.where(nonzero, amax, one)
+            scale = np.where(nonzero, np.reciprocal(safe) * np.float32(FP8_MAX), one)
+            inv = np.reciprocal(scale)
+            scaled = blocks * scale.reshape(1, -1, 1)
+            return QuantizedBand(e4m3fn_codes(scaled).tobytes(), inv.reshape(1, -1))
+        assert scheme == "fp8-dynamic", scheme
+        scale = np.abs(band).max(axis=1, keepdims=True) / np.float32(FP8_MAX)
+        scale = np.where(scale == 0, np.float32(_FLOAT32_EPS), scale)
+        scaled = band / scale
+        scaled += np.float32(0.0)  # the symmetric zero point: -0.0 becomes +0.0
+    return QuantizedBand(e4m3fn_codes(scaled).tobytes(), scale)
+
+
+def e4m3fn_codes(values: Any) -> Any:
+    """The `float8_e4m3fn` bytes (uint8 numpy array) of float32 `values` clamped to
+    +-448, as `torch.clamp(values, -448, 448).to(torch.float8_e4m3fn)` gives them: rounded
+    to nearest even, NaN to 0x7F with its sign.
+
+    The code of a float32 is a function of its top 16 bits, but for the round-half-even
+    ties, which need to know whether its low 16 bits are zero (below the rounding point of
+    every e4m3 value, subnormals included, they only break ties; they also tell NaN from
+    infinity): one table lookup per value, `_E4M3FN_TABLES` (low bits nonzero, then zero) for
+    the few whose low half is zero.
+    """
+    import numpy as np
+
+    halves = np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint16)
+    high = halves[1::2]  # little-endian: the high half of each float32 second
+    nonzero_low, zero_low = _e4m3fn_tables()
+    codes = nonzero_low.take(high)
+    exact = np.flatnonzero(halves[0::2] == 0)
+    if exact.size:
+        codes[exact] = zero_low.take(high[exact])
+    return codes
+
+
+@functools.cache
+def _e4m3fn_tables() -> tuple[Any, Any]:
+    """The codes of every top-16-bit pattern, with the low 16 bits nonzero and zero: c10's
+    `fp8e4m3fn_from_fp32_value` (torch's cast) on the values clamped to +-448."""
+    import numpy as np
+
+    if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
+        raise RuntimeError("e4m3fn_codes reads float32 halves as a little-endian machine")
+    high = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    tables = []
+    for low in (1, 0):
+        with np.errstate(invalid="ignore"):  # NaN patterns, each its own code
+            value = np.clip((high | np.uint32(low)).view(np.float32), -FP8_MAX, FP8_MAX)
+            sub = value.view(np.uint32) & np.uint32(0x7FFFFFFF)
+            sub = (sub.view(np.float32) + np.float32(2.0**14)).view(np.uint32)
+        bits = value.view(np.uint32)
+        mag = bits & np.uint32(0x7FFFFFFF)
+        # normal: drop 20 mantissa bits, rounding half to even, and rebias the exponent
+        odd = (mag >> np.uint32(20)) & np.uint32(1)
+        code = (mag + np.uint32((((7 - 127) << 23) + 0x7FFFF) & 0xFFFFFFFF) + odd) >> np.uint32(20)
+        # subnormal (under 2**-6): rounded by a float addition of 2**14, as c10 does
+        code = np.where(mag < np.uint32(121 << 23), sub - np.uint32(141 << 23), code)
+        code = np.where(mag >= np.uint32(1087 << 20), np.uint32(0x7F), code)  # NaN
+        tables.append((code | ((bits >> np.uint32(24)) & np.uint32(0x80))).astype(np.uint8))
+    return tables[0], tables[1]
 
 
 def quantization_config(scheme: str, modules_to_not_convert: list[str]) -> dict[str, Any]:

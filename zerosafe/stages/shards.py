@@ -13,22 +13,26 @@ Verification and publishing live in `zerosafe.verify.tensors` and `zerosafe.stag
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from zerosafe.dtypes import dtype_info, torch_dtype
+from zerosafe.cast import cast_into
+from zerosafe.dtypes import dtype_info
 from zerosafe.errors import IntegrityError
 from zerosafe.formats.crc import CrcLedger, LedgerCheck, crc32
 from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, read_header
 from zerosafe.io.mapped import map_source
-from zerosafe.io.storage import ByteSource, PositionalSink, Storage, join_url
+from zerosafe.io.storage import ByteSource, PositionalSink, Storage, is_local, join_url
 from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, Slot, TensorSpec
-from zerosafe.quantize import BAND_ROWS, FP8_DTYPE, quantize_band
+from zerosafe.quantize import BAND_ROWS, FP8_DTYPE, QuantizedBand, quantize_band
 from zerosafe.stages.results import ExtractResult, MergeResult
 from zerosafe.stages.streaming import CopyJob, copy_in_streams, copy_stream, fusable
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
@@ -339,10 +343,13 @@ def _copy_quantizing(
     chunk_bytes: int,
     ledger: CrcLedger,
     on_bytes: Callable[[int], None] | None,
+    streams: int = 1,
 ) -> int:
     """Write a shard that holds quantized weights (`--quantize`): the other tensors through
     `copy_stream`, as always; each quantized weight a band of 128 rows at a time
-    (`_quantize_tensor`), its scales as the tensor after it.
+    (`_quantize_tensor`), its scales as the tensor after it. With `streams` > 1 and local
+    sources, that many threads read and quantize bands side by side (numpy releases the GIL),
+    in order, one band each.
 
     Returns:
         Bytes read from the sources.
@@ -351,25 +358,40 @@ def _copy_quantizing(
     read = 0
     pending: list[CopyJob] = []
     ordinal = 0
-    while ordinal < len(tensors):
-        tensor = tensors[ordinal]
-        if tensor.out_dtype != FP8_DTYPE:
-            pending.extend(_tensor_jobs(plan, tensor, ordinal, locator))
-            ordinal += 1
-            continue
-        if pending:
-            read += copy_stream(
-                pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
-            )
-            pending = []
-        assert tensors[ordinal + 1].role == SCALE_ROLE, tensors[ordinal + 1]
-        read += _quantize_tensor(plan, tensor, ordinal, locator, writer, ledger, on_bytes)
-        ordinal += 2
+    local = all(is_local(f.url) for f in plan.files)
+    with ThreadPoolExecutor(streams if local else 1, thread_name_prefix="quantize") as pool:
+        while ordinal < len(tensors):
+            tensor = tensors[ordinal]
+            if tensor.out_dtype != FP8_DTYPE:
+                pending.extend(_tensor_jobs(plan, tensor, ordinal, locator))
+                ordinal += 1
+                continue
+            if pending:
+                read += copy_stream(
+                    pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
+                )
+                pending = []
+            assert tensors[ordinal + 1].role == SCALE_ROLE, tensors[ordinal + 1]
+            read += _quantize_tensor(
+                plan, tensor, ordinal, locator, writer, ledger, on_bytes,
+                pool=pool, streams=streams if local else 1,
+            )  # fmt: skip
+            ordinal += 2
     if pending:
         read += copy_stream(
             pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
         )
     return read
+
+
+@dataclass
+class _Band:
+    """One band read and quantized: what the writer and the CRC ledger get from it."""
+
+    quantized: QuantizedBand
+    crcs: list[tuple[str, int, int, int]]
+    """`(crc key, offset, bytes, CRC32)` of each range read."""
+    read: int
 
 
 def _quantize_tensor(
@@ -380,54 +402,90 @@ def _quantize_tensor(
     writer: SafetensorsStreamWriter,
     ledger: CrcLedger,
     on_bytes: Callable[[int], None] | None,
+    *,
+    pool: ThreadPoolExecutor,
+    streams: int,
 ) -> int:
     """Write weight `tensor` (the `ordinal`-th of the file) in FP8 (`--quantize`'s scheme)
     and its scales after it: each band of 128 rows is read from the fragments that cover it
-    (CRC'd as any read), widened to float32, quantized (`zerosafe.quantize.quantize_band`)
-    and written; the band's scales (one float32 per block or row) are kept until the weight
-    is done. Holds one band of float32 (`512 * cols` bytes) at a time.
+    (`_read_band`), quantized (`zerosafe.quantize.quantize_band`) and written, in order; the
+    band's scales (one float32 per block or row) are kept until the weight is done. At most
+    `streams` bands are read and quantized at once, on `pool`'s threads (one: in this
+    thread), each holding `BAND_BYTES_PER_COLUMN * cols` bytes.
 
     Returns:
         Bytes read.
     """
-    import torch
+    import numpy as np
 
     rows, cols = tensor.shape
-    fragments = plan.fragments.for_tensor(tensor.index)
     scheme = str(plan.options["quantize"])
-    band = torch.empty(BAND_ROWS * cols, dtype=torch.float32)
-    band_bytes = band.numpy().data.cast("B")
+
+    def band(first_row: int) -> _Band:
+        values, crcs, read = _read_band(plan, tensor, locator, first_row)
+        return _Band(quantize_band(scheme, values.reshape(-1, cols)), crcs, read)
+
+    firsts = iter(range(0, rows, BAND_ROWS))
+    if streams > 1:
+        window = deque(pool.submit(band, r) for r in itertools.islice(firsts, streams))
     scales = []
     read = 0
-    for first_row in range(0, rows, BAND_ROWS):
-        lo, hi = first_row * cols, min(rows, first_row + BAND_ROWS) * cols
-        for slot_index, src_offset, numel, dst in fragments:
-            start, end = max(lo, dst), min(hi, dst + numel)
-            if start >= end:
-                continue
-            slot = plan.slots[slot_index]
-            at = start - lo
-            for seg in locator.locate(slot_index, src_offset + start - dst, end - start):
-                count = seg.nbytes // slot.itemsize
-                if slot.dtype == "float32":  # the masters: read straight into the band
-                    data = band_bytes[at * 4 : (at + count) * 4]
-                    seg.source.readinto_at(seg.offset, data)
-                else:  # a frozen 16-bit param: widened exactly
-                    data = memoryview(bytearray(seg.nbytes))
-                    seg.source.readinto_at(seg.offset, data)
-                    band[at : at + count] = torch.frombuffer(
-                        data, dtype=torch_dtype(slot.dtype)
-                    ).to(torch.float32)
-                ledger.add(seg.crc_key, seg.crc_offset, seg.nbytes, crc32(data))
-                at += count
-                read += seg.nbytes
-                if on_bytes is not None:
-                    on_bytes(seg.nbytes)
-        quantized = quantize_band(scheme, band[: hi - lo].view(-1, cols))
-        writer.write(ordinal, quantized.data)
-        scales.append(quantized.scales)
-    writer.write(ordinal + 1, torch.cat(scales).numpy().tobytes())
+    while True:
+        if streams > 1:
+            if not window:
+                break
+            done = window.popleft().result()
+            window.extend(pool.submit(band, r) for r in itertools.islice(firsts, 1))
+        else:
+            first_row = next(firsts, None)
+            if first_row is None:
+                break
+            done = band(first_row)
+        for key, offset, nbytes, crc in done.crcs:
+            ledger.add(key, offset, nbytes, crc)
+        read += done.read
+        if on_bytes is not None:
+            on_bytes(done.read)
+        writer.write(ordinal, done.quantized.data)
+        scales.append(done.quantized.scales)
+    writer.write(ordinal + 1, np.concatenate(scales).tobytes())
     return read
+
+
+def _read_band(
+    plan: Plan, tensor: TensorSpec, locator: SlotLocator, first_row: int
+) -> tuple[Any, list[tuple[str, int, int, int]], int]:
+    """The float32 values of rows `[first_row, first_row + 128)` of `tensor` (a flat numpy
+    array) from the fragments that cover them, CRC'd as any read: fp32 masters read straight
+    into it, a frozen 16-bit param widened exactly. Returns the values, the CRCs of the
+    ranges read and the bytes read."""
+    import numpy as np
+
+    rows, cols = tensor.shape
+    lo, hi = first_row * cols, min(rows, first_row + BAND_ROWS) * cols
+    band = np.empty(hi - lo, dtype=np.float32)
+    band_bytes = band.data.cast("B")
+    crcs = []
+    read = 0
+    for slot_index, src_offset, numel, dst in plan.fragments.for_tensor(tensor.index):
+        start, end = max(lo, dst), min(hi, dst + numel)
+        if start >= end:
+            continue
+        slot = plan.slots[slot_index]
+        at = start - lo
+        for seg in locator.locate(slot_index, src_offset + start - dst, end - start):
+            count = seg.nbytes // slot.itemsize
+            if slot.dtype == "float32":  # the masters: read straight into the band
+                data = band_bytes[at * 4 : (at + count) * 4]
+                seg.source.readinto_at(seg.offset, data)
+            else:  # a frozen 16-bit param: widened exactly
+                data = memoryview(bytearray(seg.nbytes))
+                seg.source.readinto_at(seg.offset, data)
+                cast_into(data, slot.dtype, band_bytes[at * 4 :], "float32", count)
+            crcs.append((seg.crc_key, seg.crc_offset, seg.nbytes, crc32(data)))
+            at += count
+            read += seg.nbytes
+    return band, crcs, read
 
 
 def _stream_bounds(entries: list[HeaderEntry], streams: int) -> list[int]:
@@ -519,7 +577,7 @@ def merge_shard(
         if quantizing:
             bytes_read = _copy_quantizing(
                 plan, shard, locator, writer, chunk_bytes=chunk_bytes, ledger=ledger,
-                on_bytes=on_bytes,
+                on_bytes=on_bytes, streams=streams,
             )  # fmt: skip
         elif streams > 1 and isinstance(writer.sink, PositionalSink) and fusable(jobs, writer):
             bytes_read = _copy_in_streams(jobs, writer, streams, ledger, on_bytes)
