@@ -98,6 +98,22 @@ def test_engine_never_imports_the_app_layer() -> None:
     assert offenders == []
 
 
+def test_command_line_parsing_stays_out_of_the_engine() -> None:
+    """Flags, their parsers and what a command prints live in the app (issue 38): the engine
+    takes typed arguments. `pt2st/tree.py` is the one exception: it rebuilds the
+    `argparse.Namespace` objects that training scripts pickle into checkpoints."""
+    from tests.conftest import REPO
+
+    users = set()
+    for path in sorted((REPO / "zerosafe").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names):
+                users.add(path.relative_to(REPO).as_posix())
+            elif isinstance(node, ast.ImportFrom) and node.module == "argparse":
+                users.add(path.relative_to(REPO).as_posix())
+    assert users == {"zerosafe/pt2st/tree.py"}
+
+
 def test_no_generic_top_level_packages_are_installed() -> None:
     """The wheel installs `zerosafe` and `zerosafe_app` only: a user's own `import tasks` or
     `import flows` must never pick up ours."""

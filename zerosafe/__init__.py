@@ -1,6 +1,7 @@
-"""zerosafe: sharded training checkpoints (DeepSpeed ZeRO, PyTorch DCP, verl, ByteCheckpoint,
-torch's HuggingFaceStorageWriter, safetensors folders) to verified safetensors, streaming,
-without DeepSpeed or torch.distributed.
+"""zerosafe: sharded training checkpoints (DeepSpeed ZeRO, DeepSpeed universal, PyTorch DCP
+(FSDP2, torchtitan, accelerate, OLMo-core, ByteCheckpoint), Megatron-LM torch_dist, verl FSDP,
+torch_checkpointing, HuggingFaceStorageWriter rank files, a safetensors model folder) to
+verified safetensors, streaming, without DeepSpeed or torch.distributed.
 
 The engine is a plain library (no Prefect): read a checkpoint's metadata lazily
 (`open_zero_checkpoint`; a `PipelineCheckpoint` for pipeline parallelism), plan the conversion (`build_plan`), run the stages

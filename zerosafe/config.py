@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any, Literal
 
 from zerosafe.dtypes import dtype_info, output_dtype
@@ -20,6 +21,7 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "DEFAULT_MEMORY_BYTES",
     "ConvertOptions",
+    "Mode",
     "choose_mode",
     "environ_during",
     "usable_cores",
@@ -53,35 +55,45 @@ def _dotted_prefix(field: str, prefix: str) -> str:
     return name
 
 
-MODES = ("auto", "direct", "staged")
-"""How merges read the fp32 masters: `direct` in place, `staged` from intermediates that one
-extract per rank part writes first, `auto` by where the checkpoint is (`choose_mode`)."""
+class Mode(StrEnum):
+    """How merges read the fp32 masters (`--mode`, a job's `mode`). Both ways resume: each
+    merge task is cached and restartable either way."""
+
+    AUTO = "auto"
+    """By where the checkpoint is (`choose_mode`): `direct` for a local or NFS path, `staged`
+    for an object store."""
+    DIRECT = "direct"
+    """In place, from the checkpoint's own fp32 records, with no intermediate copy (local or
+    NFS paths only)."""
+    STAGED = "staged"
+    """From intermediates that one extract per rank part writes first."""
 
 
-def choose_mode(source_url: str, mode: str = "auto") -> tuple[bool, str]:
+def choose_mode(source_url: str, mode: Mode | str = Mode.AUTO) -> tuple[bool, str]:
     """`(direct, why)` for a checkpoint at `source_url` and a requested `mode`.
 
     `auto` reads a local or NFS checkpoint in place: its ranged reads are cheap, so the
     extract stage's extra copy of every fp32 byte only costs time. An object store answers
     many small ranged reads slowly, so there one sequential extract per rank part comes first.
-    Both keep resume: each merge task is cached and restartable either way.
 
     Raises:
         ConfigError: For an unknown mode, or `direct` on an object store.
     """
     from zerosafe.io.storage import is_local
 
-    if mode not in MODES:
-        raise ConfigError(f"`mode` must be one of {', '.join(MODES)} (got '{mode}')")
+    try:
+        mode = Mode(mode)
+    except ValueError:
+        raise ConfigError(f"`mode` must be one of {', '.join(Mode)} (got '{mode}')") from None
     local = is_local(source_url)
-    if mode == "direct":
+    if mode is Mode.DIRECT:
         if not local:
             raise ConfigError(
                 f"`mode: direct` reads the checkpoint in place and needs a local or NFS path, "
                 f"not '{source_url}'; use `mode: staged` (or `auto`) for object stores"
             )
         return True, "direct, as asked"
-    if mode == "staged":
+    if mode is Mode.STAGED:
         return False, "staged, as asked"
     if local:
         return True, (
@@ -144,13 +156,17 @@ class ConvertOptions:
     `adapter_config.json` copied from the model-files folder."""
 
     quantize: str | None = None
-    """Write the weights quantized in this scheme (`fp8-block`, `fp8-dynamic`:
+    """Write the weights quantized in this scheme (`fp8-block`, `fp8-dynamic`, `nvfp4a16`:
     `zerosafe.quantize`); the tensors left unquantized (`quantize_skip_reason`) take `dtype`.
     None: no quantization."""
     quantize_ignore: tuple[str, ...] = ()
     """Regular expressions on tensor names (`re.search`): matching weights stay unquantized,
     and their modules are listed in `quantization_config` (`modules_to_not_convert`, or
     `ignore` for compressed-tensors)."""
+    quantize_scale_fmt: str = "float"
+    """`fp8-block`'s scale format, as transformers' `scale_fmt`: `float` (a float32
+    `weight_scale_inv`) or `ue8m0` (powers of two, `float8_e8m0fnu`), which `--quantize-like`
+    takes from a base release's `quantization_config`."""
 
     select: tuple[str, ...] = ()
     """PyTorch DCP: key prefixes to convert (`model`, `optim.state`); a prefix matches whole
@@ -161,6 +177,11 @@ class ConvertOptions:
     """PyTorch DCP: a prefix removed from the output names (`model`); `""` strips nothing;
     None: `model` with the default selection, nothing with `select`. Dots around it are
     ignored; one that is only dots (`.`) is refused."""
+
+    keep_names: bool = False
+    """Megatron-LM: write Megatron's own tensor names, layers unstacked
+    (`decoder.layers.0.self_attention.linear_qkv.weight`), nothing split or trimmed, no
+    `config.json` generated; other formats refuse it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", output_dtype(self.dtype))
@@ -214,14 +235,22 @@ class ConvertOptions:
 
     def _check_quantize(self) -> None:
         """Refuse a `quantize` option the output cannot carry, before any I/O."""
-        from zerosafe.quantize import QUANTIZE_SCHEMES
+        from zerosafe.quantize import QUANTIZE_SCHEMES, SCALE_FORMATS
 
         object.__setattr__(self, "quantize_ignore", tuple(self.quantize_ignore))
+        if self.quantize_scale_fmt not in SCALE_FORMATS or (
+            self.quantize_scale_fmt != "float" and self.quantize != "fp8-block"
+        ):
+            raise ConfigError(
+                f"`quantize_scale_fmt` '{self.quantize_scale_fmt}': expected float, or ue8m0 "
+                f"with `quantize` fp8-block (got `quantize` {self.quantize})"
+            )
         if self.quantize is None:
             if self.quantize_ignore:
                 raise ConfigError(
                     "`quantize_ignore` names weights to leave unquantized, but `quantize` is "
-                    "not given; add `quantize` (fp8-block, fp8-dynamic) or drop `quantize_ignore`"
+                    "not given; add `quantize` (fp8-block, fp8-dynamic, nvfp4a16) or drop "
+                    "`quantize_ignore`"
                 )
             return
         if self.quantize not in QUANTIZE_SCHEMES:
@@ -236,7 +265,7 @@ class ConvertOptions:
         if not self.copy_model_files:
             raise ConfigError(
                 f"`quantize` {self.quantize} writes its `quantization_config` into the copied "
-                "config.json (without it loaders read the FP8 weights unscaled), and with "
+                "config.json (without it loaders read the weights unscaled), and with "
                 "`copy_model_files` nothing is copied; drop it"
             )
         if self.dtype == "float16":
@@ -320,9 +349,13 @@ class ConvertOptions:
             ident["strip_prefix"] = self.strip_prefix
         if self.adapter:
             ident["adapter"] = True
+        if self.keep_names:
+            ident["keep_names"] = True
         if self.quantize is not None:
             ident["quantize"] = self.quantize
             ident["quantize_ignore"] = list(self.quantize_ignore)
+        if self.quantize_scale_fmt != "float":
+            ident["quantize_scale_fmt"] = self.quantize_scale_fmt
         # Not the model files: which are copied is checked apart, file by file, so changing
         # them (or `--model-files`) only copies again instead of converting again.
         return ident

@@ -58,6 +58,7 @@ DTYPES: dict[str, DType] = {
               short="bf16", storage_class="BFloat16Storage"),
         DType(name="float8_e4m3fn", itemsize=1, safetensors_code="F8_E4M3", is_floating=True),
         DType(name="float8_e5m2", itemsize=1, safetensors_code="F8_E5M2", is_floating=True),
+        DType(name="float8_e8m0fnu", itemsize=1, safetensors_code="F8_E8M0", is_floating=True),
         DType(name="int64", itemsize=8, safetensors_code="I64", is_floating=False,
               storage_class="LongStorage"),
         DType(name="int32", itemsize=4, safetensors_code="I32", is_floating=False,

@@ -1,5 +1,5 @@
 """Weight-only quantization on the way out (`--quantize`): FP8 with 128x128 block scales
-(`fp8-block`) or with one scale per output channel (`fp8-dynamic`).
+(`fp8-block`), FP8 with one scale per output channel (`fp8-dynamic`), or NVFP4 (`nvfp4a16`).
 
 `fp8-block` is the format transformers' fine-grained FP8 quantizer writes (`Fp8Quantize` in
 `transformers/integrations/finegrained_fp8.py`; the layout of the DeepSeek-V3 and Qwen FP8
@@ -8,9 +8,10 @@ becomes `float8_e4m3fn` (safetensors `F8_E4M3`), and beside it `<module>.weight_
 float32, one value per 128x128 block (`[rows / 128, cols / 128]`). Per block, in float32:
 `amax = max|w|`, `scale = 448 / amax` (448: the largest finite e4m3fn value), `inv = 1 / scale`
 (stored), `q = e4m3fn(clamp(w * scale, -448, 448))`, rounded to nearest even; an all-zero
-block gets `scale = inv = 1`. A weight whose shape does not divide by the block is left as it
-is, as the reference leaves it; the plan lists it in `modules_to_not_convert`. A scheme that
-needs the whole tensor first (NVFP4's global scale) is not here yet.
+block gets `scale = inv = 1`. With the `ue8m0` scale format (`scale_fmt`, DeepSeek's
+power-of-two scales) `inv` is first rounded up to a power of two,
+`2^ceil(log2(max(inv, tiny)))`, stored as `float8_e8m0fnu` (one byte), and `scale = 1 / inv`. A weight whose shape does not divide by the block is left as it
+is, as the reference leaves it; the plan lists it in `modules_to_not_convert`.
 
 `fp8-dynamic` is compressed-tensors' `float-quantized` format, as llm-compressor's
 `FP8_DYNAMIC` scheme writes it (`compressed_tensors.quantization.utils.helpers.calculate_qparams`
@@ -19,6 +20,19 @@ all-zero row gets float32's eps), `q = e4m3fn(clamp(w / scale + 0, -448, 448))` 
 the symmetric zero point llm-compressor initializes: a `-0.0` becomes `+0.0`), stored as
 `<module>.weight_scale` float32 `[rows, 1]`; any 2-D shape. Activations are quantized per token
 at run time (`dynamic`), so nothing else is stored.
+
+`nvfp4a16` is compressed-tensors' `nvfp4-pack-quantized` format, as llm-compressor's
+`NVFP4A16` scheme writes it (`...utils.helpers.generate_gparam` and `calculate_qparams`,
+`compressors.nvfp4`): per tensor, in float32, `global = 448 * 6 / max|w|` (6: FP4 E2M1's
+largest value; `max|w|` at least float32's smallest normal; a non-finite result becomes 1),
+stored as `<module>.weight_global_scale` `[1]`; per group of 16 along a row,
+`scale = e4m3fn(clamp(global * (max|w| / 6), -448, 448))` (an all-zero group: 0.125, e4m3's
+eps there), stored as `<module>.weight_scale` `float8_e4m3fn` `[rows, cols / 16]`; each value
+`x = w / (scale / global)` clamped to [-6, 6] and rounded to the nearest E2M1 value (ties to
+even), its sign bit set when `x < 0`; two 4-bit codes a byte, the even column in the low
+nibble, as `<module>.weight_packed` uint8 `[rows, cols / 2]`. The global scale needs the whole
+tensor's `max|w|`: the merge reads the weight's bands twice, once for it. A weight whose
+columns do not divide by 16 is refused, as compressed-tensors refuses it.
 
 A weight is quantized a band of 128 rows at a time (`quantize_band`; a block needs 128 whole
 rows): the merge reads `128 * cols` source elements, writes the band's bytes and keeps the
@@ -33,10 +47,15 @@ import functools
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "BAND_BYTES_PER_COLUMN",
+    "FP4_GROUP",
+    "SCALE_FORMATS",
     "BAND_ROWS",
     "COMPRESSED_TENSORS_VERSION",
     "FP8_BLOCK",
@@ -49,6 +68,8 @@ __all__ = [
     "QuantizedBand",
     "block_skip_reason",
     "e4m3fn_codes",
+    "global_scale",
+    "quantized_tensors",
     "expected_scale_shape",
     "quantization_config",
     "quantize_band",
@@ -56,15 +77,16 @@ __all__ = [
     "scale_shape",
 ]
 
-QUANTIZE_SCHEMES = ("fp8-block", "fp8-dynamic")
+QUANTIZE_SCHEMES = ("fp8-block", "fp8-dynamic", "nvfp4a16")
 """What `--quantize` writes."""
 BAND_ROWS = 128
 """Rows of a weight quantized at once (a row of 128x128 blocks for `fp8-block`)."""
 BAND_BYTES_PER_COLUMN = 2048
 """What quantizing one band holds per column of the weight: the float32 band (512 bytes) and
 the quantization's temporaries and output (measured with tracemalloc at 65536 columns: 260
-more for `fp8-block`, 640 for `fp8-dynamic`; 1153 when it ran in torch), with room for the
-codes the writer has not taken yet."""
+more for `fp8-block`, 640 for `fp8-dynamic`, which run in numpy; 1153 when they ran in torch,
+and `nvfp4a16`, still in torch, 4% above that), with room for the codes the writer has not
+taken yet."""
 COMPRESSED_TENSORS_VERSION = "0.20.0"
 """The compressed-tensors release whose `float-quantized` format `fp8-dynamic` writes (its
 `quantization_config.version`)."""
@@ -74,10 +96,25 @@ FP8_DTYPE = "float8_e4m3fn"
 FP8_MAX = 448.0
 """The largest finite `float8_e4m3fn` value (`torch.finfo(torch.float8_e4m3fn).max`)."""
 SCALE_DTYPE = "float32"
-SCALE_SUFFIXES = {"fp8-block": "_scale_inv", "fp8-dynamic": "_scale"}
+SCALE_FORMATS = ("float", "ue8m0")
+"""`fp8-block`'s scale formats (transformers' `scale_fmt`): float32, or powers of two stored as
+`float8_e8m0fnu`."""
+SCALE_SUFFIXES = {"fp8-block": "_scale_inv", "fp8-dynamic": "_scale", "nvfp4a16": "_scale"}
 """A quantized weight's scales are `<weight name><suffix>`: `<module>.weight_scale_inv`
 (transformers' fine-grained FP8) or `<module>.weight_scale` (compressed-tensors)."""
+FP4_GROUP = 16
+"""Values of one NVFP4 group (`group_size: 16`), along a row."""
+FP4_MAX = 6.0
+"""The largest FP4 E2M1 value."""
+_FP4_ROUNDING = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False),
+                 (3.5, True), (5.0, False))  # fmt: skip
+"""E2M1's magnitude codes 1..7 (0.5, 1, 1.5, 2, 3, 4, 6) begin above (or at, where True)
+these midpoints: round to nearest, ties to the even code."""
+_FP8_EPS = 0.125
+"""compressed-tensors' scale of an all-zero NVFP4 group (its `_get_dtype_eps` of e4m3fn)."""
 _FLOAT32_EPS = 2.0**-23
+_FLOAT32_TINY = 2.0**-126
+"""`torch.finfo(torch.float32).tiny`."""
 """`torch.finfo(torch.float32).eps`: compressed-tensors' scale of an all-zero row."""
 _CHUNK = 1 << 16
 """Elements scaled and cast at once: their temporaries (float32, the table index, the tie
@@ -97,11 +134,33 @@ def scale_name(scheme: str, weight_name: str) -> str:
 
 
 def scale_shape(scheme: str, shape: tuple[int, ...]) -> tuple[int, int]:
-    """`[rows / 128, cols / 128]` (`fp8-block`) or `[rows, 1]` (`fp8-dynamic`)."""
+    """`[rows / 128, cols / 128]` (`fp8-block`), `[rows, 1]` (`fp8-dynamic`) or
+    `[rows, cols / 16]` (`nvfp4a16`)."""
     rows, cols = shape
     if scheme == "fp8-block":
         return rows // FP8_BLOCK, cols // FP8_BLOCK
+    if scheme == "nvfp4a16":
+        return rows, cols // FP4_GROUP
     return rows, 1
+
+
+def quantized_tensors(
+    scheme: str, weight_name: str, shape: tuple[int, ...], scale_fmt: str = "float"
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """What weight `weight_name` of `shape` is stored as in `scheme`, in file order, as
+    `(name, dtype, shape)`: its values, then its scales (`fp8-*`: the FP8 weight under its
+    own name and a float32 scale, `float8_e8m0fnu` under `scale_fmt` ue8m0; `nvfp4a16`:
+    `weight_packed`, `weight_scale` and `weight_global_scale`)."""
+    dtype = "float8_e8m0fnu" if scale_fmt == "ue8m0" else SCALE_DTYPE
+    scales = (scale_name(scheme, weight_name), dtype, scale_shape(scheme, shape))
+    if scheme != "nvfp4a16":
+        return [(weight_name, FP8_DTYPE, shape), scales]
+    rows, cols = shape
+    return [
+        (weight_name + "_packed", "uint8", (rows, cols // 2)),
+        (scales[0], FP8_DTYPE, scales[2]),
+        (weight_name + "_global_scale", SCALE_DTYPE, (1,)),
+    ]
 
 
 def expected_scale_shape(suffix: str, shape: list[int]) -> list[int]:
@@ -136,11 +195,31 @@ class QuantizedBand:
     """A float32 numpy array."""
 
 
-def quantize_band(scheme: str, band: Any) -> QuantizedBand:
+def global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's `weight_global_scale` (float32 `[1]`) of a weight whose largest magnitude is
+    `amax` (a float32 scalar; NaN where the weight holds one), as compressed-tensors'
+    `generate_gparam` computes it."""
+    import torch
+
+    amax = amax.reshape(1).to(torch.float32)
+    scale = (FP8_MAX * FP4_MAX) / amax.clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+def quantize_band(
+    scheme: str,
+    band: Any,
+    global_scale: torch.Tensor | None = None,
+    *,
+    scale_fmt: str = "float",
+) -> QuantizedBand:
     """Quantize `band` (float32, `[rows <= 128, cols]`, a numpy array or a CPU torch tensor)
     in `scheme`, computing in float32 as the reference does (for `fp8-block`, cols a
-    multiple of 128: one row of blocks).
+    multiple of 128: one row of blocks, its scales in `scale_fmt`; for `nvfp4a16`, cols a
+    multiple of 16, with the weight's `global_scale`).
 
+    `fp8-block` with float scales and `fp8-dynamic` run in numpy (their scales a numpy
+    array), `nvfp4a16` and `ue8m0` scales in torch (`_quantize_in_torch`; a torch tensor).
     In numpy, single-threaded, so a merge needs no torch (its import costs more than the
     whole quantization of a 0.5B model) and threads can quantize bands side by side. Each
     float32 operation is the reference's, rounded alike: transformers' `448 / amax` is torch's
@@ -150,6 +229,8 @@ def quantize_band(scheme: str, band: Any) -> QuantizedBand:
     scales, the band is scaled and cast `_CHUNK` elements at a time, so what it holds beside
     the band is its codes and one chunk's temporaries.
     """
+    if scheme == "nvfp4a16" or scale_fmt == "ue8m0":
+        return _quantize_in_torch(scheme, band, global_scale, scale_fmt)
     import numpy as np
 
     band = np.asarray(band, dtype=np.float32)
@@ -244,22 +325,65 @@ def _e4m3fn_tables() -> tuple[Any, Any]:
     return tables[0], tables[1]
 
 
-def quantization_config(scheme: str, modules_to_not_convert: list[str]) -> dict[str, Any]:
+def _quantize_in_torch(
+    scheme: str, band: Any, global_scale: torch.Tensor | None, scale_fmt: str
+) -> QuantizedBand:
+    """`quantize_band` for `nvfp4a16` and `fp8-block`'s `ue8m0` scales, in torch (their
+    `log2` and E2M1 rounding are torch's own); the scales a torch tensor."""
+    import torch
+
+    band = torch.as_tensor(band)
+    if scheme == "nvfp4a16":
+        assert global_scale is not None
+        return _quantize_nvfp4(band, global_scale)
+
+    assert scheme == "fp8-block" and scale_fmt == "ue8m0", (scheme, scale_fmt)
+    rows, cols = band.shape
+    blocks = band.reshape(rows, cols // FP8_BLOCK, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(0, 2))
+    nonzero = amax > 0
+    one = torch.ones_like(amax)
+    scale = torch.where(nonzero, FP8_MAX / torch.where(nonzero, amax, one), one)
+    inv = (1.0 / scale).to(torch.float32)
+    inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=_FLOAT32_TINY))))
+    inv = inv.to(torch.float8_e8m0fnu)
+    scale = 1.0 / inv.to(torch.float32)
+    inv = inv.view(torch.uint8)
+    scaled = blocks * scale.reshape(1, -1, 1)
+    quantized = scaled.clamp(min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
+    data = quantized.reshape(rows, cols).view(torch.uint8).numpy().tobytes()
+    return QuantizedBand(data, inv.reshape(1, -1))
+
+
+def quantization_config(
+    scheme: str, modules_to_not_convert: list[str], scale_fmt: str = "float"
+) -> dict[str, Any]:
     """The `quantization_config` a release in `scheme` carries in its `config.json`, as the
     reference writes it: DeepSeek-V3's keys, which transformers' `FineGrainedFP8Config`
     reads (`fp8-block`); or what compressed-tensors' `ModelCompressor.update_config` writes
-    for llm-compressor's `FP8_DYNAMIC` scheme (`fp8-dynamic`), `modules_to_not_convert` as
-    its `ignore`."""
+    for llm-compressor's `FP8_DYNAMIC` (`fp8-dynamic`) or `NVFP4A16` (`nvfp4a16`) scheme,
+    `modules_to_not_convert` as its `ignore`."""
     if scheme == "fp8-block":
         return {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            **({"scale_fmt": scale_fmt} if scale_fmt != "float" else {}),
             "modules_to_not_convert": modules_to_not_convert,
         }
-    assert scheme == "fp8-dynamic", scheme
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None}
+    if scheme == "fp8-dynamic":
+        weights: dict[str, Any] = {**fp8, "strategy": "channel", "dynamic": False}
+        inputs: dict[str, Any] | None = {**fp8, "strategy": "token", "dynamic": True}
+        form = "float-quantized"
+    else:
+        assert scheme == "nvfp4a16", scheme
+        weights = {
+            "num_bits": 4, "type": "float", "symmetric": True, "group_size": FP4_GROUP,
+            "strategy": "tensor_group", "dynamic": False, "scale_dtype": "torch.float8_e4m3fn",
+        }  # fmt: skip
+        inputs, form = None, "nvfp4-pack-quantized"
     return {
         "version": COMPRESSED_TENSORS_VERSION,
         "quant_method": "compressed-tensors",
@@ -268,16 +392,41 @@ def quantization_config(scheme: str, modules_to_not_convert: list[str]) -> dict[
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
-                "weights": {**fp8, "strategy": "channel", "dynamic": False},
-                "input_activations": {**fp8, "strategy": "token", "dynamic": True},
+                "weights": weights,
+                "input_activations": inputs,
                 "output_activations": None,
                 "format": None,
             }
         },
         "kv_cache_scheme": None,
-        "format": "float-quantized",
+        "format": form,
         "quantization_status": "compressed",
         "global_compression_ratio": None,
         "ignore": modules_to_not_convert,
         "moe_sparsity_config": None,
     }
+
+
+def _quantize_nvfp4(band: torch.Tensor, global_scale: torch.Tensor) -> QuantizedBand:
+    """`nvfp4a16` on one band: its packed codes and its `float8_e4m3fn` group scales (as
+    uint8, `[rows, cols / 16]`); see the module docstring for the formula."""
+    import torch
+
+    rows, cols = band.shape
+    groups = band.reshape(rows, cols // FP4_GROUP, FP4_GROUP)
+    scale = groups.abs().amax(dim=2) / FP4_MAX
+    scale = (global_scale * scale).clamp(min=-FP8_MAX, max=FP8_MAX)
+    scale = scale.to(torch.float8_e4m3fn).to(torch.float32)
+    scale = torch.where(scale == 0, torch.full_like(scale, _FP8_EPS), scale)
+    stored = scale.to(torch.float8_e4m3fn).view(torch.uint8)  # exact: e4m3fn values
+    x = groups / (scale / global_scale).unsqueeze(2)
+    x = x.clamp(min=-FP4_MAX, max=FP4_MAX)
+    negative = x < 0
+    magnitude = x.abs_()
+    codes = torch.zeros(magnitude.shape, dtype=torch.uint8)
+    for bound, inclusive in _FP4_ROUNDING:
+        codes += (magnitude >= bound) if inclusive else (magnitude > bound)
+    codes |= negative.to(torch.uint8) << 3
+    pairs = codes.reshape(rows, cols // 2, 2)
+    packed = pairs[:, :, 0] | (pairs[:, :, 1] << 4)
+    return QuantizedBand(packed.numpy().tobytes(), stored)

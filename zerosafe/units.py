@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import re
 
-__all__ = ["MAX_SIZE_BYTES", "format_bytes", "parse_size", "size_argument"]
+__all__ = ["MAX_SIZE_BYTES", "format_bytes", "parse_size"]
 
 _DECIMAL = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15}
 _BINARY = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "PIB": 2**50}
@@ -51,14 +50,6 @@ def parse_size(value: str | int) -> int:
             f"({MAX_SIZE_BYTES} bytes, 9.22 EB)"
         )
     return size
-
-
-def size_argument(text: str) -> int:
-    """`parse_size` as an argparse `type=`: a bad size is a usage error that says why."""
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def format_bytes(num_bytes: float) -> str:

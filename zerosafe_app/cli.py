@@ -16,15 +16,15 @@ import functools
 import importlib
 import json
 import logging
-import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from zerosafe._version import __version__
 from zerosafe.errors import ConfigError, ConversionError, VerificationError
-from zerosafe.units import size_argument
+from zerosafe_app.arg_types import int_at_least, list_of, positive_size, seconds, size_argument
+from zerosafe_app.option_table import FLAG_OF_FIELD, Scope, add_job_flags, options_values
 
 if TYPE_CHECKING:
     from zerosafe.config import ConvertOptions
@@ -42,7 +42,7 @@ INTERRUPTED = (
 EXTRA_COMMANDS: list[str] = [
     "zerosafe_app.pt2st_cli",
     "zerosafe_app.lazify_cli",
-    "zerosafe.stages.clean",
+    "zerosafe_app.clean_cli",
 ]
 """Modules that add a command: each has `add_parser(subparsers, add_verbosity)`, which adds its
 parser and sets `handler=` (a function of the parsed args returning the exit code) as a default."""
@@ -65,76 +65,18 @@ def default_parallel() -> int:
     return max(2, min(4, usable_cores() // 2))
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
-        return value
-
-    return parse
-
-
-def _positive_size(text: str) -> int:
-    value = size_argument(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 bytes (got '{text}')")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
-    if not 0 <= value < math.inf:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got '{text}')")
-    return value
-
-
-def _list_of(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
-    def parse_list(text: str) -> list[Any]:
-        return [parse(item) for item in text.split(",")]
-
-    return parse_list
-
-
-_FLAG_OF_FIELD = {
-    "`max_parallel_tasks`": "`--parallel`",
-    "`memory`": "`--memory`",
-    "`max_shard_size`": "`--max-shard-size`",
-    "`extract_part_size`": "`--extract-part-size`",
-    "`dtype`": "`--dtype`",
-    "`tied`": "`--tied`",
-    "`mode: direct`": "`--mode direct`",
-    "`mode: staged`": "`--mode staged`",
-    "`mode`": "`--mode`",
-    "`keep_fp32`": "`--keep-fp32`",
-    "`model_files`": "`--model-files`",
-    "`copy_model_files`": "`--no-model-files`",
-    "`adapter`": "`--adapter`",
-    "`quantize_ignore`": "`--quantize-ignore`",
-    "`quantize`": "`--quantize`",
-    "`check_lowp`": "`--check-lowp`",
-    "`select`": "`--select`",
-    "`strip_prefix`": "`--strip-prefix`",
-}
-"""`ConvertOptions` fields as its errors name them -> the flag a user of the command typed."""
-
-
 def with_flag_names(e: ConfigError) -> ConfigError:
     """`e` with the `ConvertOptions` fields it names replaced by the flags a user typed."""
     message = str(e)
-    for field, flag in _FLAG_OF_FIELD.items():
+    for field, flag in {**FLAG_OF_FIELD, "`quantize_like`": "`--quantize-like`"}.items():
         message = message.replace(field, flag)
     return ConfigError(message)
 
 
 def _add_plan_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tag", help="DeepSpeed: the tag to convert (default: the one 'latest' names)")
+    """The flags of what is planned (`inspect` and `convert`): the table's `Scope.PLAN`
+    fields (`zerosafe_app.option_table`), the output kind, and the storage options."""
+    add_job_flags(p, Scope.PLAN, only=("tag",))
     p.add_argument(
         "--to",
         default="safetensors",
@@ -152,104 +94,9 @@ def _add_plan_options(p: argparse.ArgumentParser) -> None:
         help="with `--to dcp`: one checkpoint of {'model', 'optim'} (default), or accelerate's "
         "FSDP2 folders pytorch_model_fsdp_0/ and optimizer_0/",
     )
-    p.add_argument(
-        "--select",
-        action="append",
-        metavar="PREFIX",
-        help="PyTorch DCP: convert the tensors under this key prefix (repeatable; default: "
-        "'model', or every tensor without a 'model' key)",
-    )
-    p.add_argument(
-        "--strip-prefix",
-        metavar="PREFIX",
-        help="PyTorch DCP: remove this prefix from the output names (default: 'model' with "
-        "the default selection, nothing with --select; '' strips nothing)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="fp32",
-        choices=["fp32", "bf16", "fp16"],
-        help="output dtype of floating tensors (default fp32)",
-    )
-    p.add_argument(
-        "--max-shard-size",
-        type=_positive_size,
-        default="5GB",
-        metavar="SIZE",
-        help="largest output file, e.g. 5GB, 500MB, 64MiB (default 5GB)",
-    )
-    p.add_argument(
-        "--memory",
-        type=size_argument,
-        default="1GB",
-        metavar="SIZE",
-        help="memory budget of a worker (default 1GB)",
-    )
-    p.add_argument("--exclude-frozen", action="store_true", help="leave frozen parameters out")
-    p.add_argument(
-        "--tied",
-        choices=["dedupe", "copy"],
-        default="dedupe",
-        help="store tied aliases once and record them (dedupe, default) or write copies",
-    )
-    p.add_argument(
-        "--mode",
-        choices=["auto", "direct", "staged"],
-        default="auto",
-        help="how merges read the fp32 masters: direct (in place, local/NFS), staged (from "
-        "intermediates an extract stage writes first), auto (direct for local/NFS paths, "
-        "staged for object stores; default)",
-    )
-    p.add_argument(
-        "--keep-fp32",
-        action="append",
-        default=[],
-        metavar="PATTERN",
-        help="keep floating tensors whose name matches this regular expression (re.search) in "
-        "fp32 under --dtype bf16/fp16, e.g. 'router|norm' (repeatable)",
-    )
-    files = p.add_mutually_exclusive_group()
-    files.add_argument(
-        "--model-files",
-        metavar="DIR",
-        help="copy config.json, generation_config.json and tokenizer files from DIR (default: "
-        "the checkpoint folder above the tag)",
-    )
-    files.add_argument(
-        "--no-model-files",
-        dest="copy_model_files",
-        action="store_false",
-        help="do not copy config and tokenizer files next to the weights",
-    )
-    p.add_argument(
-        "--adapter",
-        action="store_true",
-        help="write the PEFT adapter the checkpoint holds: adapter_model.safetensors with "
-        "PEFT's names and adapter_config.json, for PeftModel.from_pretrained(base, OUT)",
-    )
-    _add_quantize_options(p)
+    add_job_flags(p, Scope.PLAN, skip=("tag",))
+    _add_quantize_like(p)
     _add_storage_option(p)
-
-
-def _add_quantize_options(p: argparse.ArgumentParser) -> None:
-    """`--quantize` and `--quantize-ignore`: the release formats (docs/output.md)."""
-    p.add_argument(
-        "--quantize",
-        choices=["fp8-block", "fp8-dynamic"],
-        help="write the weights quantized: fp8-block is float8_e4m3fn with a float32 "
-        "weight_scale_inv per 128x128 block, as transformers' fine-grained FP8 writes it; "
-        "fp8-dynamic is compressed-tensors' float-quantized (a float32 weight_scale per "
-        "output channel), as llm-compressor's FP8_DYNAMIC writes it (embeddings, lm_head, "
-        "norms, routers stay in --dtype)",
-    )
-    p.add_argument(
-        "--quantize-ignore",
-        action="append",
-        default=[],
-        metavar="PATTERN",
-        help="with --quantize: leave weights whose name matches this regular expression "
-        "(re.search) unquantized, e.g. 'layers\\.0\\.' (repeatable)",
-    )
 
 
 def _add_storage_option(p: argparse.ArgumentParser) -> None:
@@ -310,15 +157,21 @@ CHECKPOINT_HELP = (
 )
 """The formats of `zerosafe.formats.registry.READERS`, written out so that the command's
 start-up does not import every reader (tests/app/test_cli.py checks each reader's title is
-here)."""
+here, and in `DESCRIPTION`, the flow's docstring and the engine's)."""
+
+DESCRIPTION = (
+    "Convert sharded training checkpoints (DeepSpeed ZeRO, DeepSpeed universal, PyTorch DCP, "
+    "Megatron-LM torch_dist, verl FSDP, torch_checkpointing, HuggingFaceStorageWriter rank "
+    "files, a safetensors model folder) into verified safetensors or training state, "
+    "streaming, without DeepSpeed or torch.distributed."
+)
+"""The command's description, its formats written out as `CHECKPOINT_HELP`'s are."""
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="zerosafe",
-        description="Convert sharded training checkpoints (DeepSpeed ZeRO, PyTorch DCP, verl, "
-        "ByteCheckpoint, torch's HuggingFaceStorageWriter, safetensors folders) into verified "
-        "safetensors or training state, streaming, without DeepSpeed or torch.distributed.",
+        description=DESCRIPTION,
     )
     parser.add_argument("--version", action="version", version=f"zerosafe {__version__}")
     _add_verbosity(parser, top=True)
@@ -351,11 +204,11 @@ def _add_inspect(sub: Any) -> None:
         help="YAML/JSON model description (see conf/simulate-80b.yaml) to plan instead of a checkpoint",
     )
     sim.add_argument(
-        "--world-size", type=_int_at_least(1),
+        "--world-size", type=int_at_least(1),
         help="with --simulate: override the spec's world size",
     )  # fmt: skip
     sim.add_argument(
-        "--parallel", type=_int_at_least(1), default=2, metavar="N",
+        "--parallel", type=int_at_least(1), default=2, metavar="N", dest="max_parallel_tasks",
         help="tasks a worker runs at once, within --memory (default 2)",
     )  # fmt: skip
     sim.add_argument(
@@ -364,19 +217,19 @@ def _add_inspect(sub: Any) -> None:
         "this (default 2GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--workers", type=_list_of(_int_at_least(1)), metavar="N,...",
+        "--workers", type=list_of(int_at_least(1)), metavar="N,...",
         help="with --simulate: worker counts to predict wall time for (default 1,4,16,64)",
     )  # fmt: skip
     sim.add_argument(
-        "--bandwidth", type=_list_of(_positive_size), metavar="SIZE,...",
+        "--bandwidth", type=list_of(positive_size), metavar="SIZE,...",
         help="with --simulate: aggregate storage bandwidths per second (default 1GB,10GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--task-rate", type=_positive_size, metavar="SIZE",
+        "--task-rate", type=positive_size, metavar="SIZE",
         help="with --simulate: bytes one task moves per second at most (default: measured 1GB)",
     )  # fmt: skip
     sim.add_argument(
-        "--request-latency", type=_seconds, metavar="SECONDS",
+        "--request-latency", type=seconds, metavar="SECONDS",
         help="with --simulate: wait per ranged read, e.g. 0.03 for an object store (default 0)",
     )  # fmt: skip
 
@@ -390,41 +243,7 @@ def _add_convert(sub: Any) -> None:
     )
     p.add_argument("output", help="output folder")
     _add_plan_options(p)
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an output of another source or other options",
-    )
-    p.add_argument(
-        "--work-dir",
-        help="where to keep the plan and intermediates (default: OUTPUT/.zerosafe-work)",
-    )
-    p.add_argument(
-        "--keep-work", action="store_true", help="keep work files after a verified publish"
-    )
-    p.add_argument("--allow-nonfinite", action="store_true", help="do not fail on NaN/Inf values")
-    p.add_argument(
-        "--check-lowp",
-        action="store_true",
-        help="ZeRO-1/2: also check the output against the 16-bit weights saved beside the fp32 ones",
-    )
-    p.add_argument(
-        "--file-sha256",
-        action="store_true",
-        help="record each weight file's SHA-256 (as the Hugging Face Hub shows it) in the "
-        "manifest, hashed by verify's re-read; on a complete output without them, verify it "
-        "again to add them",
-    )
-    parallel = default_parallel()
-    p.add_argument(
-        "--parallel",
-        type=_int_at_least(1),
-        default=parallel,
-        metavar="N",
-        help="tasks at once, within the memory budget (default: half the usable cores, 2 to "
-        f"4; {parallel} here); ZEROSAFE_WORKERS=auto runs them as worker processes "
-        "for a job of 2 GB or more",
-    )
+    add_job_flags(p, Scope.CONVERT, defaults={"max_parallel_tasks": default_parallel()})
     p.add_argument(
         "--via",
         choices=["auto", "local", "prefect"],
@@ -464,36 +283,36 @@ def _options(args: argparse.Namespace) -> ConvertOptions:
             direct, why = choose_mode(source, args.mode)
         else:  # `inspect --simulate`: no source to choose by
             direct, why = args.mode == "direct", f"{args.mode}, as asked"
-        return ConvertOptions(
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
-            memory=args.memory,
-            exclude_frozen=args.exclude_frozen,
-            tied=args.tied,
-            direct=direct,
-            mode_reason=why,
-            overwrite=getattr(args, "overwrite", False),
-            keep_work=getattr(args, "keep_work", False),
-            allow_nonfinite=getattr(args, "allow_nonfinite", False),
-            check_lowp=getattr(args, "check_lowp", False),
-            file_sha256=getattr(args, "file_sha256", False),
-            keep_fp32=tuple(args.keep_fp32),
-            model_files=args.model_files,
-            copy_model_files=args.copy_model_files,
-            adapter=getattr(args, "adapter", False),
-            quantize=getattr(args, "quantize", None),
-            quantize_ignore=tuple(getattr(args, "quantize_ignore", None) or ()),
-            max_parallel_tasks=getattr(args, "parallel", 2),
-            select=tuple(getattr(args, "select", None) or ()),
-            strip_prefix=getattr(args, "strip_prefix", None),
-            **(
-                {"extract_part_size": args.extract_part_size}
-                if getattr(args, "extract_part_size", None) is not None
-                else {}
-            ),
-        )
+        values = {**options_values(vars(args)), **_quantize_like_options(args)}
+        return ConvertOptions(direct=direct, mode_reason=why, **values)
     except ConfigError as e:
         raise with_flag_names(e) from e
+
+
+def _quantize_like_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options `--quantize-like DIR` reads from a base release (none without it)."""
+    like = getattr(args, "quantize_like", None)
+    if like is None:
+        return {}
+    if getattr(args, "quantize", None):
+        raise ConfigError("`--quantize-like` reads the scheme that `--quantize` gives: give one")
+    from zerosafe.quantize_like import read_quantize_like
+
+    base = read_quantize_like(_storage(args), like)
+    ignore = (*base.ignore, *(getattr(args, "quantize_ignore", None) or ()))
+    return {"quantize": base.quantize, "quantize_scale_fmt": base.scale_fmt,
+            "quantize_ignore": ignore}  # fmt: skip
+
+
+def _add_quantize_like(p: argparse.ArgumentParser) -> None:
+    """`--quantize-like`: no job field of its own, it gives the `quantize*` fields."""
+    p.add_argument(
+        "--quantize-like",
+        metavar="DIR",
+        help="quantize as the release in DIR (local or s3://) is: the scheme, scale format and "
+        "ignore list of its config.json's quantization_config; what cannot be reproduced "
+        "exactly is refused, naming the field (not with --quantize)",
+    )
 
 
 _SIMULATION_ONLY = ("world_size", "extract_part_size", "workers", "bandwidth", "task_rate",

@@ -49,7 +49,7 @@ def check_universal_args(args: argparse.Namespace) -> None:
     to = f"`--to {args.to}`"
     if args.to != "dcp" and args.dcp_layout != "torch":
         raise ConfigError("`--dcp-layout` applies only with `--to dcp`")
-    if getattr(args, "quantize", None) or getattr(args, "quantize_ignore", None):
+    if any(getattr(args, k, None) for k in ("quantize", "quantize_ignore", "quantize_like")):
         raise ConfigError(
             f"`--quantize` does not apply with {to}: training state keeps the float32 masters "
             "and Adam moments exact; quantize a `--to safetensors` release instead"

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from zerosafe.errors import ConfigError
-from zerosafe.units import format_bytes, size_argument
+from zerosafe.units import format_bytes
+from zerosafe_app.arg_types import size_argument
 from zerosafe_app.pt2st_cli import command_storage
 
 __all__ = ["add_parser"]

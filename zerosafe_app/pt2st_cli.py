@@ -15,7 +15,8 @@ from typing import Any
 
 from zerosafe.errors import ConfigError, VerificationError
 from zerosafe.io.storage import Storage
-from zerosafe.units import format_bytes, size_argument
+from zerosafe.units import format_bytes
+from zerosafe_app.arg_types import size_argument
 
 __all__ = ["add_parser", "command_storage"]
 

@@ -102,11 +102,23 @@ def test_convert_json_summary(tmp_path: Path, capsys) -> None:
     assert summary["aliases"] == {"lm_head.weight": "embed.weight"}
 
 
-def test_the_checkpoint_help_names_every_format_read() -> None:
-    """The help is written out (the command's start-up imports no reader); every reader of the
-    registry must be named in it."""
+def test_the_help_texts_name_every_format_read() -> None:
+    """The texts that list the formats are written out (the command's start-up imports no
+    reader, `import zerosafe` none either); every reader of the registry must be named in
+    each: the checkpoint's help, the command's description, the flow's docstring (its
+    description in Prefect) and the engine's docstring (issue 38: verl was missing from
+    three of them)."""
+    import zerosafe
     from zerosafe.formats.registry import READERS
-    from zerosafe_app.cli import CHECKPOINT_HELP
+    from zerosafe_app.cli import CHECKPOINT_HELP, DESCRIPTION
+    from zerosafe_app.flows.convert import convert
 
+    texts = {
+        "CHECKPOINT_HELP": CHECKPOINT_HELP,
+        "DESCRIPTION": DESCRIPTION,
+        "the flow's docstring": " ".join((convert.description or "").split()),
+        "zerosafe's docstring": " ".join((zerosafe.__doc__ or "").split()),
+    }
     for reader in READERS:
-        assert reader.title in CHECKPOINT_HELP, reader.title
+        for where, text in texts.items():
+            assert reader.title in text, (reader.title, where)

@@ -156,26 +156,30 @@ def quantize_then_die(*args, **kwargs):
     return quantize_tensor(*args, **kwargs)
 
 shards._quantize_tensor = quantize_then_die
-options = ConvertOptions(dtype="bf16", quantize="fp8-block", max_shard_size=70_000,
+options = ConvertOptions(dtype="bf16", quantize=sys.argv[3], max_shard_size=int(sys.argv[4]),
                          max_parallel_tasks=1, direct=True)
 convert_checkpoint(sys.argv[1], sys.argv[2], options, workers="threads")
 """
 
 
+@pytest.mark.parametrize(("scheme", "shard_bytes"), [("fp8-block", 70_000), ("nvfp4a16", 36_000)])
 def test_sigkill_midway_then_resume_bit_identical(
-    run_dir: Path, outputs: dict[str, Path], tmp_path: Path
+    run_dir: Path, outputs: dict[str, Path], tmp_path: Path, scheme: str, shard_bytes: int
 ) -> None:
     """Killed while quantizing its 4th weight (a file each): the rerun keeps the files whose
     merge finished, writes the rest, and the output is byte for byte the uninterrupted one."""
     ckpt, out, reference = str(run_dir / "ckpt"), tmp_path / "out", tmp_path / "reference"
     options = ConvertOptions(
-        dtype="bf16", quantize="fp8-block", max_shard_size=70_000, max_parallel_tasks=1,
+        dtype="bf16", quantize=scheme, max_shard_size=shard_bytes, max_parallel_tasks=1,
         direct=True,
     )  # fmt: skip
     convert_checkpoint(ckpt, str(reference), options, workers="threads")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-c", _KILL_AFTER, ckpt, str(out)], env=env, timeout=300, cwd=REPO
+        [sys.executable, "-c", _KILL_AFTER, ckpt, str(out), scheme, str(shard_bytes)],
+        env=env,
+        timeout=300,
+        cwd=REPO,
     )
     assert proc.returncode == -9 and not (out / "zerosafe-complete.json").exists()
     summary = convert_checkpoint(ckpt, str(out), options, workers="threads")
@@ -241,3 +245,114 @@ def test_fp8_dynamic_release_is_bit_exact_and_loads(
             state_dict = {"weight": weight, "weight_scale": scale}
             want = FloatQuantizationCompressor.decompress(state_dict, SCHEME)["weight"]
             assert state[name].equal(want), name
+
+
+def test_nvfp4a16_release_is_bit_exact_and_loads(
+    run_dir: Path, outputs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`--quantize nvfp4a16`: every linear weight's packed FP4 codes, FP8 group scales and
+    global scale bit-exact against compressed-tensors applied to the fp32 masters (the global
+    scale from a first pass over the same bands), the `quantization_config` its
+    `ModelCompressor` writes, verify's checks (4.5 bits a parameter), and transformers
+    loading it on CPU through compressed-tensors with the reference dequantization."""
+    from tests.quantize.test_nvfp4 import SCHEME, reference_compress
+
+    out = tmp_path / "nvfp4"
+    options = ConvertOptions(dtype="bf16", quantize="nvfp4a16", direct=True)
+    assert convert_checkpoint(str(run_dir / "ckpt"), str(out), options).status == "converted"
+    masters = load_file(str(outputs["fp32"] / "model.safetensors"))
+    ours = load_file(str(out / "model.safetensors"))
+    linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    expected = set()
+    for name, master in masters.items():
+        if not any(p in name for p in linear):
+            assert torch.equal(ours[name], master.bfloat16()), name
+            expected.add(name)
+            continue
+        for key, value in reference_compress(master).items():
+            got = ours[name.removesuffix("weight") + key]
+            assert got.dtype == value.dtype and got.shape == value.shape, key
+            assert got.view(torch.uint8).equal(value.view(torch.uint8)), (name, key)
+            expected.add(name.removesuffix("weight") + key)
+    assert set(ours) == expected
+    staged = tmp_path / "staged"  # from the intermediates an extract writes: the same bytes
+    options = ConvertOptions(dtype="bf16", quantize="nvfp4a16", direct=False)
+    convert_checkpoint(str(run_dir / "ckpt"), str(staged), options)
+    for file in ("model.safetensors", "config.json"):
+        assert (staged / file).read_bytes() == (out / file).read_bytes(), file
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "nvfp4-pack-quantized" and config["ignore"] == [
+        "model.embed_tokens", "lm_head"
+    ]  # fmt: skip
+    report = verify_output(str(out), against=str(run_dir / "ckpt"))
+    assert report["ok"], report["failures"]
+    assert report["quantized"]["tensors"] == 2 * len(linear)
+    assert 4.5 <= report["quantized"]["bits_per_parameter"] < 4.51
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(str(outputs["bf16"])).eval()
+    input_ids = torch.arange(4, 4 + 2 * 11).reshape(2, 11) % 53
+    with torch.no_grad():
+        got_logits = model(input_ids=input_ids).logits.float()
+        want_logits = bf16(input_ids=input_ids).logits.float()
+    state = model.state_dict()
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+
+    for name in ours:
+        if name.endswith(".weight_packed"):
+            module = name.removesuffix("_packed")
+            compressed = {k.removeprefix(module): v for k, v in ours.items()
+                          if k.startswith(module)}  # fmt: skip
+            want = NVFP4PackedCompressor.decompress(
+                {"weight" + k: v for k, v in compressed.items()}, SCHEME
+            )["weight"]
+            assert state[module].equal(want.to(state[module].dtype)), module
+    # FP4 keeps one mantissa bit: the logits moved 12% of their range here (FP8: 1.5%)
+    assert (got_logits - want_logits).abs().max() <= 0.2 * want_logits.abs().max()
+
+
+def test_quantize_like_an_ue8m0_release_is_bit_exact_and_verifies(
+    run_dir: Path, outputs: dict[str, Path], tmp_path: Path
+) -> None:
+    """`--quantize-like BASE` where BASE's config.json carries transformers'
+    `FineGrainedFP8Config(scale_fmt="ue8m0")` with its own skip list: the command writes
+    fp8-block with power-of-two `float8_e8m0fnu` scales, bit-exact against transformers'
+    `Fp8Quantize` under that config, BASE's skips left unquantized, and verify passes."""
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    from tests.quantize.test_quantize_like import _release, transformers_config
+    from zerosafe_app.cli import main as cli_main
+
+    skip = ["lm_head", "model.layers.1.mlp.down_proj"]
+    base = _release(tmp_path / "base", transformers_config(scale_fmt="ue8m0",
+                                                           modules_to_not_convert=skip))  # fmt: skip
+    out = tmp_path / "ue8m0"
+    argv = ["convert", "--via", "local", str(run_dir / "ckpt"), str(out), "--dtype", "bf16",
+            "--quantize-like", str(base)]  # fmt: skip
+    assert cli_main(argv) == 0
+    op = Fp8Quantize(FineGrainedFP8HfQuantizer(FineGrainedFP8Config(scale_fmt="ue8m0")))
+    masters = load_file(str(outputs["fp32"] / "model.safetensors"))
+    ours = load_file(str(out / "model.safetensors"))
+    quantized = 0
+    for name, master in masters.items():
+        want = dict(op.convert({name: master}))
+        if len(want) == 1 or "layers.1.mlp.down_proj" in name:
+            assert torch.equal(ours[name], master.bfloat16()), name
+            continue
+        quantized += 1
+        for key, value in want.items():
+            assert ours[key].dtype == value.dtype, key
+            assert ours[key].view(torch.uint8).equal(value.view(torch.uint8)), key
+    assert quantized == 2 * len(QUANTIZED) - 1
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["scale_fmt"] == "ue8m0"
+    assert "model.layers.1.mlp.down_proj" in config["modules_to_not_convert"]
+    report = verify_output(str(out), against=str(run_dir / "ckpt"))
+    assert report["ok"], report["failures"]
+    assert report["quantized"]["bits_per_parameter"] == round(8 + 8 / 128**2, 4)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(str(outputs["bf16"])).eval()
+    input_ids = torch.arange(4, 4 + 2 * 11).reshape(2, 11) % 53
+    with torch.no_grad():  # transformers dequantizes the ue8m0 blocks on CPU: 2.2% here
+        got = model(input_ids=input_ids).logits.float()
+        want_logits = bf16(input_ids=input_ids).logits.float()
+    assert (got - want_logits).abs().max() <= 0.05 * want_logits.abs().max()

@@ -159,11 +159,18 @@ def check_options(reader: FormatReader, url: str, options: ConvertOptions) -> No
     """Refuse options the format has no use for, before anything is read.
 
     Raises:
-        ConfigError: For `select`/`strip_prefix` on a format that holds one state dict, or
-            `check_lowp` on a format that keeps no 16-bit copy (no `ReadsLowpCopies`).
+        ConfigError: For `select`/`strip_prefix` on a format that holds one state dict,
+            `check_lowp` on a format that keeps no 16-bit copy (no `ReadsLowpCopies`), or
+            `keep_names` on any format but Megatron-LM's.
     """
     if options.check_lowp and not isinstance(reader, ReadsLowpCopies):
         raise _no_lowp_copy(url, f"a {reader.title} checkpoint keeps no 16-bit copy")
+    if options.keep_names and reader.name != "megatron":
+        raise ConfigError(
+            f"{url}: `--keep-names` applies only to Megatron-LM torch_dist checkpoints (it "
+            f"unstacks their layers), and this is a {reader.title} checkpoint, whose names are "
+            "written as stored already; drop `--keep-names`"
+        )
     if reader.selects:
         return
     given = [

@@ -5,7 +5,7 @@ log lives in a temporary folder (`zerosafe_app.flows.runtime.private_server`). T
 removes it when it ends, but a SIGKILL gives it no chance to: one folder per killed command
 stayed. So each such folder records its owner (`owner.json`: pid, the process's start time,
 user and host), the next one made with the same prefix removes those whose owner is gone, and
-`zerosafe clean` lists them (`zerosafe.stages.clean`).
+`zerosafe clean` lists them (`zerosafe.stages.clean`, through `zerosafe_app.clean_cli`).
 
 The names live here, in the engine, so that `clean` knows them without importing the app (and
 Prefect). The owner is told apart from a later process given the same pid by its start time

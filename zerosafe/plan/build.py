@@ -24,6 +24,7 @@ from zerosafe.plan.adapter import (
     read_adapter_config,
 )
 from zerosafe.plan.model import (
+    PACKED_ROLE,
     SCALE_ROLE,
     ExtractPart,
     FragmentTable,
@@ -36,11 +37,9 @@ from zerosafe.plan.model import (
 )
 from zerosafe.quantize import (
     BAND_BYTES_PER_COLUMN,
-    FP8_DTYPE,
-    SCALE_DTYPE,
+    FP4_GROUP,
     quantization_config,
-    scale_name,
-    scale_shape,
+    quantized_tensors,
 )
 
 __all__ = ["assign_shards", "output_dtype", "plan_checkpoint", "plan_layout", "plan_parts"]
@@ -114,33 +113,41 @@ def plan_layout(layout: SourceLayout, options: ConvertOptions) -> Plan:
         and options.quantize_skip_reason(name, layout.tensors[name].shape, d) is None
         for name, owner, d in zip(names, owners, dtypes, strict=True)
     ]
-    dtypes = [FP8_DTYPE if q else d for q, d in zip(quantized, dtypes, strict=True)]
     scheme = options.quantize or ""
+    stored = [
+        quantized_tensors(scheme, n, layout.tensors[n].shape, options.quantize_scale_fmt)
+        if q
+        else [(n, d, ())]
+        for n, d, q in zip(names, dtypes, quantized, strict=True)
+    ]  # a quantized weight is stored as its values, then its scales
     sizes = [
-        math.prod(layout.tensors[o].shape) * dtype_info(d).itemsize
-        + (math.prod(scale_shape(scheme, layout.tensors[o].shape)) * 4 if q else 0)
-        for o, d, q in zip(owners, dtypes, quantized, strict=True)
-    ]  # a quantized weight and its scale go to one file: sized together
+        sum(math.prod(shape) * dtype_info(d).itemsize for _, d, shape in parts) if q
+        else math.prod(layout.tensors[o].shape) * dtype_info(d).itemsize
+        for o, d, q, parts in zip(owners, dtypes, quantized, stored, strict=True)
+    ]  # fmt: skip  # a quantized weight and its scales go to one file: sized together
     # PEFT loads an adapter from one file: never sharded
     shard_of = [0] * len(sizes) if options.adapter else assign_shards(sizes, options.max_shard_size)
     specs: list[TensorSpec] = []
-    for name, owner, dtype, shard, q in zip(
-        names, owners, dtypes, shard_of, quantized, strict=True
+    for name, owner, dtype, shard, q, parts in zip(
+        names, owners, dtypes, shard_of, quantized, stored, strict=True
     ):
+        role = "tied" if owner != name else layout.tensors[name].role
+        if q and parts[0][0] != name:
+            role = PACKED_ROLE  # stored under another name (`weight_packed`)
         specs.append(
             TensorSpec(
-                index=len(specs), name=name, shape=layout.tensors[owner].shape,
-                role="tied" if owner != name else layout.tensors[name].role,
-                src_dtype=layout.tensors[owner].dtype, out_dtype=dtype, shard=shard,
-                alias_of=owner if owner != name else None,
+                index=len(specs), name=parts[0][0] if q else name,
+                shape=parts[0][2] if q else layout.tensors[owner].shape, role=role,
+                src_dtype=layout.tensors[owner].dtype, out_dtype=parts[0][1] if q else dtype,
+                shard=shard, alias_of=owner if owner != name else None,
             )
         )  # fmt: skip
-        if q:  # its scales, written by the merge right after the weight (`zerosafe.quantize`)
+        for scale, scale_dtype, scale_shape in parts[1:] if q else []:
+            # its scales, written by the merge right after the weight (`zerosafe.quantize`)
             specs.append(
                 TensorSpec(
-                    index=len(specs), name=scale_name(scheme, name),
-                    shape=scale_shape(scheme, specs[-1].shape),
-                    role=SCALE_ROLE, src_dtype=SCALE_DTYPE, out_dtype=SCALE_DTYPE, shard=shard,
+                    index=len(specs), name=scale, shape=scale_shape, role=SCALE_ROLE,
+                    src_dtype=scale_dtype, out_dtype=scale_dtype, shard=shard,
                 )
             )  # fmt: skip
     fragments = FragmentTable.from_rows(list(_fragment_rows(layout, specs)))
@@ -283,7 +290,7 @@ def _fragment_rows(
     for spec in specs:
         if spec.role == SCALE_ROLE:
             continue  # computed by the merge from its weight's values: no source fragments
-        owner = spec.alias_of or spec.name
+        owner = spec.alias_of or spec.source_name
         covered = 0
         for slot, src_offset, numel, dst in sorted(
             layout.tensors[owner].fragments, key=lambda f: f[3]
@@ -295,9 +302,10 @@ def _fragment_rows(
                 )
             covered += numel
             yield (spec.index, slot, src_offset, numel, dst)
-        if covered != spec.numel:
+        if covered != math.prod(spec.source_shape):
             raise LayoutMismatchError(
-                f"{layout.where}: '{owner}' has {spec.numel} elements but its fragments hold "
+                f"{layout.where}: '{owner}' has {math.prod(spec.source_shape)} elements but its "
+                f"fragments hold "
                 f"{covered}"
             )
 
@@ -367,15 +375,29 @@ def _plan_quantization(plan: Plan, layout: SourceLayout, options: ConvertOptions
 
     Raises:
         ConfigError: If one band of the widest quantized weight does not fit a task's share
-            of `memory` (`zerosafe.quantize.BAND_BYTES_PER_COLUMN`).
+            of `memory` (`zerosafe.quantize.BAND_BYTES_PER_COLUMN`), or (`nvfp4a16`) a
+            weight's in-features do not divide into groups of 16.
     """
     assert options.quantize is not None
-    quantized = [t for t in plan.tensors if t.out_dtype == FP8_DTYPE]
-    widest = max(quantized, key=lambda t: t.shape[1], default=None)
-    if widest is not None and widest.shape[1] * BAND_BYTES_PER_COLUMN > options.task_memory_bytes:
-        need = widest.shape[1] * BAND_BYTES_PER_COLUMN
+    quantized = [t for t in plan.tensors if t.quantized]
+    for t in quantized:
+        if options.quantize == "nvfp4a16" and t.source_shape[1] % FP4_GROUP:
+            raise ConfigError(
+                f"{layout.where}: `quantize` nvfp4a16 scales '{t.source_name}' "
+                f"{list(t.source_shape)} in groups of {FP4_GROUP} along its input dim, expected "
+                f"in-features divisible by {FP4_GROUP}, found {t.source_shape[1]} "
+                "(compressed-tensors refuses it too); leave it unquantized with "
+                f"`quantize_ignore` '{re.escape(t.source_name)}'"
+            )
+    widest = max(quantized, key=lambda t: t.source_shape[1], default=None)
+    if (
+        widest is not None
+        and widest.source_shape[1] * BAND_BYTES_PER_COLUMN > options.task_memory_bytes
+    ):
+        need = widest.source_shape[1] * BAND_BYTES_PER_COLUMN
         raise ConfigError(
-            f"{layout.where}: `quantize` reads '{widest.name}' {list(widest.shape)} a band of "
+            f"{layout.where}: `quantize` reads '{widest.source_name}' "
+            f"{list(widest.source_shape)} a band of "
             f"128 rows at a time, which holds about {need} bytes, more than the "
             f"{options.task_memory_bytes} bytes one task may hold under `memory` "
             f"{options.memory}; raise `memory` (about {need * options.parallel_tasks} bytes "
@@ -384,7 +406,7 @@ def _plan_quantization(plan: Plan, layout: SourceLayout, options: ConvertOptions
     skipped: dict[str, list[str]] = {}
     modules = []
     for t in plan.tensors:
-        if t.role == SCALE_ROLE or t.out_dtype == FP8_DTYPE:
+        if t.role == SCALE_ROLE or t.quantized:
             continue
         owner = layout.tensors[t.alias_of or t.name]
         why = options.quantize_skip_reason(t.name, t.shape, owner.dtype)
@@ -398,9 +420,9 @@ def _plan_quantization(plan: Plan, layout: SourceLayout, options: ConvertOptions
         for a, target in plan.aliases.items()
         if a.endswith(".weight") and len(layout.tensors[target].shape) == 2
     ]
-    plan.quantization = quantization_config(options.quantize, modules)
-    params = sum(t.numel for t in quantized)
-    stored_bits = 8 * sum(t.out_nbytes for t in plan.tensors if t.out_dtype == FP8_DTYPE)
+    plan.quantization = quantization_config(options.quantize, modules, options.quantize_scale_fmt)
+    params = sum(math.prod(t.source_shape) for t in quantized)
+    stored_bits = 8 * sum(t.out_nbytes for t in plan.tensors if t.quantized)
     stored_bits += 8 * sum(t.out_nbytes for t in plan.tensors if t.role == SCALE_ROLE)
     plan.notes.append(
         f"{len(quantized)} weight(s) quantized to {options.quantize} "

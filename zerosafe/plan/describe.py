@@ -8,7 +8,7 @@ from typing import Any
 from zerosafe.config import PIPELINE_BUFFERS, TASK_OVERHEAD_BYTES, ConvertOptions
 from zerosafe.dtypes import OUTPUT_DTYPES, dtype_info
 from zerosafe.formats.base import SourceLayout
-from zerosafe.plan.model import Plan
+from zerosafe.plan.model import PACKED_ROLE, Plan
 from zerosafe.units import format_bytes
 
 __all__ = ["describe_plan", "render_inspect"]
@@ -22,7 +22,7 @@ def describe_plan(
 ) -> dict[str, Any]:
     """A JSON-able report of the checkpoint (the format's own `facts` first) and the planned
     conversion."""
-    params = [t for t in plan.tensors if t.role == "param"]
+    params = [t for t in plan.tensors if t.role in ("param", PACKED_ROLE)]
 
     def named(role: str) -> list[str]:
         return [n for n, t in layout.tensors.items() if t.role == role]

@@ -33,6 +33,7 @@ from zerosafe.io.storage import Storage, join_url
 
 __all__ = [
     "PLAN_FORMAT",
+    "PACKED_ROLE",
     "SCALE_ROLE",
     "ExtractPart",
     "FragmentTable",
@@ -52,6 +53,9 @@ log = logging.getLogger(__name__)
 PLAN_FORMAT = 1
 SCALE_ROLE = "scale"
 """`TensorSpec.role` of a quantized weight's scales (`zerosafe.quantize`), the tensor after it."""
+PACKED_ROLE = "packed"
+"""`TensorSpec.role` of a quantized weight stored under another name and shape: NVFP4's
+`<module>.weight_packed`, two values a byte, read from `<module>.weight`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -118,6 +122,26 @@ class TensorSpec:
     @property
     def out_nbytes(self) -> int:
         return self.numel * dtype_info(self.out_dtype).itemsize
+
+    @property
+    def quantized(self) -> bool:
+        """Whether this is a quantized weight's values (`--quantize`: FP8, or NVFP4 packed);
+        its scales follow it."""
+        return self.role == PACKED_ROLE or (
+            self.out_dtype == "float8_e4m3fn" and self.role != SCALE_ROLE
+        )
+
+    @property
+    def source_name(self) -> str:
+        """The checkpoint tensor this one is read from (an alias's own name stays)."""
+        return self.name.removesuffix("_packed") if self.role == PACKED_ROLE else self.name
+
+    @property
+    def source_shape(self) -> tuple[int, ...]:
+        """The shape of the values read for it: NVFP4 packs two a byte."""
+        if self.role == PACKED_ROLE:
+            return (*self.shape[:-1], self.shape[-1] * 2)
+        return self.shape
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

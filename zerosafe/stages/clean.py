@@ -1,4 +1,5 @@
-"""`zerosafe clean TARGET`: find (and with `--apply`, remove) what killed runs left behind.
+"""What killed runs left behind, found (`find_leftovers`) and removed (`clean`): the engine
+of `zerosafe clean TARGET` (its flags and output: `zerosafe_app.clean_cli`).
 
 - Abandoned work areas: a job's folder (`OUT/.zerosafe-work/<job>/`, or a `--work-dir`) that
   holds a plan or a lease, whose lease is absent or stale (`zerosafe.io.lease`), and that nothing
@@ -17,30 +18,22 @@ Nothing is removed without `--apply`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import posixpath
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from zerosafe.io.lease import destination_lease_url, lease_is_stale
 from zerosafe.io.owned_folders import PRIVATE_SERVER_PREFIX, find_owned_folders
-from zerosafe.io.s3 import (
-    STORAGE_OPTION_HELP,
-    abort_upload,
-    list_incomplete_uploads,
-    parse_option_pairs,
-)
+from zerosafe.io.s3 import abort_upload, list_incomplete_uploads
 from zerosafe.io.storage import Storage, is_local, join_url, local_path
 from zerosafe.stages.output import MANIFEST_NAME, MARKER_NAME, WORK_DIR_NAME, read_complete_manifest
-from zerosafe.units import format_bytes
 
-__all__ = ["Leftover", "add_parser", "clean", "find_leftovers", "find_server_folders", "parse_age"]
+__all__ = ["Leftover", "clean", "find_leftovers", "find_server_folders", "parse_age"]
 
 log = logging.getLogger(__name__)
 
@@ -278,74 +271,3 @@ def clean(
         item.action = "removed"
         log.info("removed %s %s", item.kind, item.url)
     return found
-
-
-def _render(found: list[Leftover], apply: bool) -> str:
-    if not found:
-        return "nothing left behind"
-    rows = [("kind", "size", "age", "action", "url")]
-    for f in found:
-        age = "?" if f.age_seconds is None else f"{f.age_seconds / 60:.0f} min"
-        action = f.action if apply or f.action != "remove" else "would remove"
-        rows.append((f.kind, format_bytes(f.size_bytes), age, action, f.url))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    lines = ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
-    todo = [f for f in found if f.action in ("remove", "removed")]
-    total = format_bytes(sum(f.size_bytes for f in todo))
-    if apply:
-        lines.append(f"removed {len(todo)} item(s), {total}")
-    else:
-        lines.append(f"{len(todo)} item(s), {total}, would be removed; run again with --apply")
-    return "\n".join(lines)
-
-
-def _cmd_clean(args: argparse.Namespace) -> int:
-    make_storage: Callable[[], Storage] | None = getattr(args, "storage_factory", None)
-    storage = (
-        make_storage()
-        if make_storage is not None
-        else Storage(parse_option_pairs(args.storage_option or []))
-    )
-    found = clean(
-        storage,
-        args.target,
-        older_than_seconds=args.older_than,
-        apply=args.apply,
-        server_folders=True,
-    )
-    if args.json:
-        print(json.dumps([f.as_dict() for f in found], indent=1))
-    else:
-        print(_render(found, args.apply))
-    return 0
-
-
-def _age(text: str) -> float:
-    try:
-        return parse_age(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_parser(subparsers: Any, add_verbosity: Callable[..., None]) -> None:
-    """Register `zerosafe clean` (see `zerosafe_app.cli.EXTRA_COMMANDS`)."""
-    p = subparsers.add_parser(
-        "clean",
-        help="list (and with --apply remove) abandoned work areas, unfinished S3 uploads and "
-        "killed commands' Prefect server folders",
-    )
-    add_verbosity(p, top=False)
-    p.add_argument("target", help="output folder, work area, or a folder/prefix above them")
-    p.add_argument("--apply", action="store_true", help="remove them (default: only list)")
-    p.add_argument(
-        "--older-than",
-        type=_age,
-        default="1h",
-        metavar="AGE",
-        help="only what nothing touched for this long, e.g. 30m, 2h, 0 (default 1h)",
-    )
-    p.add_argument(
-        "--storage-option", action="append", metavar="KEY=VALUE", help=STORAGE_OPTION_HELP
-    )
-    p.add_argument("--json", action="store_true", help="print the list as JSON")
-    p.set_defaults(handler=_cmd_clean)

@@ -33,6 +33,7 @@ import logging
 import os
 import posixpath
 import stat
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from zerosafe.config import ConvertOptions
@@ -55,6 +56,7 @@ __all__ = [
     "CHAT_TEMPLATES_DIR",
     "CONFIG_MAX_BYTES",
     "MODEL_FILE_NAMES",
+    "check_against_generated",
     "check_model_config",
     "check_model_files_outside",
     "copy_model_files",
@@ -438,6 +440,73 @@ def check_model_config(
     return warnings
 
 
+ARCHITECTURE_FIELDS = (
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "vocab_size", "rope_theta", "rms_norm_eps",
+    "tie_word_embeddings", "qkv_bias", "qk_norm", "num_local_experts", "num_experts_per_tok",
+)  # fmt: skip
+"""What `check_against_generated` compares: the sizes and the choices that decide which
+weights a transformers model has and how it reads them."""
+
+
+def _architecture(config: Mapping[str, Any]) -> dict[str, object]:
+    """`ARCHITECTURE_FIELDS` of a transformers config, with transformers' defaults where a
+    field is absent; `qkv_bias` (Qwen2's always, else `attention_bias`) and `qk_norm`
+    (Qwen3's) from its `model_type`."""
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    rope = config.get("rope_parameters")
+    model_type = config.get("model_type")
+    default_head = hidden // heads if type(hidden) is int and type(heads) is int and heads else None
+    return {
+        "num_hidden_layers": config.get("num_hidden_layers"),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": config.get("num_key_value_heads", heads),
+        "head_dim": config.get("head_dim") or default_head,
+        "intermediate_size": config.get("intermediate_size"),
+        "vocab_size": config.get("vocab_size"),
+        "rope_theta": _number(
+            config.get("rope_theta")
+            if "rope_theta" in config or not isinstance(rope, dict)
+            else rope.get("rope_theta")
+        ),
+        "rms_norm_eps": _number(config.get("rms_norm_eps")),
+        "tie_word_embeddings": config.get("tie_word_embeddings", False),
+        "qkv_bias": model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
+        "num_local_experts": config.get("num_local_experts"),
+        "num_experts_per_tok": config.get("num_experts_per_tok"),
+    }
+
+
+def _number(value: object) -> object:
+    return (
+        float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    )
+
+
+def check_against_generated(
+    config: Mapping[str, Any], generated: Mapping[str, object], where: str
+) -> None:
+    """Refuse a `config.json` of another model than the one the reader's generated config
+    (`SourceDescription.model_config`, from the checkpoint's own record) describes.
+
+    Raises:
+        ConfigError: Naming the first field that differs, both values, and the fix.
+    """
+    theirs, ours = _architecture(config), _architecture(generated)
+    for field in ARCHITECTURE_FIELDS:
+        if theirs[field] != ours[field]:
+            raise ConfigError(
+                f"{where}: `{field}` is {theirs[field]!r}, but the checkpoint gives "
+                f"{ours[field]!r} (the {_architectures(dict(generated))} config generated "
+                "from its saved args): "
+                "this config is another model's, and from_pretrained would read these weights "
+                "wrongly. Pass `--model-files DIR` with this model's config.json, or a folder "
+                "without one to write the config generated from the checkpoint"
+            )
+
+
 def _architectures(config: dict[str, object] | None) -> str:
     names = (config or {}).get("architectures")
     return ", ".join(map(str, names)) if isinstance(names, list) else "no architecture"
@@ -524,6 +593,12 @@ def model_files_report(
     config = read_config(storage, folder)
     if config is None:  # removed since it was listed
         return notes, skipped
+    if source.model_config is not None and not options.adapter:
+        check_against_generated(config, source.model_config, where)
+        notes.append(
+            f"{where} used, not the config generated from the checkpoint: their architecture "
+            f"fields agree ({', '.join(ARCHITECTURE_FIELDS)})"
+        )
     warnings = check_model_config(
         config, where, out_dtype=options.dtype, aliases=aliases, ties_by_config=ties_by_config
     )

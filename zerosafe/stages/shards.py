@@ -32,7 +32,7 @@ from zerosafe.formats.safetensors import HeaderEntry, SafetensorsStreamWriter, r
 from zerosafe.io.mapped import map_source
 from zerosafe.io.storage import ByteSource, PositionalSink, Storage, is_local, join_url
 from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, Slot, TensorSpec
-from zerosafe.quantize import BAND_ROWS, FP8_DTYPE, QuantizedBand, quantize_band
+from zerosafe.quantize import BAND_ROWS, QuantizedBand, global_scale, quantize_band
 from zerosafe.stages.results import ExtractResult, MergeResult
 from zerosafe.stages.streaming import CopyJob, copy_in_streams, copy_stream, fusable
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
@@ -347,9 +347,10 @@ def _copy_quantizing(
 ) -> int:
     """Write a shard that holds quantized weights (`--quantize`): the other tensors through
     `copy_stream`, as always; each quantized weight a band of 128 rows at a time
-    (`_quantize_tensor`), its scales as the tensor after it. With `streams` > 1 and local
-    sources, that many threads read and quantize bands side by side (numpy releases the GIL),
-    in order, one band each.
+    (`_quantize_tensor`), its scales as the tensor after it. With `streams` > 1, local
+    sources and a scheme quantized in numpy (`fp8-block` with float scales, `fp8-dynamic`),
+    that many threads read and quantize bands side by side (numpy releases the GIL), in
+    order, one band each.
 
     Returns:
         Bytes read from the sources.
@@ -358,11 +359,15 @@ def _copy_quantizing(
     read = 0
     pending: list[CopyJob] = []
     ordinal = 0
-    local = all(is_local(f.url) for f in plan.files)
-    with ThreadPoolExecutor(streams if local else 1, thread_name_prefix="quantize") as pool:
+    in_torch = plan.options["quantize"] == "nvfp4a16" or (
+        plan.options.get("quantize_scale_fmt", "float") == "ue8m0"
+    )  # torch's own threads would contend with ours
+    if in_torch or not all(is_local(f.url) for f in plan.files):
+        streams = 1
+    with ThreadPoolExecutor(streams, thread_name_prefix="quantize") as pool:
         while ordinal < len(tensors):
             tensor = tensors[ordinal]
-            if tensor.out_dtype != FP8_DTYPE:
+            if not tensor.quantized:
                 pending.extend(_tensor_jobs(plan, tensor, ordinal, locator))
                 ordinal += 1
                 continue
@@ -373,10 +378,12 @@ def _copy_quantizing(
                 pending = []
             assert tensors[ordinal + 1].role == SCALE_ROLE, tensors[ordinal + 1]
             read += _quantize_tensor(
-                plan, tensor, ordinal, locator, writer, ledger, on_bytes,
-                pool=pool, streams=streams if local else 1,
+                plan, tensor, ordinal, locator, writer, ledger, on_bytes, pool=pool,
+                streams=streams,
             )  # fmt: skip
-            ordinal += 2
+            ordinal += 1
+            while ordinal < len(tensors) and tensors[ordinal].role == SCALE_ROLE:
+                ordinal += 1
     if pending:
         read += copy_stream(
             pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes
@@ -406,62 +413,78 @@ def _quantize_tensor(
     pool: ThreadPoolExecutor,
     streams: int,
 ) -> int:
-    """Write weight `tensor` (the `ordinal`-th of the file) in FP8 (`--quantize`'s scheme)
-    and its scales after it: each band of 128 rows is read from the fragments that cover it
-    (`_read_band`), quantized (`zerosafe.quantize.quantize_band`) and written, in order; the
-    band's scales (one float32 per block or row) are kept until the weight is done. At most
-    `streams` bands are read and quantized at once, on `pool`'s threads (one: in this
-    thread), each holding `BAND_BYTES_PER_COLUMN * cols` bytes.
+    """Write weight `tensor` (the `ordinal`-th of the file) quantized in `--quantize`'s
+    scheme and its scales after it: each band of 128 rows is read from the fragments that
+    cover it (`_read_band`), quantized (`zerosafe.quantize.quantize_band`) and written, in
+    order; the band's scales (one per block, row or group) are kept until the weight is
+    done. `nvfp4a16` first reads the bands once more for the weight's largest magnitude (its
+    global scale, written last; that pass's reads are CRC'd by the next). At most `streams`
+    bands are read and quantized at once, on `pool`'s threads (one: in this thread), each
+    holding `BAND_BYTES_PER_COLUMN * cols` bytes.
 
     Returns:
         Bytes read.
     """
     import numpy as np
 
-    rows, cols = tensor.shape
+    rows, cols = tensor.source_shape
     scheme = str(plan.options["quantize"])
+    scale_fmt = str(plan.options.get("quantize_scale_fmt", "float"))
+    read, whole = 0, None
+    if scheme == "nvfp4a16":
+        import torch
+
+        amax = np.float32(0.0)
+        for first_row in range(0, rows, BAND_ROWS):
+            values, _, nbytes = _read_band(plan, tensor, locator, first_row)
+            amax = np.maximum(amax, np.abs(values).max())  # NaN carries, as torch.maximum
+            read += nbytes
+            if on_bytes is not None:
+                on_bytes(nbytes)
+        whole = global_scale(torch.from_numpy(np.asarray(amax, dtype=np.float32)))
 
     def band(first_row: int) -> _Band:
-        values, crcs, read = _read_band(plan, tensor, locator, first_row)
-        return _Band(quantize_band(scheme, values.reshape(-1, cols)), crcs, read)
+        values, crcs, nbytes = _read_band(plan, tensor, locator, first_row)
+        quantized = quantize_band(scheme, values.reshape(-1, cols), whole, scale_fmt=scale_fmt)
+        return _Band(quantized, crcs, nbytes)
 
     firsts = iter(range(0, rows, BAND_ROWS))
-    if streams > 1:
-        window = deque(pool.submit(band, r) for r in itertools.islice(firsts, streams))
+    window = deque(pool.submit(band, r) for r in itertools.islice(firsts, streams - 1))
     scales = []
-    read = 0
     while True:
-        if streams > 1:
+        if streams > 1:  # the pool's threads read and quantize ahead, in order
+            window.extend(pool.submit(band, r) for r in itertools.islice(firsts, 1))
             if not window:
                 break
             done = window.popleft().result()
-            window.extend(pool.submit(band, r) for r in itertools.islice(firsts, 1))
         else:
-            first_row = next(firsts, None)
-            if first_row is None:
+            row = next(firsts, None)
+            if row is None:
                 break
-            done = band(first_row)
+            done = band(row)
         for key, offset, nbytes, crc in done.crcs:
             ledger.add(key, offset, nbytes, crc)
         read += done.read
         if on_bytes is not None:
             on_bytes(done.read)
         writer.write(ordinal, done.quantized.data)
-        scales.append(done.quantized.scales)
+        scales.append(np.asarray(done.quantized.scales))
     writer.write(ordinal + 1, np.concatenate(scales).tobytes())
+    if whole is not None:
+        writer.write(ordinal + 2, whole.numpy().tobytes())
     return read
 
 
 def _read_band(
     plan: Plan, tensor: TensorSpec, locator: SlotLocator, first_row: int
 ) -> tuple[Any, list[tuple[str, int, int, int]], int]:
-    """The float32 values of rows `[first_row, first_row + 128)` of `tensor` (a flat numpy
-    array) from the fragments that cover them, CRC'd as any read: fp32 masters read straight
-    into it, a frozen 16-bit param widened exactly. Returns the values, the CRCs of the
-    ranges read and the bytes read."""
+    """The float32 values of rows `[first_row, first_row + 128)` of `tensor`'s source (a
+    flat numpy array) from the fragments that cover them: fp32 masters read straight into
+    it, a frozen 16-bit param widened exactly. Returns the values, the CRCs of the ranges
+    read and the bytes read."""
     import numpy as np
 
-    rows, cols = tensor.shape
+    rows, cols = tensor.source_shape
     lo, hi = first_row * cols, min(rows, first_row + BAND_ROWS) * cols
     band = np.empty(hi - lo, dtype=np.float32)
     band_bytes = band.data.cast("B")

@@ -26,7 +26,6 @@ from zerosafe.errors import CheckpointFormatError, ConversionError
 from zerosafe.io.lease import DESTINATION_LEASE_NAME
 from zerosafe.io.storage import Storage, join_url, normalize_url
 from zerosafe.plan.adapter import ADAPTER_WEIGHTS_NAME, adapter_layout, read_adapter_config
-from zerosafe.quantize import FP8_DTYPE, SCALE_SUFFIXES
 from zerosafe.stages.model_files import sha256_of
 from zerosafe.stages.output import (
     INDEX_NAME,
@@ -36,6 +35,11 @@ from zerosafe.stages.output import (
     WORK_DIR_NAME,
     read_complete_manifest,
     shard_location,
+)
+from zerosafe.verify.quantized import (
+    as_checkpoint_names,
+    check_scheme,
+    quantized_report,
 )
 from zerosafe.verify.source import sample_values
 from zerosafe.verify.tensors import Failure, parse_safetensors_header, verify_shard
@@ -120,6 +124,12 @@ def verify_output(
             source=(manifest or {}).get("source"),
         )  # fmt: skip
     tensors = {t: info for r in reports for t, info in r.tensors.items()}
+    quantized = quantized_report([r.quantized for r in reports])
+    stored = {t: (r.file, info) for r in reports for t, info in r.tensors.items()}
+    for file, name, detail in check_scheme(
+        storage, out_url, stored, quantized.get("quantized", {})
+    ):
+        failures.append(Failure(file, name, "quantization", detail))
     return {
         "output": out_url,
         "ok": not failures,
@@ -136,24 +146,8 @@ def verify_output(
             if info["nan"] or info["posinf"] or info["neginf"]
         },
         "against": against_report,
-        **_quantized_report(reports),
+        **quantized,
         "failures": [f.as_dict() for f in failures],
-    }
-
-
-def _quantized_report(reports: list[Any]) -> dict[str, Any]:
-    """`{"quantized": {tensors, params, bits_per_parameter}}` over every file's quantized
-    weights and their scales (`zerosafe.verify.quantized`); empty when there are none."""
-    parts = [r.quantized for r in reports if r.quantized]
-    if not parts:
-        return {}
-    params = sum(p["params"] for p in parts)
-    return {
-        "quantized": {
-            "tensors": sum(p["tensors"] for p in parts),
-            "params": params,
-            "bits_per_parameter": round(8 * sum(p["bytes"] for p in parts) / params, 4),
-        }
     }
 
 
@@ -498,7 +492,8 @@ def _check_against(
 
     The output's manifest says how it was converted (`recorded_options`, the job key's
     options): with `exclude_frozen`, frozen params must be absent instead of present; a DCP
-    output is checked against the tensors its `select` and `strip_prefix` chose; a PEFT
+    output is checked against the tensors its `select` and `strip_prefix` chose, a Megatron
+    one against its names (`keep_names`); a PEFT
     adapter (`adapter`) against the checkpoint's adapter tensors under PEFT's names.
     """
     from zerosafe.config import ConvertOptions
@@ -509,6 +504,7 @@ def _check_against(
         exclude_frozen=exclude_frozen,
         select=tuple(recorded_options.get("select") or ()),
         strip_prefix=recorded_options.get("strip_prefix"),
+        keep_names=bool(recorded_options.get("keep_names")),
     )
     layout = read_source(storage, ckpt_url, tag=tag, options=options)
     if recorded_options.get("adapter"):  # a PEFT adapter: as its own copied config maps it
@@ -558,7 +554,9 @@ def _check_coverage(
     exclude_frozen: bool,
 ) -> dict[str, tuple[int, ...]]:
     """Every tensor of the checkpoint stored with its shape (or recorded as a tied alias),
-    nothing else stored. Returns the tensors expected in the output."""
+    nothing else stored (NVFP4 `_packed` weights by their checkpoint names, quantized
+    weights' scales aside). Returns the tensors expected in the output."""
+    stored = as_checkpoint_names(stored)
     expected: dict[str, tuple[int, ...]] = {}
     for name, tensor in layout.tensors.items():
         if tensor.role != "frozen" or not exclude_frozen:
@@ -593,19 +591,9 @@ def _check_coverage(
                 )
             )  # fmt: skip
     for name in stored:
-        if name not in expected and name not in layout.aliases and not _is_scale_of(name, stored):
+        if name not in expected and name not in layout.aliases:
             failures.append(Failure(stored[name][0], name, "coverage", "not in the checkpoint"))
     return expected
-
-
-def _is_scale_of(name: str, stored: dict[str, tuple[str, dict[str, Any]]]) -> bool:
-    """Whether `name` is the scales of a stored quantized weight (`--quantize`), which the
-    conversion computes: checked by `zerosafe.verify.quantized`, not found in a checkpoint."""
-    for suffix in SCALE_SUFFIXES.values():
-        weight = stored.get(name.removesuffix(suffix)) if name.endswith(suffix) else None
-        if weight is not None and weight[1]["dtype"] == FP8_DTYPE:
-            return True
-    return False
 
 
 def _identity_word(recorded: str | None, content: str) -> str:

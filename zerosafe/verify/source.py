@@ -64,19 +64,21 @@ def sample_values(
     compared = 0
     try:
         for tensor in plan.tensors:
-            if tensor.role != "param" or tensor.name not in stored:
+            key = tensor.name if tensor.name in stored else tensor.name + "_packed"
+            if tensor.role != "param" or key not in stored:
                 continue
-            file, info = stored[tensor.name]
+            file, info = stored[key]
             if file not in outputs:
                 src = storage.open_source(join_url(out_url, file))
                 entries, _, data_start = parse_safetensors_header(src)
                 outputs[file] = (src, entries, data_start)
             out_src, entries, data_start = outputs[file]
             out_dtype = str(info["dtype"])
-            entry = entries.get(tensor.name)
+            entry = entries.get(key)
             if entry is None or dtype_info(out_dtype).itemsize == 0:
                 continue
             out_item = dtype_info(out_dtype).itemsize
+            packed = key != tensor.name  # NVFP4: two values a byte
             begin = data_start + int(entry["data_offsets"][0])
             sampled: set[int] = set()
             for slot, src_offset, numel, dst_offset in plan.fragments.for_tensor(tensor.index):
@@ -90,9 +92,14 @@ def sample_values(
                     for seg in locator.locate(slot, src_offset, count)
                 )
                 start = begin + dst_offset * out_item
-                got = out_src.read_range(start, start + count * out_item)
+                got = b"" if packed else out_src.read_range(start, start + count * out_item)
                 compared += 1
-                if out_dtype == FP8_DTYPE:
+                if packed:
+                    same = _within_fp4_bound(
+                        out_src, data_start, entries, tensor.name, begin, raw, src_dtype,
+                        dst_offset, tensor.shape,
+                    )  # fmt: skip
+                elif out_dtype == FP8_DTYPE:
                     same = _within_bound(
                         out_src, data_start, entries, tensor.name, got, raw, src_dtype,
                         dst_offset, tensor.shape,
@@ -133,7 +140,7 @@ def _within_bound(
     the weight's scales are missing."""
     import numpy as np
 
-    from zerosafe.verify.quantized import find_scale, within_rounding_bound
+    from zerosafe.verify.quantized import decode_scales, find_scale, within_rounding_bound
 
     suffix = find_scale(name, entries)
     scale = entries.get(name + suffix)
@@ -141,9 +148,8 @@ def _within_bound(
         return False
     begin, end = scale["data_offsets"]
     grid = [int(n) for n in scale["shape"]]
-    scales = np.frombuffer(
-        out_src.read_range(data_start + begin, data_start + end), dtype="<f4"
-    ).reshape(grid)
+    raw_scales = out_src.read_range(data_start + begin, data_start + end)
+    scales = decode_scales(raw_scales, scale["dtype"]).reshape(grid)
     master = np.frombuffer(cast_bytes(raw, src_dtype, "float32"), dtype="<f4")
     elements = np.arange(dst_offset, dst_offset + len(got))
     rows, cols = elements // shape[1], elements % shape[1]
@@ -152,3 +158,40 @@ def _within_bound(
     else:
         per_element = scales[rows, 0]
     return within_rounding_bound(got, per_element, master)
+
+
+def _within_fp4_bound(
+    out_src: ByteSource,
+    data_start: int,
+    entries: dict[str, Any],
+    name: str,
+    begin: int,
+    raw: bytes,
+    src_dtype: str,
+    dst_offset: int,
+    shape: tuple[int, ...],
+) -> bool:
+    """Whether NVFP4 weight `name`'s packed codes (stored from file offset `begin`), from
+    element `dst_offset` on, dequantize to within E2M1's rounding bound of the master values
+    `raw` (`src_dtype`), with its group scales over its global scale; False when they are
+    missing."""
+    import ml_dtypes
+    import numpy as np
+
+    from zerosafe.verify.quantized import fp4_values, within_fp4_bound
+
+    scale, whole = entries.get(name + "_scale"), entries.get(name + "_global_scale")
+    if scale is None or whole is None or len(shape) != 2:
+        return False
+    master = np.frombuffer(cast_bytes(raw, src_dtype, "float32"), dtype="<f4")
+    first, last = dst_offset // 2, (dst_offset + len(master) + 1) // 2
+    values = fp4_values(out_src.read_range(begin + first, begin + last))
+    values = values[dst_offset % 2 : dst_offset % 2 + len(master)]
+    at, end = (data_start + o for o in scale["data_offsets"])
+    grid = np.frombuffer(out_src.read_range(at, end), dtype=ml_dtypes.float8_e4m3fn)
+    grid = grid.astype(np.float32).reshape([int(n) for n in scale["shape"]])
+    at, end = (data_start + o for o in whole["data_offsets"])
+    global_scale = np.frombuffer(out_src.read_range(at, end), dtype="<f4")[0]
+    elements = np.arange(dst_offset, dst_offset + len(master))
+    per_element = grid[elements // shape[1], elements % shape[1] // 16] / global_scale
+    return within_fp4_bound(values, per_element, master)

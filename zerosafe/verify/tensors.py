@@ -404,7 +404,7 @@ def verify_shard(
             report.failures.append(Failure(name, "*", "header", str(e)))
             return report
         report.metadata = metadata
-        if any(entry["dtype"] == "F8_E4M3" for entry in header.values()):
+        if any(e["dtype"] == "F8_E4M3" or n.endswith("_packed") for n, e in header.items()):
             from zerosafe.verify.quantized import check_quantized
 
             problems, report.quantized = check_quantized(source, data_start, header)

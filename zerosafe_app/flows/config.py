@@ -2,7 +2,10 @@
 
 `conf/example.yaml` documents every field. Explicit flow parameters override the YAML file;
 the result is validated before any work starts, and unknown keys or impossible combinations
-are refused with a message naming the key.
+are refused with a message naming the key. The fields are the rows of
+`zerosafe_app.option_table.JOB_FIELDS` (tests/app/test_option_table.py keeps them equal):
+which are sizes and URLs, how they become the engine's `ConvertOptions`, and the flow's JSON
+parameters for a command's options come from there.
 """
 
 from __future__ import annotations
@@ -11,14 +14,23 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from zerosafe.config import ConvertOptions, choose_mode
+from zerosafe.config import ConvertOptions, Mode, choose_mode
 from zerosafe.dtypes import short_name
 from zerosafe.errors import ConfigError
 from zerosafe.io.s3 import find_secret_options
 from zerosafe.io.storage import normalize_url
 from zerosafe.units import parse_size
+from zerosafe_app.option_table import JOB_FIELDS, Kind, fields_of_kind, options_values
 
 __all__ = ["JobConfig", "flow_parameters", "load_job_config"]
 
@@ -29,8 +41,8 @@ class JobConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
     source: str
-    """The checkpoint (path or URL, e.g. s3://...): DeepSpeed's folder holding `latest` or a
-    tag folder, or a PyTorch DCP folder holding `.metadata`."""
+    """The checkpoint's folder (path or URL, e.g. s3://...), of any format zerosafe reads
+    (`zerosafe convert --help` lists them), or the folder above one save."""
     destination: str
     """The output folder (path or URL)."""
     tag: str | None = None
@@ -41,6 +53,9 @@ class JobConfig(BaseModel):
     strip_prefix: str | None = None
     """PyTorch DCP: a prefix removed from the output names; null: `model` with the default
     selection, nothing with `select`; `""` strips nothing. Refused for DeepSpeed."""
+    keep_names: bool = False
+    """Megatron-LM: write Megatron's own names with the layers unstacked, nothing split, no
+    `config.json` generated. Refused for other formats."""
     work_dir: str | None = None
     """Where the plan, intermediates and cached task results go (default: DESTINATION/.zerosafe-work)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -51,7 +66,7 @@ class JobConfig(BaseModel):
     """Memory budget of one worker; the tasks it runs at once fit in it, e.g. `1GB`."""
     max_parallel_tasks: int = Field(default=2, ge=1)
     """Tasks one worker runs at once, further bounded by `memory`."""
-    mode: Literal["auto", "staged", "direct"] = "auto"
+    mode: Mode = Mode.AUTO
     """`direct` merges straight from a local or NFS checkpoint; `staged` copies each rank's
     fp32 partition to intermediates first (right for object stores); `auto` picks direct for
     local and NFS paths, staged otherwise. Both resume: each merge task is cached."""
@@ -83,13 +98,17 @@ class JobConfig(BaseModel):
     adapter: bool = False
     """Write the PEFT adapter the checkpoint holds: `adapter_model.safetensors` with PEFT's
     names and `adapter_config.json`, for `PeftModel.from_pretrained(base, destination)`."""
-    quantize: Literal["fp8-block", "fp8-dynamic"] | None = None
+    quantize: Literal["fp8-block", "fp8-dynamic", "nvfp4a16"] | None = None
     """Write the weights quantized: `fp8-block` (float8_e4m3fn, a float32 `weight_scale_inv`
-    per 128x128 block, as transformers' fine-grained FP8 writes it) or `fp8-dynamic`
+    per 128x128 block, as transformers' fine-grained FP8 writes it), `fp8-dynamic`
     (compressed-tensors' float-quantized, a float32 `weight_scale` per output channel, as
-    llm-compressor's FP8_DYNAMIC writes it); null: not quantized."""
+    llm-compressor's FP8_DYNAMIC writes it) or `nvfp4a16` (compressed-tensors'
+    nvfp4-pack-quantized, as llm-compressor's NVFP4A16 writes it); null: not quantized."""
     quantize_ignore: list[str] = Field(default_factory=list)
     """With `quantize`: regular expressions on tensor names (`re.search`) left unquantized."""
+    quantize_scale_fmt: Literal["float", "ue8m0"] = "float"
+    """With `quantize` fp8-block: `float` (float32 `weight_scale_inv`) or `ue8m0` (powers of
+    two as float8_e8m0fnu, transformers' `scale_fmt`; what `--quantize-like` reads)."""
     extract_part_size: int = Field(default=2 * 10**9, gt=0)
     """Staged mode: a rank's fp32 bytes are extracted in parts of at most this size."""
     runner: Literal["threads", "dask"] = "threads"
@@ -104,7 +123,9 @@ class JobConfig(BaseModel):
     timeout_seconds: int | None = Field(default=None, gt=0)
     """Fail the run if it takes longer than this."""
 
-    @field_validator("max_shard_size", "memory", "extract_part_size", mode="before")
+    _options: ConvertOptions | None = PrivateAttr(default=None)
+
+    @field_validator(*fields_of_kind(Kind.SIZE), mode="before")
     @classmethod
     def _size(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -114,7 +135,7 @@ class JobConfig(BaseModel):
                 raise ValueError(str(e)) from None
         return value
 
-    @field_validator("source", "destination", "work_dir", "model_files")
+    @field_validator(*fields_of_kind(Kind.URL))
     @classmethod
     def _one_spelling(cls, value: str | None) -> str | None:
         # `ckpt`, `./ckpt` and `/abs/ckpt` are one job: identities use the normalized form.
@@ -138,42 +159,25 @@ class JobConfig(BaseModel):
 
     @model_validator(mode="after")
     def _combinations(self) -> JobConfig:
+        if self._options is not None:
+            # An instance validated before, handed on as is (pydantic runs "after" validators
+            # on an instance it does not validate again: a subflow's parameter)
+            return self
         if self.runner == "dask" and not self.dask_address:
             raise ValueError(
                 "`runner: dask` needs `dask_address` (the scheduler's tcp://host:port)"
             )
         if self.source.rstrip("/") == self.destination.rstrip("/"):
             raise ValueError("`destination` must differ from `source`")
-        self.options()  # the engine's own checks (memory floor...)
+        # The engine's own checks (memory floor...), once: every later use gets this value.
+        direct, why = choose_mode(self.source, self.mode)
+        self._options = ConvertOptions(direct=direct, mode_reason=why, **options_values(dict(self)))
         return self
 
     def options(self) -> ConvertOptions:
-        """The engine's options for this job."""
-        direct, why = choose_mode(self.source, self.mode)
-        return ConvertOptions(
-            dtype=self.dtype,
-            max_shard_size=self.max_shard_size,
-            tied=self.tied,
-            exclude_frozen=self.exclude_frozen,
-            direct=direct,
-            mode_reason=why,
-            memory=self.memory,
-            max_parallel_tasks=self.max_parallel_tasks,
-            extract_part_size=self.extract_part_size,
-            overwrite=self.overwrite,
-            keep_work=self.keep_work,
-            allow_nonfinite=self.allow_nonfinite,
-            check_lowp=self.check_lowp,
-            file_sha256=self.file_sha256,
-            keep_fp32=tuple(self.keep_fp32),
-            model_files=self.model_files,
-            copy_model_files=self.copy_model_files,
-            adapter=self.adapter,
-            quantize=self.quantize,
-            quantize_ignore=tuple(self.quantize_ignore),
-            select=tuple(self.select),
-            strip_prefix=self.strip_prefix,
-        )
+        """The engine's options for this job, computed once, when the job was validated."""
+        assert self._options is not None  # set by `_combinations`, which every instance passed
+        return self._options
 
 
 def flow_parameters(
@@ -181,7 +185,7 @@ def flow_parameters(
     destination: str,
     options: ConvertOptions,
     *,
-    mode: str,
+    mode: Mode | str,
     tag: str | None = None,
     work_dir: str | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -194,20 +198,27 @@ def flow_parameters(
     Args:
         mode: The mode as asked (`auto` included); `options.direct` is what it chose here.
     """
-    return dict(
-        source=source, destination=destination, tag=tag, work_dir=work_dir,
-        storage_options=storage_options, mode=mode, dtype=short_name(options.dtype),
-        select=list(options.select) or None, strip_prefix=options.strip_prefix,
-        max_shard_size=str(options.max_shard_size), memory=str(options.memory),
-        max_parallel_tasks=options.max_parallel_tasks, tied=options.tied,
-        exclude_frozen=options.exclude_frozen, overwrite=options.overwrite,
-        keep_work=options.keep_work, allow_nonfinite=options.allow_nonfinite,
-        check_lowp=options.check_lowp, file_sha256=options.file_sha256,
-        extract_part_size=str(options.extract_part_size), keep_fp32=list(options.keep_fp32),
-        model_files=options.model_files, copy_model_files=options.copy_model_files,
-        adapter=options.adapter, quantize=options.quantize,
-        quantize_ignore=list(options.quantize_ignore),
-    )  # fmt: skip
+    given = {
+        "tag": tag, "work_dir": work_dir, "storage_options": storage_options,
+        "mode": Mode(mode).value,
+    }  # fmt: skip
+    params: dict[str, Any] = {"source": source, "destination": destination}
+    for field in JOB_FIELDS:
+        if field.engine:
+            params[field.name] = _json_value(field.kind, getattr(options, field.name))
+        elif field.name in given:
+            params[field.name] = given[field.name]
+    params["dtype"] = short_name(options.dtype)
+    return params
+
+
+def _json_value(kind: Kind, value: Any) -> Any:
+    """A `ConvertOptions` value as the flow's JSON parameters hold it."""
+    if kind is Kind.SIZE:
+        return str(value)  # a JSON number loses digits above 2**53
+    if kind is Kind.PATTERNS:
+        return list(value)
+    return value
 
 
 def _readable(e: ValidationError) -> str:

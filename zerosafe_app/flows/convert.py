@@ -173,6 +173,7 @@ def convert(
     tag: str | None = None,
     select: list[str] | None = None,
     strip_prefix: str | None = None,
+    keep_names: bool | None = None,
     dtype: str | None = None,
     max_shard_size: str | None = None,
     memory: str | None = None,
@@ -191,6 +192,7 @@ def convert(
     adapter: bool | None = None,
     quantize: str | None = None,
     quantize_ignore: list[str] | None = None,
+    quantize_scale_fmt: str | None = None,
     extract_part_size: str | None = None,
     work_dir: str | None = None,
     runner: str | None = None,
@@ -198,8 +200,9 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     timeout_seconds: int | None = None,
 ) -> Any:
-    """Convert one checkpoint (a DeepSpeed ZeRO tag or a PyTorch DCP save) into verified
-    safetensors.
+    """Convert one checkpoint (DeepSpeed ZeRO, DeepSpeed universal, PyTorch DCP, Megatron-LM
+    torch_dist, verl FSDP, torch_checkpointing, HuggingFaceStorageWriter rank files or a
+    safetensors model folder) into verified safetensors.
 
     The stages run in a subflow, `convert-job`, so this flow can pick its task runner. The
     subflow carries this run's tags; this run's state message and its link artifact name the
@@ -207,24 +210,15 @@ def convert(
     without a traceback.
 
     Args:
-        source: The checkpoint: DeepSpeed's folder (holding `latest`) or a tag folder, or a
-            PyTorch DCP folder (holding `.metadata`).
+        source: The checkpoint's folder, of one of the formats above (`zerosafe convert
+            --help` says what a folder of each holds), or the folder above one save.
         destination: The output folder.
         conf: A YAML job file (see conf/example.yaml); the other parameters override it.
     """
+    # Every parameter but `conf` is a job field, by name (tests/app/test_option_table.py
+    # keeps this signature equal to `JOB_FIELDS`); taken before any other local exists.
+    params = {name: value for name, value in dict(locals()).items() if name != "conf"}
     log = get_run_logger()
-    params = dict(
-        source=source, destination=destination, tag=tag, select=select,
-        strip_prefix=strip_prefix, dtype=dtype, max_shard_size=max_shard_size, memory=memory,
-        max_parallel_tasks=max_parallel_tasks, mode=mode, tied=tied,
-        exclude_frozen=exclude_frozen, overwrite=overwrite, keep_work=keep_work,
-        allow_nonfinite=allow_nonfinite, check_lowp=check_lowp, file_sha256=file_sha256,
-        keep_fp32=keep_fp32, model_files=model_files, copy_model_files=copy_model_files,
-        adapter=adapter, quantize=quantize, quantize_ignore=quantize_ignore,
-        extract_part_size=extract_part_size, work_dir=work_dir, runner=runner,
-        dask_address=dask_address, storage_options=storage_options,
-        timeout_seconds=timeout_seconds,
-    )  # fmt: skip
     try:
         cfg = load_job_config(conf, **params)
     except ConversionError as e:
@@ -239,7 +233,7 @@ def convert(
     )
     with tags(*(flow_run.tags or [])):  # so filtering runs by tag finds the subflow too
         # A sync flow called with `return_state=True` returns its State.
-        state = cast("State[Any]", job_flow(cfg.model_dump(), return_state=True))
+        state = cast("State[Any]", job_flow(cfg, return_state=True))
     child = state.state_details.flow_run_id
     where = f"stages, logs and artifacts in subflow run {_run_ref(child)}"
     if child is not None:
@@ -337,14 +331,17 @@ class _Progress:
 
 
 @flow(name="convert-job", log_prints=False)
-def run_job(config: dict[str, Any]) -> Any:
+def run_job(config: JobConfig) -> Any:
     """The stages of one validated job (a subflow, so `convert` can pick the task runner).
+
+    `config` is the very value `convert` validated (a model instance is not validated
+    again), with the `ConvertOptions` computed then: every task gets that one value.
 
     A `ConversionError` (bad input, options or output: permanent, so never retried) ends the
     run in a Failed state whose message is the error's one line, with a failure artifact
     saying the same; any other error raises, with its traceback.
     """
-    cfg = JobConfig(**config)
+    cfg = config
     try:
         return _hand_back(_run_job(cfg))
     except ConversionError as e:

@@ -1,29 +1,15 @@
-"""The flow `convert` hands every parameter to the job config by name (no `locals()`), and
-its parameters are exactly the job config's fields plus `conf`."""
+"""The command's options cross the flow's edge unchanged (the signature against the field
+table: tests/app/test_option_table.py)."""
 
 from __future__ import annotations
 
-import ast
 import inspect
-import textwrap
 
-from zerosafe_app.flows.config import JobConfig
+import pytest
+
+from tests.conftest import SAMPLE_CKPT
+from zerosafe.config import choose_mode
 from zerosafe_app.flows.convert import convert
-
-
-def test_every_flow_parameter_reaches_the_job_config() -> None:
-    parameters = [n for n in inspect.signature(convert.fn).parameters if n != "conf"]
-    assert sorted(parameters) == sorted(JobConfig.model_fields)
-    tree = ast.parse(textwrap.dedent(inspect.getsource(convert.fn)))
-    (call,) = [
-        node.value
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Assign)
-        and any(isinstance(t, ast.Name) and t.id == "params" for t in node.targets)
-    ]
-    assert isinstance(call, ast.Call)
-    passed = {k.arg: k.value.id for k in call.keywords if isinstance(k.value, ast.Name)}
-    assert passed == {name: name for name in parameters}
 
 
 def test_the_command_options_cross_the_flow_edge_unchanged(tmp_path) -> None:
@@ -40,7 +26,7 @@ def test_the_command_options_cross_the_flow_edge_unchanged(tmp_path) -> None:
         "20KB", "--parallel", "3", "--mode", "staged", "--tied", "copy", "--exclude-frozen",
         "--keep-fp32", "norm", "--keep-fp32", "router", "--overwrite", "--keep-work",
         "--allow-nonfinite", "--check-lowp", "--file-sha256", "--select", "model.",
-        "--strip-prefix", "", "--model-files", str(tmp_path), "--work-dir", str(tmp_path / "w"),
+        "--strip-prefix", "", "--keep-names", "--model-files", str(tmp_path), "--work-dir", str(tmp_path / "w"),
     ]  # fmt: skip
     args = _parser().parse_args(argv)
     options = _options(args)
@@ -51,8 +37,27 @@ def test_the_command_options_cross_the_flow_edge_unchanged(tmp_path) -> None:
     assert set(params) <= parameters
     assert params["dtype"] == "bf16" and params["memory"] == str(256 * 2**20)
     cfg = load_job_config(None, **params)
-    assert cfg.options() == options
+    assert cfg.options() == options and options.keep_names
     assert (cfg.work_dir, cfg.mode) == (str(tmp_path / "w"), "staged")
     auto = _options(_parser().parse_args(["convert", "/ckpt", out]))
     again = load_job_config(None, **flow_parameters("/ckpt", out, auto, mode="auto")).options()
     assert again == auto and again.direct and again.dtype == "float32"
+
+
+@pytest.mark.slow
+def test_a_flow_run_builds_its_options_once(prefect_server: None, tmp_path, monkeypatch) -> None:
+    """Issue 38: the job is validated once, by `convert`; the subflow gets that very job config
+    (Prefect does not validate a model instance again), so its `ConvertOptions` (and the mode
+    it chose) are built once per run, not once per use."""
+    from zerosafe_app.flows import config
+
+    chosen: list[str] = []
+
+    def counted(source_url: str, mode: str = "auto") -> tuple[bool, str]:
+        chosen.append(mode)
+        return choose_mode(source_url, mode)
+
+    monkeypatch.setattr(config, "choose_mode", counted)
+    result = convert(source=str(SAMPLE_CKPT), destination=str(tmp_path / "out"), mode="staged")
+    assert result["status"] == "converted"
+    assert chosen == ["staged"]

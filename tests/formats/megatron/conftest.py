@@ -10,9 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-SAVES = ("tp2", "tp1dp2", "tp2tied")
-"""Tensor parallel 2, tensor parallel 1 x data parallel 2 (the same model, two layouts), and
-tensor parallel 2 with the output layer tied to the embedding."""
+SAVES = ("tp2", "tp1dp2", "tp2tied", "qwen2tp2", "qwen3tp2", "moetp2ep2")
+"""Tensor parallel 2, tensor parallel 1 x data parallel 2 (the same model, two layouts),
+tensor parallel 2 with the output layer tied to the embedding, and two at tensor parallel 2:
+with QKV biases (Qwen2-style) and with query/key norms and a head size of its own
+(Qwen3-style); and a Mixtral-style MoE (4 experts, top 2) at tensor parallel 2 x expert parallel 2."""
 
 
 def save_path(name: str) -> Path:

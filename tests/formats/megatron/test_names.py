@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zerosafe.formats.megatron.names import LlamaShape, compose, llama_pieces
+from zerosafe.formats.megatron.names import LlamaShape, compose, kept_pieces, llama_pieces
 
 SHAPE = LlamaShape(
     num_layers=2, hidden_size=4, ffn_hidden_size=3, num_attention_heads=4, num_query_groups=2,
@@ -37,3 +37,37 @@ def test_qkv_is_split_per_query_group() -> None:
     assert pieces["model.embed_tokens.weight"].shape == (5, 4)
     assert pieces["lm_head.weight"].runs == ((0, 20, 0),)
     assert list(pieces)[-2:] == ["model.norm.weight", "lm_head.weight"]
+
+
+def test_experts_are_cut_from_the_layer_then_expert_stack() -> None:
+    moe = LlamaShape(
+        num_layers=2, hidden_size=4, ffn_hidden_size=3, num_attention_heads=4,
+        num_query_groups=2, kv_channels=1, vocab_size=5, padded_vocab_size=8,
+        num_experts=3, moe_ffn_hidden_size=2,
+    )  # fmt: skip
+    keys = {**KEYS, "router": "router", "experts_fc1": "fc1s", "experts_fc2": "fc2s"}
+    pieces = {p.name: p for p in llama_pieces(moe, keys)}
+    e = "model.layers.1.block_sparse_moe."
+    # fc1 of layer 1, expert 2: [gate (2 rows of 4); up] at (1 * 3 + 2) * 16 elements
+    assert pieces[e + "experts.2.w1.weight"].runs == ((80, 8, 0),)
+    assert pieces[e + "experts.2.w3.weight"].runs == ((88, 8, 0),)
+    assert pieces[e + "experts.2.w2.weight"].runs == ((40, 8, 0),)
+    assert pieces[e + "gate.weight"].runs == ((12, 12, 0),)
+    assert not any("mlp.gate_proj" in n for n in pieces)
+
+
+def test_keep_names_unstacks_layers_and_experts() -> None:
+    shapes = {
+        "decoder.layers.mlp.experts.experts.linear_fc2.weight": (2, 3, 4, 2),
+        "embedding.word_embeddings.weight": (8, 4),
+        "decoder.layers.mlp.router.weight": (2, 3, 4),
+        "output_layer.weight": (8, 4),
+    }
+    pieces = kept_pieces(shapes, num_layers=2, num_experts=3)
+    names = [p.name for p in pieces]
+    assert names[0] == "embedding.word_embeddings.weight" and names[-1] == "output_layer.weight"
+    fc2 = {p.name: p for p in pieces}[
+        "decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight"
+    ]
+    assert fc2.shape == (4, 2) and fc2.runs == ((5 * 8, 8, 0),)
+    assert "decoder.layers.1.mlp.router.weight" in names and len(names) == 2 + 2 * (3 + 1)

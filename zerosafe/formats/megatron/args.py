@@ -7,7 +7,8 @@ these non-tensor values into one DCP byte item, `common_state/shard_0_1`: a `tor
 pickle of `[{"args": Namespace(...), "iteration": N, ...}]` inside a `.distcp` file. It is read
 with the restricted unpickler (`zerosafe.formats.torch_pickle`: the `Namespace` is an inert
 record), never executed. The architecture fields make the Hugging Face names (`names.py`) and
-`config.json` (`llama_config`); a field this mapping does not cover is refused, naming it.
+`config.json` (`hf_config`: Llama, or Qwen2 with `--add-qkv-bias`, Qwen3 with
+`--qk-layernorm`); a field this mapping does not cover is refused, naming it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.storage import Storage, join_url
 
 __all__ = [
-    "COMMON_STATE", "MegatronArgs", "check_llama", "llama_config", "llama_shape", "read_args",
+    "COMMON_STATE", "MegatronArgs", "check_llama", "hf_config", "llama_shape", "read_args",
 ]  # fmt: skip
 
 COMMON_STATE = "common_state"
@@ -34,10 +35,7 @@ _COMMON_MAX_BYTES = 64 * 2**20
 """The common state is a few kilobytes (the args, the scheduler's numbers); read whole."""
 
 _UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
-    ("num_experts", None, "a mixture-of-experts model (MoE)"),
     ("add_bias_linear", False, "linear biases"),
-    ("add_qkv_bias", False, "QKV biases (Qwen2-style)"),
-    ("qk_layernorm", False, "query/key norms (Qwen3-style)"),
     ("apply_layernorm_1p", False, "zero-centred norms (`--apply-layernorm-1p`)"),
     ("rotary_interleaved", False, "interleaved RoPE"),
     ("use_rope_scaling", False, "RoPE scaling (Llama 3.1-style)"),
@@ -47,6 +45,22 @@ _UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
 )
 """`(field, the value the mapping covers, what another value means)`: what `check_llama`
 refuses. A field the save does not have counts as the covered value."""
+
+_MOE_UNSUPPORTED: tuple[tuple[str, object, str], ...] = (
+    ("moe_shared_expert_intermediate_size", None, "shared experts (Qwen-MoE, DeepSeek-style)"),
+    ("moe_router_pre_softmax", False, "a softmax before the top-k (not Mixtral's routing)"),
+    ("moe_router_score_function", "softmax", "router scores other than Mixtral's softmax"),
+    ("moe_router_enable_expert_bias", False, "router expert biases (DeepSeek-V3-style)"),
+    ("moe_router_topk_scaling_factor", None, "scaled top-k weights (DeepSeek-style)"),
+    ("moe_router_num_groups", None, "group-limited routing (DeepSeek-style)"),
+    ("moe_layer_freq", 1, "dense layers between the MoE ones"),
+    ("moe_grouped_gemm", False, "grouped-GEMM experts (a layout not yet checked)"),
+    ("moe_use_legacy_grouped_gemm", False, "legacy grouped-GEMM experts"),
+    ("add_qkv_bias", False, "QKV biases with experts (Qwen2-MoE-style)"),
+    ("qk_layernorm", False, "query/key norms with experts (Qwen3-MoE-style)"),
+)
+"""With `num_experts`: what the Mixtral mapping (every layer MoE, softmax top-k routing
+renormalized over the chosen experts, no shared experts) does not cover."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,16 +156,29 @@ def check_llama(args: MegatronArgs) -> None:
             _refuse(
                 args, f"{name}={args.get(name)!r}", f"not the Llama family (which has {want!r})"
             )
+    if args.get("num_experts") is not None:
+        for name, covered, what in _MOE_UNSUPPORTED:
+            value = args.get(name)
+            if value is not None and value != covered:
+                _refuse(args, f"num_experts={args.get('num_experts')!r}, {name}={value!r}", what)
     percent = args.get("rotary_percent", 1.0)
     if percent != 1.0:
         _refuse(args, f"rotary_percent={percent!r}", "partial rotary embeddings")
+    if args.get("add_qkv_bias") and args.get("qk_layernorm"):
+        _refuse(
+            args, "add_qkv_bias=True and qk_layernorm=True",
+            "QKV biases with query/key norms (neither Qwen2 nor Qwen3)",
+        )  # fmt: skip
 
 
 def _refuse(args: MegatronArgs, found: str, what: str) -> None:
     raise UnsupportedCheckpointError(
         f"{args.url}: the saved args say {found}: {what}, which zerosafe does not map to Hugging "
-        "Face names yet (it maps dense Llama-family models: RMSNorm, SwiGLU, RoPE, no biases, "
-        "no pipeline parallel); convert with Megatron-Bridge or Megatron-LM's own converter"
+        "Face names yet (it maps Llama-family models: RMSNorm, SwiGLU, RoPE, no linear biases "
+        "but Qwen2's QKV ones, Qwen3's query/key norms, Mixtral-style experts, no pipeline "
+        "parallel); convert "
+        "with Megatron-Bridge or Megatron-LM's own converter, or pass `--keep-names` for "
+        "Megatron's own names"
     )
 
 
@@ -173,7 +200,20 @@ def llama_shape(args: MegatronArgs) -> LlamaShape:
         kv_channels=kv if type(kv) is int else hidden // heads,
         vocab_size=vocab if type(vocab) is int and 0 < vocab <= padded else padded,
         padded_vocab_size=padded,
+        qkv_bias=bool(args.get("add_qkv_bias")),
+        qk_norm=bool(args.get("qk_layernorm")),
+        num_experts=args.int_field("num_experts") if args.get("num_experts") is not None else 0,
+        moe_ffn_hidden_size=_moe_ffn(args),
     )
+
+
+def _moe_ffn(args: MegatronArgs) -> int:
+    """The experts' FFN size (`--moe-ffn-hidden-size`, which defaults to `ffn_hidden_size`)."""
+    if args.get("num_experts") is None:
+        return 0
+    if args.get("moe_ffn_hidden_size") is None:
+        return args.int_field("ffn_hidden_size")
+    return args.int_field("moe_ffn_hidden_size")
 
 
 def _float(args: MegatronArgs, name: str, default: float) -> float:
@@ -186,9 +226,10 @@ def _float(args: MegatronArgs, name: str, default: float) -> float:
     return float(value)
 
 
-def llama_config(args: MegatronArgs, shape: LlamaShape, *, dtype: str) -> dict[str, object]:
-    """A `LlamaConfig` (transformers) of the model, every architecture field from the args."""
-    return {
+def hf_config(args: MegatronArgs, shape: LlamaShape, *, dtype: str) -> dict[str, object]:
+    """The transformers config of the model, every architecture field from the args: a
+    `LlamaConfig`, a `Qwen2Config` (QKV biases) or a `Qwen3Config` (query/key norms)."""
+    config: dict[str, object] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": shape.vocab_size,
@@ -207,3 +248,23 @@ def llama_config(args: MegatronArgs, shape: LlamaShape, *, dtype: str) -> dict[s
         "mlp_bias": False,
         "torch_dtype": dtype,
     }
+    if shape.qkv_bias:  # Qwen2: q/k/v biases always, none on o_proj or the MLP
+        del config["attention_bias"], config["mlp_bias"]
+        config |= {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+        config["use_sliding_window"] = False
+    elif shape.qk_norm:  # Qwen3: `attention_bias` covers q/k/v/o; no `mlp_bias`
+        del config["mlp_bias"]
+        config |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+        config["use_sliding_window"] = False
+    elif shape.num_experts:  # Mixtral: no biases at all, the experts' FFN size
+        del config["attention_bias"], config["mlp_bias"]
+        config |= {
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": shape.moe_ffn_hidden_size,
+        }  # fmt: skip
+        config |= {
+            "num_local_experts": shape.num_experts,
+            "num_experts_per_tok": args.int_field("moe_router_topk"),
+            "sliding_window": None,
+        }
+    return config

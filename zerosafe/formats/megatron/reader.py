@@ -34,11 +34,18 @@ from zerosafe.formats.dcp.reader import (
 from zerosafe.formats.megatron.args import (
     MegatronArgs,
     check_llama,
-    llama_config,
+    hf_config,
     llama_shape,
     read_args,
 )
-from zerosafe.formats.megatron.names import HfPiece, LlamaShape, compose, llama_pieces
+from zerosafe.formats.megatron.names import (
+    STACKED,
+    HfPiece,
+    LlamaShape,
+    compose,
+    kept_pieces,
+    llama_pieces,
+)
 from zerosafe.io.storage import Storage, join_url, normalize_url
 
 __all__ = ["FORMAT_NAME", "LATEST_FILE", "MegatronReader"]
@@ -48,7 +55,9 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 BACKEND_FILE = "metadata.json"
 _ITER = re.compile(r"iter_\d{7}|release")
 _LATEST_MAX_BYTES = 64
-_OPTIMIZER = "optimizer."
+_OPTIMIZER = re.compile(r"(chained_\d+\.)?optimizer\.")
+"""The DistributedOptimizer's keys; with experts megatron-core chains one optimizer for the
+dense parameters and one for the experts' (`chained_0.optimizer...`, `chained_1...`)."""
 
 _ROLES: dict[str, tuple[str, ...]] = {
     "embedding": ("embedding.word_embeddings.weight",),
@@ -66,9 +75,18 @@ _ROLES: dict[str, tuple[str, ...]] = {
     "fc2": ("decoder.layers.mlp.linear_fc2.weight",),
     "final_norm": ("decoder.final_layernorm.weight",),
     "output": ("output_layer.weight",),
+    "qkv_bias": ("decoder.layers.self_attention.linear_qkv.bias",),
+    "q_norm": ("decoder.layers.self_attention.q_layernorm.weight",),
+    "k_norm": ("decoder.layers.self_attention.k_layernorm.weight",),
+    "router": ("decoder.layers.mlp.router.weight",),
+    "experts_fc1": ("decoder.layers.mlp.experts.experts.linear_fc1.weight",),
+    "experts_fc2": ("decoder.layers.mlp.experts.experts.linear_fc2.weight",),
 }
 """The Megatron key of each role in the Llama mapping: the Transformer Engine spec's names
-(fused norms), which megatron-core also saves for its local spec, then the local spec's own."""
+(fused norms), which megatron-core also saves for its local spec, then the local spec's own.
+The QKV bias and query/key norms only where the args say so (`--add-qkv-bias`,
+`--qk-layernorm`); with `--num-experts` the router and the experts (SequentialMLP, stacked
+`[num_layers, num_experts, ...]`) instead of `fc1` and `fc2`."""
 
 
 class MegatronReader:
@@ -113,12 +131,16 @@ class MegatronReader:
         read_before = storage.counter.bytes_read
         meta, meta_sha = read_metadata(iter_url, storage)
         args = read_args(iter_url, meta, storage)
-        check_llama(args)
-        shape = llama_shape(args)
-        model_keys = [k for k in meta.tensors if not k.startswith(_OPTIMIZER)]
-        keys = _role_keys(iter_url, meta, model_keys, args)
-        pieces = llama_pieces(shape, keys)
-        _check_shapes(iter_url, meta, shape, keys)
+        model_keys = [k for k in meta.tensors if not _OPTIMIZER.match(k)]
+        shape: LlamaShape | None = None
+        if options.keep_names:
+            pieces = _kept_pieces(iter_url, meta, model_keys, args)
+        else:
+            check_llama(args)
+            shape = llama_shape(args)
+            keys = _role_keys(iter_url, meta, model_keys, args, shape)
+            pieces = llama_pieces(shape, keys)
+            _check_shapes(iter_url, meta, shape, keys)
         tops = tuple(dict.fromkeys(k.split(".", 1)[0] for k in model_keys))
         dcp = read_dcp_layout(
             iter_url, storage, DcpSelection(select=tops), metadata=(meta, meta_sha)
@@ -129,21 +151,26 @@ class MegatronReader:
             dcp.source,
             format=self.name,
             num_params=sum(math.prod(t.shape) for t in tensors.values()),
-            model_config=llama_config(args, shape, dtype=_saved_dtype(tensors)),
+            model_config=(
+                None if shape is None else hf_config(args, shape, dtype=_saved_dtype(tensors))
+            ),
         )
         dcp.tensors = tensors
         dcp.order = list(tensors)
         dcp.tag = _tag_name(iter_url)
-        dcp.ties_by_config = "output" not in keys
+        dcp.ties_by_config = shape is not None and "output" not in keys
         dcp.metadata_bytes = storage.counter.bytes_read - read_before
         dcp.notes = [n for n in dcp.notes if "not selected" not in n]
-        optimizer = sum(1 for k in meta.tensors if k.startswith(_OPTIMIZER))
+        optimizer = sum(1 for k in meta.tensors if _OPTIMIZER.match(k))
         if optimizer:
             dcp.notes.append(
                 f"{optimizer} DistributedOptimizer buffer(s) (optimizer.distributed...) not read: "
                 "optimizer state, never weights"
             )
-        dcp.notes.append(_vocab_note(shape))
+        dcp.notes.append(
+            _vocab_note(shape) if shape is not None else "`--keep-names`: Megatron's names, "
+            "layers unstacked, nothing split, the padded vocabulary kept, no config.json generated"
+        )  # fmt: skip
         dcp.facts = _facts(iter_url, args, shape, meta, dcp.facts)
         return dcp
 
@@ -211,20 +238,26 @@ def _tag_name(url: str) -> str:
 
 
 def _role_keys(
-    url: str, meta: DcpMetadata, model_keys: list[str], args: MegatronArgs
+    url: str, meta: DcpMetadata, model_keys: list[str], args: MegatronArgs, shape: LlamaShape
 ) -> dict[str, str]:
     """The Megatron key of each role (`_ROLES`); any other model tensor is refused.
 
     Raises:
         UnsupportedCheckpointError: A tensor the mapping does not know, or a role missing.
     """
+    tied = not args.get("untie_embeddings_and_output_weights", False)
+    wanted = [
+        r for r in _ROLES
+        if (r != "qkv_bias" or shape.qkv_bias) and (r not in ("q_norm", "k_norm") or shape.qk_norm)
+        and (r not in ("fc1", "fc2") or not shape.num_experts)
+        and (r not in ("router", "experts_fc1", "experts_fc2") or shape.num_experts)
+    ]  # fmt: skip
     keys: dict[str, str] = {}
-    for role, candidates in _ROLES.items():
-        found = [k for k in candidates if k in meta.tensors]
+    for role in wanted:
+        found = [k for k in _ROLES[role] if k in meta.tensors]
         if found:
             keys[role] = found[0]
-    tied = not args.get("untie_embeddings_and_output_weights", False)
-    missing = [r for r in _ROLES if r not in keys and not (r == "output" and tied)]
+    missing = [r for r in wanted if r not in keys and not (r == "output" and tied)]
     if missing:
         raise CheckpointFormatError(
             f"{url}: no tensor for {missing} ({_ROLES[missing[0]][0]}); the save holds "
@@ -235,8 +268,9 @@ def _role_keys(
     if other:
         raise UnsupportedCheckpointError(
             f"{url}: the save holds '{other[0]}' ({len(other)} tensor(s) the Llama mapping does "
-            "not know), which zerosafe does not map to Hugging Face names yet; convert with "
-            "Megatron-Bridge or Megatron-LM's own converter"
+            "not know), which zerosafe does not map to Hugging Face names yet; pass "
+            "`--keep-names` for Megatron's own names, or convert with Megatron-Bridge or "
+            "Megatron-LM's own converter"
         )
     return keys
 
@@ -262,6 +296,10 @@ def _check_shapes(url: str, meta: DcpMetadata, shape: LlamaShape, keys: dict[str
         "input_norm": (layers, h), "mlp_norm": (layers, h), "final_norm": (h,),
         "qkv": (layers, (n + 2 * g) * d, h), "proj": (layers, h, n * d),
         "fc1": (layers, 2 * f, h), "fc2": (layers, h, f),
+        "qkv_bias": (layers, (n + 2 * g) * d), "q_norm": (layers, d), "k_norm": (layers, d),
+        "router": (layers, s.num_experts, h),
+        "experts_fc1": (layers, s.num_experts, 2 * s.moe_ffn_hidden_size, h),
+        "experts_fc2": (layers, s.num_experts, h, s.moe_ffn_hidden_size),
     }  # fmt: skip
     for role, key in keys.items():
         got = meta.tensors[key].size
@@ -293,17 +331,52 @@ def _vocab_note(shape: LlamaShape) -> str:
     )
 
 
+def _family(shape: LlamaShape) -> str:
+    if shape.qkv_bias:
+        return "Qwen2"
+    if shape.qk_norm:
+        return "Qwen3"
+    return "Mixtral" if shape.num_experts else "Llama"
+
+
+def _kept_pieces(
+    url: str, meta: DcpMetadata, model_keys: list[str], args: MegatronArgs
+) -> list[HfPiece]:
+    """`--keep-names`: every model tensor in Megatron's names, each stacked one
+    (`decoder.layers.X`) unstacked into `decoder.layers.N.X`; any architecture.
+
+    Raises:
+        CheckpointFormatError: If a stacked tensor's first dimension is not the args' layers.
+    """
+    num_layers = args.int_field("num_layers")
+    experts = args.int_field("num_experts") if args.get("num_experts") is not None else 0
+    shapes = {k: meta.tensors[k].size for k in model_keys}
+    bad = [
+        k for k, s in shapes.items()
+        if k.startswith(STACKED) and s[:1] != (num_layers,)
+        or ".experts.experts." in k and experts and s[1:2] != (experts,)
+    ]  # fmt: skip
+    if bad:
+        raise CheckpointFormatError(
+            f"{url}: '{bad[0]}' is {list(shapes[bad[0]])}, expected the args' {num_layers} "
+            f"layers stacked first (then {experts} experts for an expert's); the args are not "
+            "this model's, so it cannot be unstacked. "
+            "Convert the save as it was written"
+        )
+    return kept_pieces(shapes, num_layers, experts)
+
+
 def _facts(
     url: str,
     args: MegatronArgs,
-    shape: LlamaShape,
+    shape: LlamaShape | None,
     meta: DcpMetadata,
     dcp: InspectFacts | None,
 ) -> InspectFacts:
-    optimizer = [k for k in meta.tensors if k.startswith(_OPTIMIZER)]
+    optimizer = [k for k in meta.tensors if _OPTIMIZER.match(k)]
     fields: dict[str, object] = {
         "iteration": args.iteration,
-        "architecture": llama_config(args, shape, dtype="float32"),
+        "architecture": None if shape is None else hf_config(args, shape, dtype="float32"),
         "tensor_model_parallel_size": args.get("tensor_model_parallel_size"),
         "optimizer_buffers": optimizer,
         "non_tensor_items": list(meta.byte_entries),
@@ -313,8 +386,13 @@ def _facts(
     return InspectFacts(
         fields=fields,
         about=[
-            f"Checkpoint  {url}  ({FORMAT_NAME}, iteration {args.iteration}, Llama: "
-            f"{shape.num_layers} layers, hidden {shape.hidden_size})"
+            f"Checkpoint  {url}  ({FORMAT_NAME}, iteration {args.iteration}, "
+            + (
+                "`--keep-names`: Megatron's names)"
+                if shape is None
+                else f"{_family(shape)}: {shape.num_layers} layers, hidden {shape.hidden_size}"
+                + (f", {shape.num_experts} experts)" if shape.num_experts else ")")
+            )
         ],
         read_labels=ReadLabels(
             main="model chunks",
