@@ -5,6 +5,8 @@
     .venv/bin/python bench/run.py --format dcp --size quick   # a DCP checkpoint (bench/run_dcp.py)
     .venv/bin/python bench/run.py --format hf-sharded --size quick   # torch's HF writer, against
         # torch's consolidation (also bytecheckpoint, safetensors: bench/run_hf.py)
+    .venv/bin/python bench/run_quantize.py --size quick   # --quantize fp8-block against the
+        # bf16 conversion and the two-step route (bf16, then transformers' quantizer)
 
 One run forges a ZeRO-3 checkpoint (bench/forge/: deterministic values, Adam moments as
 sparse holes), then, on the same files and in the same run, measures:

@@ -43,7 +43,9 @@ Which tensors are quantized is decided in one place, `ConvertOptions.quantize_sk
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +67,7 @@ __all__ = [
     "SKIPPED_MODULE",
     "QuantizedBand",
     "block_skip_reason",
+    "e4m3fn_codes",
     "global_scale",
     "quantized_tensors",
     "expected_scale_shape",
@@ -80,8 +83,10 @@ BAND_ROWS = 128
 """Rows of a weight quantized at once (a row of 128x128 blocks for `fp8-block`)."""
 BAND_BYTES_PER_COLUMN = 2048
 """What quantizing one band holds per column of the weight: the float32 band (512 bytes) and
-torch's temporaries and output (measured: 1153 more, both FP8 schemes, at 65536 columns;
-`nvfp4a16` peaked 4% above `fp8-block` in the same measure)."""
+the quantization's temporaries and output (measured with tracemalloc at 65536 columns: 260
+more for `fp8-block`, 640 for `fp8-dynamic`, which run in numpy; 1153 when they ran in torch,
+and `nvfp4a16`, still in torch, 4% above that), with room for the codes the writer has not
+taken yet."""
 COMPRESSED_TENSORS_VERSION = "0.20.0"
 """The compressed-tensors release whose `float-quantized` format `fp8-dynamic` writes (its
 `quantization_config.version`)."""
@@ -111,6 +116,9 @@ _FLOAT32_EPS = 2.0**-23
 _FLOAT32_TINY = 2.0**-126
 """`torch.finfo(torch.float32).tiny`."""
 """`torch.finfo(torch.float32).eps`: compressed-tensors' scale of an all-zero row."""
+_CHUNK = 1 << 16
+"""Elements scaled and cast at once: their temporaries (float32, the table index, the tie
+mask: 17 bytes an element) stay in a core's L2."""
 SKIPPED_MODULE = re.compile(
     r"(^|\.)(embed_tokens|embed_in|embed_out|embeddings?|wte|wpe|word_embeddings|lm_head"
     r"|[^.]*norm[^.]*|gate|router|[^.]*_router|shared_expert_gate)$"
@@ -179,12 +187,12 @@ def block_skip_reason(scheme: str, shape: tuple[int, ...]) -> str | None:
 @dataclass(frozen=True, slots=True)
 class QuantizedBand:
     """One band of up to 128 rows, quantized: its `float8_e4m3fn` bytes (row-major) and its
-    scales, a 2-D float32 tensor (`[1, cols / 128]` or `[rows, 1]`): a weight's scales are
-    its bands' concatenated on dim 0."""
+    scales, a 2-D float32 numpy array (`[1, cols / 128]` or `[rows, 1]`): a weight's scales
+    are its bands' concatenated on axis 0."""
 
     data: bytes
     scales: Any
-    """A float32 torch tensor."""
+    """A float32 numpy array."""
 
 
 def global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -200,45 +208,151 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 def quantize_band(
     scheme: str,
-    band: torch.Tensor,
+    band: Any,
     global_scale: torch.Tensor | None = None,
     *,
     scale_fmt: str = "float",
 ) -> QuantizedBand:
-    """Quantize `band` (float32, `[rows <= 128, cols]`) in `scheme`, computing in float32 as
-    the reference does (for `fp8-block`, cols a multiple of 128: one row of blocks, its
-    scales in `scale_fmt`; for `nvfp4a16`, cols a multiple of 16, with the weight's
-    `global_scale`)."""
+    """Quantize `band` (float32, `[rows <= 128, cols]`, a numpy array or a CPU torch tensor)
+    in `scheme`, computing in float32 as the reference does (for `fp8-block`, cols a
+    multiple of 128: one row of blocks, its scales in `scale_fmt`; for `nvfp4a16`, cols a
+    multiple of 16, with the weight's `global_scale`).
+
+    `fp8-block` with float scales and `fp8-dynamic` run in numpy (their scales a numpy
+    array), `nvfp4a16` and `ue8m0` scales in torch (`_quantize_in_torch`; a torch tensor).
+    In numpy, single-threaded, so a merge needs no torch (its import costs more than the
+    whole quantization of a 0.5B model) and threads can quantize bands side by side. Each
+    float32 operation is the reference's, rounded alike: transformers' `448 / amax` is torch's
+    `Tensor.__rdiv__`, `reciprocal(amax) * 448`; its `1 / scale` a reciprocal;
+    compressed-tensors' `amax / 448` and `w / scale` true divisions. The cast to
+    `float8_e4m3fn` with the reference's clamp to +-448 is `e4m3fn_codes`'s. After the
+    scales, the band is scaled and cast `_CHUNK` elements at a time, so what it holds beside
+    the band is its codes and one chunk's temporaries.
+    """
+    if scheme == "nvfp4a16" or scale_fmt == "ue8m0":
+        return _quantize_in_torch(scheme, band, global_scale, scale_fmt)
+    import numpy as np
+
+    band = np.asarray(band, dtype=np.float32)
+    rows, cols = band.shape
+    codes = np.empty(rows * cols, dtype=np.uint8)
+    step = max(1, _CHUNK // cols)  # rows at once
+    with np.errstate(all="ignore"):  # zero, subnormal and non-finite blocks: as the reference
+        if scheme == "fp8-block":
+            blocks = band.reshape(rows, cols // FP8_BLOCK, FP8_BLOCK)
+            # max |w| per block, down the rows first (SIMD-wide), as max(max, -min): no |w| copy
+            amax = np.maximum(blocks.max(axis=0), -blocks.min(axis=0)).max(axis=1)
+            nonzero = amax > 0
+            one = np.float32(1.0)
+            safe = np.where(nonzero, amax, one)
+            scale = np.where(nonzero, np.reciprocal(safe) * np.float32(FP8_MAX), one)
+            scratch = np.empty((step, *blocks.shape[1:]), dtype=np.float32)
+            for r in range(0, rows, step):
+                scaled = scratch[: min(step, rows - r)]
+                np.multiply(blocks[r : r + step], scale.reshape(1, -1, 1), out=scaled)
+                _codes_into(scaled.reshape(-1), codes[r * cols : (r + step) * cols])
+            return QuantizedBand(codes.tobytes(), np.reciprocal(scale).reshape(1, -1))
+        assert scheme == "fp8-dynamic", scheme
+        scale = np.abs(band).max(axis=1, keepdims=True) / np.float32(FP8_MAX)
+        scale = np.where(scale == 0, np.float32(_FLOAT32_EPS), scale)
+        scratch = np.empty((step, cols), dtype=np.float32)
+        for r in range(0, rows, step):
+            scaled = scratch[: min(step, rows - r)]
+            np.divide(band[r : r + step], scale[r : r + step], out=scaled)
+            scaled += np.float32(0.0)  # the symmetric zero point: -0.0 becomes +0.0
+            _codes_into(scaled.reshape(-1), codes[r * cols : (r + step) * cols])
+    return QuantizedBand(codes.tobytes(), scale)
+
+
+def e4m3fn_codes(values: Any) -> Any:
+    """The `float8_e4m3fn` bytes (uint8 numpy array) of float32 `values` clamped to
+    +-448, as `torch.clamp(values, -448, 448).to(torch.float8_e4m3fn)` gives them: rounded
+    to nearest even, NaN to 0x7F with its sign.
+
+    The code of a float32 is a function of its top 16 bits, but for the round-half-even
+    ties, which need to know whether its low 16 bits are zero (below the rounding point of
+    every e4m3 value, subnormals included, they only break ties; they also tell NaN from
+    infinity): one lookup per value in a table of 65536 codes (`_e4m3fn_tables`: low bits
+    nonzero), a second for the few whose low half is zero.
+    """
+    import numpy as np
+
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    codes = np.empty(flat.size, dtype=np.uint8)
+    for i in range(0, flat.size, _CHUNK):
+        _codes_into(flat[i : i + _CHUNK], codes[i : i + _CHUNK])
+    return codes
+
+
+def _codes_into(values: Any, out: Any) -> None:
+    """`e4m3fn_codes` of `values` (contiguous float32, one chunk) into `out` (uint8)."""
+    import numpy as np
+
+    bits = values.view(np.uint32)
+    high = np.right_shift(bits, np.uint32(16)).astype(np.intp)
+    nonzero_low, zero_low = _e4m3fn_tables()
+    nonzero_low.take(high, out=out, mode="clip")  # in range: clip only skips the checks
+    low = np.left_shift(bits, np.uint32(16))
+    exact = np.flatnonzero(low == 0)
+    if exact.size:
+        out[exact] = zero_low.take(high[exact])
+
+
+@functools.cache
+def _e4m3fn_tables() -> tuple[Any, Any]:
+    """The codes of every top-16-bit pattern, with the low 16 bits nonzero and zero: c10's
+    `fp8e4m3fn_from_fp32_value` (torch's cast) on the values clamped to +-448."""
+    import numpy as np
+
+    if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
+        raise RuntimeError("e4m3fn_codes reads float32 halves as a little-endian machine")
+    high = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    tables = []
+    for low in (1, 0):
+        with np.errstate(invalid="ignore"):  # NaN patterns, each its own code
+            value = np.clip((high | np.uint32(low)).view(np.float32), -FP8_MAX, FP8_MAX)
+            sub = value.view(np.uint32) & np.uint32(0x7FFFFFFF)
+            sub = (sub.view(np.float32) + np.float32(2.0**14)).view(np.uint32)
+        bits = value.view(np.uint32)
+        mag = bits & np.uint32(0x7FFFFFFF)
+        # normal: drop 20 mantissa bits, rounding half to even, and rebias the exponent
+        odd = (mag >> np.uint32(20)) & np.uint32(1)
+        code = (mag + np.uint32((((7 - 127) << 23) + 0x7FFFF) & 0xFFFFFFFF) + odd) >> np.uint32(20)
+        # subnormal (under 2**-6): rounded by a float addition of 2**14, as c10 does
+        code = np.where(mag < np.uint32(121 << 23), sub - np.uint32(141 << 23), code)
+        code = np.where(mag >= np.uint32(1087 << 20), np.uint32(0x7F), code)  # NaN
+        tables.append((code | ((bits >> np.uint32(24)) & np.uint32(0x80))).astype(np.uint8))
+    return tables[0], tables[1]
+
+
+def _quantize_in_torch(
+    scheme: str, band: Any, global_scale: torch.Tensor | None, scale_fmt: str
+) -> QuantizedBand:
+    """`quantize_band` for `nvfp4a16` and `fp8-block`'s `ue8m0` scales, in torch (their
+    `log2` and E2M1 rounding are torch's own); the scales a torch tensor."""
     import torch
 
+    band = torch.as_tensor(band)
     if scheme == "nvfp4a16":
         assert global_scale is not None
         return _quantize_nvfp4(band, global_scale)
 
-    if scheme == "fp8-block":
-        rows, cols = band.shape
-        blocks = band.reshape(rows, cols // FP8_BLOCK, FP8_BLOCK)
-        amax = blocks.abs().amax(dim=(0, 2))
-        nonzero = amax > 0
-        one = torch.ones_like(amax)
-        scale = torch.where(nonzero, FP8_MAX / torch.where(nonzero, amax, one), one)
-        inv = (1.0 / scale).to(torch.float32)
-        if scale_fmt == "ue8m0":
-            inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=_FLOAT32_TINY))))
-            inv = inv.to(torch.float8_e8m0fnu)
-            scale = 1.0 / inv.to(torch.float32)
-            inv = inv.view(torch.uint8)
-        scaled = blocks * scale.reshape(1, -1, 1)
-        quantized = scaled.clamp(min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
-        data = quantized.reshape(rows, cols).view(torch.uint8).numpy().tobytes()
-        return QuantizedBand(data, inv.reshape(1, -1))
-    assert scheme == "fp8-dynamic", scheme
-    amax = band.abs().amax(dim=1, keepdim=True)
-    scale = amax / FP8_MAX
-    scale = torch.where(scale == 0, torch.full_like(scale, _FLOAT32_EPS), scale)
-    scaled = band / scale + 0.0
+    assert scheme == "fp8-block" and scale_fmt == "ue8m0", (scheme, scale_fmt)
+    rows, cols = band.shape
+    blocks = band.reshape(rows, cols // FP8_BLOCK, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(0, 2))
+    nonzero = amax > 0
+    one = torch.ones_like(amax)
+    scale = torch.where(nonzero, FP8_MAX / torch.where(nonzero, amax, one), one)
+    inv = (1.0 / scale).to(torch.float32)
+    inv = torch.pow(2.0, torch.ceil(torch.log2(inv.clamp(min=_FLOAT32_TINY))))
+    inv = inv.to(torch.float8_e8m0fnu)
+    scale = 1.0 / inv.to(torch.float32)
+    inv = inv.view(torch.uint8)
+    scaled = blocks * scale.reshape(1, -1, 1)
     quantized = scaled.clamp(min=-FP8_MAX, max=FP8_MAX).to(torch.float8_e4m3fn)
-    return QuantizedBand(quantized.view(torch.uint8).numpy().tobytes(), scale)
+    data = quantized.reshape(rows, cols).view(torch.uint8).numpy().tobytes()
+    return QuantizedBand(data, inv.reshape(1, -1))
 
 
 def quantization_config(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import FineGrainedFP8Config
@@ -45,7 +46,7 @@ def test_bands_are_bit_exact_against_transformers_quantizer() -> None:
     got = [quantize_band("fp8-block", w[r : r + 128]) for r in range(0, 256, 128)]
     data = b"".join(band.data for band in got)
     assert data == want["m.weight"].view(torch.uint8).numpy().tobytes()
-    scales = torch.cat([band.scales for band in got])
+    scales = torch.from_numpy(np.concatenate([band.scales for band in got]))
     assert scales.dtype == want["m.weight_scale_inv"].dtype == torch.float32
     assert scales.view(torch.int32).equal(want["m.weight_scale_inv"].view(torch.int32))
 
@@ -168,7 +169,10 @@ def test_verify_checks_each_fp8_weight_has_positive_finite_scales(tmp_path: Path
     band = quantize_band("fp8-block", torch.randn(128, 256))
     weight = torch.frombuffer(bytearray(band.data), dtype=torch.float8_e4m3fn).reshape(128, 256)
     cases = {
-        "good": {"m.weight": weight, "m.weight_scale_inv": band.scales.reshape(1, 2)},
+        "good": {
+            "m.weight": weight,
+            "m.weight_scale_inv": torch.from_numpy(band.scales).reshape(1, 2),
+        },
         "zero": {"m.weight": weight, "m.weight_scale_inv": torch.tensor([[1.0, 0.0]])},
         "inf": {"m.weight": weight, "m.weight_scale_inv": torch.tensor([[1.0, float("inf")]])},
         "shape": {"m.weight": weight, "m.weight_scale_inv": torch.ones(2, 1)},
@@ -189,8 +193,6 @@ def test_verify_checks_each_fp8_weight_has_positive_finite_scales(tmp_path: Path
 
 
 def test_dequantized_values_within_e4m3_rounding_bound_and_a_changed_step_is_not() -> None:
-    import numpy as np
-
     from zerosafe.verify.quantized import within_rounding_bound
 
     w = torch.randn(128, 384) * torch.logspace(-8, 2, 384)  # normals and subnormals of e4m3
@@ -198,7 +200,7 @@ def test_dequantized_values_within_e4m3_rounding_bound_and_a_changed_step_is_not
     band = quantize_band("fp8-block", w)
     elements = np.arange(w.numel())
     master = w.reshape(-1).numpy()
-    scales = band.scales.numpy()[0, elements % 384 // 128]
+    scales = band.scales[0, elements % 384 // 128]
     assert within_rounding_bound(band.data, scales, master)
     for at in (5, 128 + 77, 384 * 100 + 300, 384 * 127 + 383):  # a zero block, then others
         one_step = bytearray(band.data)
@@ -237,3 +239,67 @@ def test_a_band_that_does_not_fit_the_memory_budget_is_refused_at_plan_time() ->
             continue
         with pytest.raises(ConfigError, match=r"'m.weight' \[128, 24576\] a band of 128 rows"):
             plan_layout(layout, options)
+
+
+def test_a_model_no_weight_of_which_the_scheme_takes_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """fp8-block on a ZeRO-3 Llama of hidden size 192 (no linear weight cuts into 128x128
+    blocks): one line naming a weight and why, exit 2, nothing written; the plan refuses it
+    too. fp8-dynamic (per-channel scales, any 2-D shape) takes the same checkpoint."""
+    import json
+
+    from bench import forge as F
+    from bench.run_quantize import llama_config, llama_shapes
+
+    dims = {"width": 192, "ffn": 384, "kv": 64, "layers": 1, "vocab": 100}
+    ckpt = tmp_path / "ckpt"
+    F.forge_checkpoint(ckpt, shapes=llama_shapes(dims), stage=3, world_size=2, tied=False,
+                       buffers=())  # fmt: skip
+    config = {**llama_config(dims), "num_attention_heads": 3, "num_key_value_heads": 1}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    argv = ["convert", str(ckpt), str(out), "--via", "local", "--dtype", "bf16", "--quantize"]
+    assert cli_main([*argv, "fp8-block"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "would quantize none of the model's 9 2-D weight(s)" in err
+    assert "'model.layers.0.self_attn.q_proj.weight' is not quantized" in err, err
+    assert "[192, 192] does not divide into 128x128 blocks" in err, err
+    assert not out.exists() or not any(p.name.endswith(".safetensors") for p in out.rglob("*"))
+    with pytest.raises(ConfigError, match="would quantize none"):
+        plan_layout(
+            _layout({"m.weight": _tensor("m.weight", (64, 256), ((0, 0, 64 * 256, 0),))},
+                    [_slot(0, 0, 64 * 256)]),
+            ConvertOptions(dtype="bf16", quantize="fp8-block"),
+        )  # fmt: skip
+    assert cli_main([*argv, "fp8-dynamic", "-q"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["ignore"] == [
+        "model.embed_tokens", "lm_head"
+    ]  # fmt: skip
+
+
+def test_e4m3fn_codes_are_torchs_clamp_and_cast_on_every_kind_of_float32() -> None:
+    """The table lookup against `clamp(-448, 448).to(float8_e4m3fn)`: 4M random bit patterns
+    (NaNs, infinities, subnormals of both formats), a quarter with their low 16 bits zero
+    (the round-half-even ties), and a dense sweep of e4m3's range."""
+    from zerosafe.quantize import e4m3fn_codes
+
+    bits = np.random.default_rng(3).integers(0, 2**32, size=4_000_000, dtype=np.uint64)
+    bits = bits.astype(np.uint32)
+    bits[::4] &= np.uint32(0xFFFF0000)
+    values = np.concatenate([bits.view(np.float32), np.linspace(-500, 500, 2_000_001,
+                                                                dtype=np.float32)])  # fmt: skip
+    want = torch.from_numpy(values.copy()).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert np.array_equal(e4m3fn_codes(values), want.view(torch.uint8).numpy())
+
+
+def test_non_finite_blocks_quantize_as_the_reference_does() -> None:
+    """A NaN or an infinity in a block (kept only with `--allow-nonfinite`): the same bytes
+    and scales as transformers' quantizer, not an error."""
+    w = edge_weight()
+    w[3, 7], w[200, 300] = float("nan"), float("-inf")
+    want = reference_quantize("m.weight", w)
+    got = [quantize_band("fp8-block", w[r : r + 128]) for r in range(0, 256, 128)]
+    assert b"".join(b.data for b in got) == want["m.weight"].view(torch.uint8).numpy().tobytes()
+    scales = np.concatenate([b.scales for b in got])
+    assert np.array_equal(scales.view(np.int32), want["m.weight_scale_inv"].view(torch.int32))

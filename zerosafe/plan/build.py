@@ -433,7 +433,23 @@ def _plan_quantization(plan: Plan, layout: SourceLayout, options: ConvertOptions
             f"not quantized, {why}: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}"
         )
     if not quantized:
-        plan.warnings.append(
-            f"`quantize` {options.quantize}: no weight of {layout.where} can be quantized; the "
-            "output holds none"
+        raise ConfigError(_nothing_to_quantize(layout.where, options.quantize, skipped))
+
+
+def _nothing_to_quantize(where: str, scheme: str, skipped: dict[str, list[str]]) -> str:
+    """The one line refusing a `quantize` that would quantize no weight: a release that says
+    it is FP8 and holds none (the first weight and why it was left, what to do)."""
+    if not skipped:
+        return (
+            f"{where}: `quantize` {scheme} found no 2-D weight to quantize (none in the model); "
+            "convert without `quantize`"
         )
+    # a weight its shape kept out says most: name-based skips (embeddings, norms) are expected
+    why, names = min(skipped.items(), key=lambda item: not item[0].startswith("shape"))
+    count = sum(len(n) for n in skipped.values())
+    return (
+        f"{where}: `quantize` {scheme} would quantize none of the model's {count} 2-D "
+        f"weight(s), so the release would hold no {scheme} weight: '{names[0]}' is not "
+        f"quantized, {why}; use a scheme these shapes take (fp8-dynamic takes any 2-D "
+        "weight), narrow `quantize_ignore`, or convert without `quantize`"
+    )

@@ -13,15 +13,18 @@ Verification and publishing live in `zerosafe.verify.tensors` and `zerosafe.stag
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
-from zerosafe.dtypes import torch_dtype
+from zerosafe.cast import cast_into
 from zerosafe.errors import IntegrityError
 from zerosafe.formats.base import Slot
 from zerosafe.formats.crc import CrcLedger, LedgerCheck, crc32
@@ -32,16 +35,13 @@ from zerosafe.formats.safetensors import (
     read_entries,
 )
 from zerosafe.io.mapped import map_source
-from zerosafe.io.storage import ByteSource, PositionalSink, Storage, join_url
+from zerosafe.io.storage import ByteSource, PositionalSink, Storage, is_local, join_url
 from zerosafe.plan.model import SCALE_ROLE, ExtractPart, Plan, TensorSpec
-from zerosafe.quantize import BAND_ROWS, global_scale, quantize_band
+from zerosafe.quantize import BAND_ROWS, QuantizedBand, global_scale, quantize_band
 from zerosafe.records import Record
 from zerosafe.stages.results import ExtractResult, MergeResult
 from zerosafe.stages.streaming import CopyJob, CopyPolicy, copy_in_streams, copy_stream, fusable
 from zerosafe.verify.checksum import TENSOR_CHECKSUM
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "DirectLocator",
@@ -370,10 +370,14 @@ def _copy_quantizing(
     ledger: CrcLedger,
     on_bytes: Callable[[int], None] | None,
     copy: CopyPolicy | None = None,
+    streams: int = 1,
 ) -> int:
     """Write a shard that holds quantized weights (`--quantize`): the other tensors through
     `copy_stream`, as always; each quantized weight a band of 128 rows at a time
-    (`_quantize_tensor`), its scales as the tensor after it.
+    (`_quantize_tensor`), its scales as the tensor after it. With `streams` > 1, local
+    sources and a scheme quantized in numpy (`fp8-block` with float scales, `fp8-dynamic`),
+    that many threads read and quantize bands side by side (numpy releases the GIL), in
+    order, one band each.
 
     Returns:
         Bytes read from the sources.
@@ -382,28 +386,47 @@ def _copy_quantizing(
     read = 0
     pending: list[CopyJob] = []
     ordinal = 0
-    while ordinal < len(tensors):
-        tensor = tensors[ordinal]
-        if not tensor.quantized:
-            pending.extend(_tensor_jobs(plan, tensor, ordinal, locator))
-            ordinal += 1
-            continue
-        if pending:
-            read += copy_stream(
-                pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes,
-                copy=copy,
+    in_torch = plan.options["quantize"] == "nvfp4a16" or (
+        plan.options.get("quantize_scale_fmt", "float") == "ue8m0"
+    )  # torch's own threads would contend with ours
+    if in_torch or not all(is_local(f.url) for f in plan.files):
+        streams = 1
+    with ThreadPoolExecutor(streams, thread_name_prefix="quantize") as pool:
+        while ordinal < len(tensors):
+            tensor = tensors[ordinal]
+            if not tensor.quantized:
+                pending.extend(_tensor_jobs(plan, tensor, ordinal, locator))
+                ordinal += 1
+                continue
+            if pending:
+                read += copy_stream(
+                    pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes,
+                    copy=copy,
+                )  # fmt: skip
+                pending = []
+            assert tensors[ordinal + 1].role == SCALE_ROLE, tensors[ordinal + 1]
+            read += _quantize_tensor(
+                plan, tensor, ordinal, locator, writer, ledger, on_bytes, pool=pool,
+                streams=streams,
             )  # fmt: skip
-            pending = []
-        assert tensors[ordinal + 1].role == SCALE_ROLE, tensors[ordinal + 1]
-        read += _quantize_tensor(plan, tensor, ordinal, locator, writer, ledger, on_bytes)
-        ordinal += 1
-        while ordinal < len(tensors) and tensors[ordinal].role == SCALE_ROLE:
             ordinal += 1
+            while ordinal < len(tensors) and tensors[ordinal].role == SCALE_ROLE:
+                ordinal += 1
     if pending:
         read += copy_stream(
             pending, writer, chunk_bytes=chunk_bytes, ledger=ledger, on_bytes=on_bytes, copy=copy
         )
     return read
+
+
+@dataclass
+class _Band:
+    """One band read and quantized: what the writer and the CRC ledger get from it."""
+
+    quantized: QuantizedBand
+    crcs: list[tuple[str, int, int, int]]
+    """`(crc key, offset, bytes, CRC32)` of each range read."""
+    read: int
 
 
 def _quantize_tensor(
@@ -414,65 +437,86 @@ def _quantize_tensor(
     writer: SafetensorsStreamWriter,
     ledger: CrcLedger,
     on_bytes: Callable[[int], None] | None,
+    *,
+    pool: ThreadPoolExecutor,
+    streams: int,
 ) -> int:
     """Write weight `tensor` (the `ordinal`-th of the file) quantized in `--quantize`'s
     scheme and its scales after it: each band of 128 rows is read from the fragments that
-    cover it (CRC'd as any read), widened to float32, quantized
-    (`zerosafe.quantize.quantize_band`) and written; the band's scales (one per block, row
-    or group) are kept until the weight is done. `nvfp4a16` first reads the bands once more
-    for the weight's largest magnitude (its global scale, written last). Holds one band of
-    float32 (`512 * cols` bytes) at a time.
+    cover it (`_read_band`), quantized (`zerosafe.quantize.quantize_band`) and written, in
+    order; the band's scales (one per block, row or group) are kept until the weight is
+    done. `nvfp4a16` first reads the bands once more for the weight's largest magnitude (its
+    global scale, written last; that pass's reads are CRC'd by the next). At most `streams`
+    bands are read and quantized at once, on `pool`'s threads (one: in this thread), each
+    holding `BAND_BYTES_PER_COLUMN * cols` bytes.
 
     Returns:
         Bytes read.
     """
-    import torch
+    import numpy as np
 
     rows, cols = tensor.source_shape
     scheme = str(plan.options["quantize"])
-    band = torch.empty(BAND_ROWS * cols, dtype=torch.float32)
-    bands = [(r * cols, min(rows, r + BAND_ROWS) * cols) for r in range(0, rows, BAND_ROWS)]
+    scale_fmt = str(plan.options.get("quantize_scale_fmt", "float"))
     read, whole = 0, None
-    if scheme == "nvfp4a16":  # the global scale first: a pass for max|w|, CRC'd by the next
-        amax = torch.zeros((), dtype=torch.float32)
-        for lo, hi in bands:
-            read += _read_band(plan, tensor, lo, hi, band, locator, None, on_bytes)
-            amax = torch.maximum(amax, band[: hi - lo].abs().amax())
-        whole = global_scale(amax)
+    if scheme == "nvfp4a16":
+        import torch
+
+        amax = np.float32(0.0)
+        for first_row in range(0, rows, BAND_ROWS):
+            values, _, nbytes = _read_band(plan, tensor, locator, first_row)
+            amax = np.maximum(amax, np.abs(values).max())  # NaN carries, as torch.maximum
+            read += nbytes
+            if on_bytes is not None:
+                on_bytes(nbytes)
+        whole = global_scale(torch.from_numpy(np.asarray(amax, dtype=np.float32)))
+
+    def band(first_row: int) -> _Band:
+        values, crcs, nbytes = _read_band(plan, tensor, locator, first_row)
+        quantized = quantize_band(scheme, values.reshape(-1, cols), whole, scale_fmt=scale_fmt)
+        return _Band(quantized, crcs, nbytes)
+
+    firsts = iter(range(0, rows, BAND_ROWS))
+    window = deque(pool.submit(band, r) for r in itertools.islice(firsts, streams - 1))
     scales = []
-    for lo, hi in bands:
-        read += _read_band(plan, tensor, lo, hi, band, locator, ledger, on_bytes)
-        quantized = quantize_band(
-            scheme, band[: hi - lo].view(-1, cols), whole,
-            scale_fmt=str(plan.options.get("quantize_scale_fmt", "float")),
-        )  # fmt: skip
-        writer.write(ordinal, quantized.data)
-        scales.append(quantized.scales)
-    writer.write(ordinal + 1, torch.cat(scales).numpy().tobytes())
+    while True:
+        if streams > 1:  # the pool's threads read and quantize ahead, in order
+            window.extend(pool.submit(band, r) for r in itertools.islice(firsts, 1))
+            if not window:
+                break
+            done = window.popleft().result()
+        else:
+            row = next(firsts, None)
+            if row is None:
+                break
+            done = band(row)
+        for key, offset, nbytes, crc in done.crcs:
+            ledger.add(key, offset, nbytes, crc)
+        read += done.read
+        if on_bytes is not None:
+            on_bytes(done.read)
+        writer.write(ordinal, done.quantized.data)
+        scales.append(np.asarray(done.quantized.scales))
+    writer.write(ordinal + 1, np.concatenate(scales).tobytes())
     if whole is not None:
         writer.write(ordinal + 2, whole.numpy().tobytes())
     return read
 
 
 def _read_band(
-    plan: Plan,
-    tensor: TensorSpec,
-    lo: int,
-    hi: int,
-    band: torch.Tensor,
-    locator: SlotLocator,
-    ledger: CrcLedger | None,
-    on_bytes: Callable[[int], None] | None,
-) -> int:
-    """Read elements `[lo, hi)` of weight `tensor`'s source into float32 `band`, from the
-    fragments that cover them; their CRCs go to `ledger` where one is given.
+    plan: Plan, tensor: TensorSpec, locator: SlotLocator, first_row: int
+) -> tuple[Any, list[tuple[str, int, int, int]], int]:
+    """The float32 values of rows `[first_row, first_row + 128)` of `tensor`'s source (a
+    flat numpy array) from the fragments that cover them: fp32 masters read straight into
+    it, a frozen 16-bit param widened exactly. Returns the values, the CRCs of the ranges
+    read and the bytes read."""
+    import numpy as np
 
-    Returns:
-        Bytes read.
-    """
-    import torch
-
-    band_bytes = band.numpy().data.cast("B")
+    rows, cols = tensor.source_shape
+    lo, hi = first_row * cols, min(rows, first_row + BAND_ROWS) * cols
+    band = np.empty(hi - lo, dtype=np.float32)
+    band_bytes = band.data.cast("B")
+    crcs = []
     read = 0
     for slot_index, src_offset, numel, dst in plan.fragments.for_tensor(tensor.index):
         start, end = max(lo, dst), min(hi, dst + numel)
@@ -488,16 +532,11 @@ def _read_band(
             else:  # a frozen 16-bit param: widened exactly
                 data = memoryview(bytearray(seg.nbytes))
                 seg.source.readinto_at(seg.offset, data)
-                band[at : at + count] = torch.frombuffer(data, dtype=torch_dtype(slot.dtype)).to(
-                    torch.float32
-                )
-            if ledger is not None:
-                ledger.add(seg.crc_key, seg.crc_offset, seg.nbytes, crc32(data))
+                cast_into(data, slot.dtype, band_bytes[at * 4 :], "float32", count)
+            crcs.append((seg.crc_key, seg.crc_offset, seg.nbytes, crc32(data)))
             at += count
             read += seg.nbytes
-            if on_bytes is not None:
-                on_bytes(seg.nbytes)
-    return read
+    return band, crcs, read
 
 
 def _stream_bounds(entries: list[HeaderEntry], streams: int) -> list[int]:
@@ -590,7 +629,7 @@ def merge_shard(
         if quantizing:
             bytes_read = _copy_quantizing(
                 plan, shard, locator, writer, chunk_bytes=chunk_bytes, ledger=ledger,
-                on_bytes=on_bytes, copy=copy,
+                on_bytes=on_bytes, copy=copy, streams=streams,
             )  # fmt: skip
         elif streams > 1 and isinstance(writer.sink, PositionalSink) and fusable(jobs, writer):
             bytes_read = _copy_in_streams(jobs, writer, streams, ledger, on_bytes)
