@@ -16,6 +16,12 @@ Makes, under OUT_DIR:
   `Stateful` whose state dict is `{"model", "optim"}` from `get_state_dict`, so no top-level
   `model` key; `app.live.safetensors`, the live model's full state dict, beside it.
 - `app_two_models/` (2 ranks): the same, plus a second model's weights under `ref.model`.
+- `fsdp2_llama/` (2 ranks): a transformers Llama (tied embeddings; hidden 256, intermediate
+  384: dims every `--quantize` scheme takes, and a 128-row band of gate/up straddles the two
+  ranks' 192 rows) under FSDP2 `fully_shard` (each decoder layer, then the root), one AdamW
+  step, saved as `get_state_dict(model, optim)` under `model` and `optim`; beside it
+  `fsdp2_llama.model/` (its config.json) and `fsdp2_llama.live.safetensors` (the live model's
+  full state dict).
 - `status.json`: which ones were written and why any was not.
 """
 
@@ -207,11 +213,43 @@ def _app_worker(rank: int, world_size: int, out: str, port: int) -> None:
     dist.destroy_process_group()
 
 
+def _fsdp2_llama_worker(rank: int, world_size: int, out: str, port: int) -> None:
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _init(rank, world_size, port)
+    config = LlamaConfig(
+        vocab_size=101, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ids = torch.randint(0, 101, (2, 8), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optim.step()
+    optim.zero_grad()
+    msd, osd = get_state_dict(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(out, "fsdp2_llama"))
+    full = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    if rank == 0:
+        config.save_pretrained(os.path.join(out, "fsdp2_llama.model"))
+        # save_file refuses tensors sharing memory: the tied head is a separate copy here
+        save_file(full, os.path.join(out, "fsdp2_llama.live.safetensors"))
+    dist.destroy_process_group()
+
+
 _JOBS = {
     "dtensor": (_dtensor_worker, 4),
     "fsdp2": (_fsdp2_worker, 2),
     "flat": (_flat_worker, 2),
     "app": (_app_worker, 2),
+    "fsdp2_llama": (_fsdp2_llama_worker, 2),
 }
 
 

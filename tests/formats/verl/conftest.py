@@ -30,7 +30,7 @@ def verl_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def verl_run(verl_root: Path) -> Callable[[str], Path]:
     """`verl_run(name)`: the folder of a generated variant (`fsdp2`, `replicate`, `shard1`,
-    `lora`; `merger`, `lora-merger`: the folders whose `merged/` verl's merger wrote), failing the test, saying why, where verl could not write it (never skipping)."""
+    `lora`, `quant`; `merger`, `lora-merger`: the folders whose `merged/` verl's merger wrote), failing the test, saying why, where verl could not write it (never skipping)."""
 
     def get(name: str) -> Path:
         status = json.loads((verl_root / "status.json").read_text()).get(name, "not generated")

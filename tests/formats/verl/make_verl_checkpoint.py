@@ -10,7 +10,9 @@ embedding's dim-0 shards are uneven: 34 and 33 rows) for two AdamW steps under F
 The same ranks also save, with the same manager, `OUT/replicate/` (every parameter a
 `Replicate()` DTensor), `OUT/shard1/` (FSDP2 with `Shard(1)` placements, which zerosafe refuses)
 `OUT/lora/` (a peft LoRA actor), `OUT/fsdp1/` (verl's FSDP1 actor: DTensors too) and
-`OUT/sharded_tensor/` (FSDP1 without a device mesh: ShardedTensors, which zerosafe refuses),
+`OUT/sharded_tensor/` (FSDP1 without a device mesh: ShardedTensors, which zerosafe refuses)
+and `OUT/quant/` (a Llama whose linear dims take every `--quantize` scheme: hidden 256,
+intermediate 384, so a 128-row block band of gate/up straddles the two ranks' 192 rows),
 each at `global_step_1/actor/` with its live weights.
 
 Beside the main one, rank 0 writes the live model's full weights (`OUT/live.safetensors`, gathered with
@@ -68,12 +70,13 @@ def build_tokenizer():  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
-def build_model():  # type: ignore[no-untyped-def]
+def build_model(hidden: int = 24, intermediate: int = 40):  # type: ignore[no-untyped-def]
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=32,
         tie_word_embeddings=True, bos_token_id=2, eos_token_id=3, pad_token_id=1,
         architectures=["LlamaForCausalLM"],
     )  # fmt: skip
@@ -217,6 +220,24 @@ def sharded_tensor(rank: int, mesh, out: str) -> None:  # type: ignore[no-untype
     fsdp1(rank, mesh, out, with_mesh=False)
 
 
+def quant(rank: int, mesh, out: str) -> None:  # type: ignore[no-untyped-def]
+    """verl's FSDP2 actor as `fsdp2`, one AdamW step, at dims every `--quantize` scheme takes
+    (128x128 blocks, groups of 16): q/o [256, 256], k/v [128, 256], gate/up [384, 256]."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(12)
+    model = build_model(hidden=256, intermediate=384)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batch = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    _save(model, out, 1, ["model"])
+    _save_live(model, f"{out}/live.safetensors", rank)
+
+
 VARIANTS = {
     "fsdp2": fsdp2,
     "replicate": replicate,
@@ -224,6 +245,7 @@ VARIANTS = {
     "lora": lora,
     "fsdp1": fsdp1,
     "sharded_tensor": sharded_tensor,
+    "quant": quant,
 }
 
 
