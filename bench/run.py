@@ -291,8 +291,9 @@ def _run_tool(
 
 
 def _has_flag(src: str, flag: str) -> bool:
-    """Whether the command line of the checkout at `src` defines `flag` (quoted)."""
-    for cli in ("zerosafe_app/cli.py", "zerosafe/cli.py"):
+    """Whether the command line of the checkout at `src` defines `flag` (quoted): in its
+    parser, or in the option table the parser's flags come from."""
+    for cli in ("zerosafe_app/cli.py", "zerosafe_app/option_table.py", "zerosafe/cli.py"):
         with contextlib.suppress(OSError), open(os.path.join(src, cli)) as f:
             if flag in f.read():
                 return True
