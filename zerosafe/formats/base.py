@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import dtype_info
+from zerosafe.errors import ConfigError
 from zerosafe.io.storage import FileIdentity
 
 if TYPE_CHECKING:
@@ -431,3 +432,23 @@ class FormatReader(Protocol):
     ) -> SourceLayout:
         """Read the checkpoint's metadata (never its tensor data) into a `SourceLayout`."""
         ...
+
+
+def one_save_tag(url: str, tag: str | None, *, this: str, give: str, depth: int = 1) -> str:
+    """The tag of a folder that is one save (DCP, safetensors, verl...): the folder's name, or
+    with `depth=2` its last two names (verl's `global_step_N/actor`); `--tag` may name it or
+    the folder's own name.
+
+    `this` names the folder (`a PyTorch DCP checkpoint`), `give` what to give instead.
+
+    Raises:
+        ConfigError: If another tag is asked for.
+    """
+    parts = url.rstrip("/").rsplit("/", depth)
+    name = "/".join(parts[-depth:])
+    if tag is not None and tag not in (name, parts[-1]):
+        raise ConfigError(
+            f"{url}: `--tag {tag}` names a DeepSpeed tag folder, but this is {this}, which is "
+            f"one save; give {give} and no --tag"
+        )
+    return name

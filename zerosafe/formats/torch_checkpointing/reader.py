@@ -24,8 +24,8 @@ from __future__ import annotations
 import re
 
 from zerosafe.config import ConvertOptions
-from zerosafe.errors import CheckpointFormatError, ConfigError
-from zerosafe.formats.base import SourceFile, SourceLayout
+from zerosafe.errors import CheckpointFormatError
+from zerosafe.formats.base import SourceFile, SourceLayout, one_save_tag
 from zerosafe.formats.torch_checkpointing.facts import describe
 from zerosafe.formats.torch_checkpointing.safetensors_layout import read_safetensors_save
 from zerosafe.formats.torch_pickle import DTensorRecord, InertObject, TensorRecord
@@ -71,7 +71,7 @@ class TorchCheckpointingReader(RankFolderReader):
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
     ) -> SourceLayout:
         url = normalize_url(url)
-        resolved = _tag_of(url, tag)
+        resolved = self.tag_of(url, tag)
         read_before = storage.counter.bytes_read
         names = _model_file_names(storage, url)
         fingerprint = None
@@ -101,27 +101,15 @@ class TorchCheckpointingReader(RankFolderReader):
 
     @staticmethod
     def tag_of(url: str, tag: str | None) -> str:
-        return _tag_of(url, tag)
+        """A save folder is one save; its tag is the folder's name (`step_4`)."""
+        return one_save_tag(
+            url, tag, this=f"a {FORMAT_NAME} save folder",
+            give="the folder holding its model_R.pt files",
+        )  # fmt: skip
 
     @staticmethod
     def read_names(storage: Storage, url: str) -> list[str]:
         return _model_file_names(storage, url)
-
-
-def _tag_of(url: str, tag: str | None) -> str:
-    """A save folder is one save; its tag is the folder's name (`step_4`).
-
-    Raises:
-        ConfigError: If another tag is asked for.
-    """
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    if tag is not None and tag != name:
-        raise ConfigError(
-            f"{url}: `--tag {tag}` names a DeepSpeed tag folder, but this is a "
-            f"{FORMAT_NAME} save folder, which is one save; give the folder holding its "
-            "model_R.pt files and no --tag"
-        )
-    return name
 
 
 def item_files(storage: Storage, url: str) -> dict[str, dict[int, str]]:

@@ -30,11 +30,10 @@ from typing import Any
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import (
     CheckpointFormatError,
-    ConfigError,
     UnsafePickleError,
     UnsupportedCheckpointError,
 )
-from zerosafe.formats.base import SourceFile, SourceLayout
+from zerosafe.formats.base import SourceFile, SourceLayout, one_save_tag
 from zerosafe.formats.verl.facts import describe
 from zerosafe.formats.verl.rank_files import RankFolderReader, build_from_rank_files
 from zerosafe.io.storage import Storage, join_url, normalize_url
@@ -68,7 +67,7 @@ class VerlReader(RankFolderReader):
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
     ) -> SourceLayout:
         url = normalize_url(url)
-        resolved = _tag_of(url, tag)
+        resolved = self.tag_of(url, tag)
         read_before = storage.counter.bytes_read
         world_size, _ = rank_file_names(storage, url)
         config = _read_config(storage, url, world_size)
@@ -87,28 +86,15 @@ class VerlReader(RankFolderReader):
 
     @staticmethod
     def tag_of(url: str, tag: str | None) -> str:
-        return _tag_of(url, tag)
+        """A verl folder is one save; its tag is `global_step_N/actor` (the last two names)."""
+        return one_save_tag(
+            url, tag, this="a verl FSDP checkpoint folder", depth=2,
+            give="the folder holding the save's model_world_size_W_rank_R.pt files",
+        )  # fmt: skip
 
     @staticmethod
     def read_names(storage: Storage, url: str) -> list[str]:
         return _file_names(storage, url)
-
-
-def _tag_of(url: str, tag: str | None) -> str:
-    """A verl folder is one save; its tag is `global_step_N/actor` (the last two names).
-
-    Raises:
-        ConfigError: If another tag is asked for.
-    """
-    parts = url.rstrip("/").rsplit("/", 2)
-    name = "/".join(parts[-2:]) if len(parts) >= 2 else parts[-1]
-    if tag is not None and tag not in (name, parts[-1]):
-        raise ConfigError(
-            f"{url}: `--tag {tag}` names a DeepSpeed tag folder, but this is a verl FSDP "
-            "checkpoint folder, which is one save; give the folder holding the save's "
-            "model_world_size_W_rank_R.pt files and no --tag"
-        )
-    return name
 
 
 def rank_file_names(storage: Storage, url: str) -> tuple[int, list[str]]:
