@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import dtype_info
-from zerosafe.errors import ConfigError
+from zerosafe.errors import CheckpointFormatError, ConfigError
 from zerosafe.io.storage import FileIdentity
 
 if TYPE_CHECKING:
+    from zerosafe.formats.torch_pickle import TensorRecord
+    from zerosafe.formats.torch_zip import TorchZipFile
     from zerosafe.io.storage import ByteSource, Storage
     from zerosafe.plan.model import Plan
 
@@ -452,3 +454,35 @@ def one_save_tag(url: str, tag: str | None, *, this: str, give: str, depth: int 
             f"one save; give {give} and no --tag"
         )
     return name
+
+
+def record_slot(
+    archive: TorchZipFile,
+    t: TensorRecord,
+    *,
+    where: str,
+    index: int,
+    file: int,
+    rank: int,
+    kind: str,
+    name: str,
+) -> Slot:
+    """The slot of a pickled tensor `t`'s elements in its storage record of `archive` (one
+    small read: the record's zip local header); `where` names the tensor in errors.
+
+    Raises:
+        CheckpointFormatError: If the record is shorter than the tensor's elements.
+    """
+    record = archive.storage_record(t.storage.key)
+    end = (t.storage_offset + t.numel) * t.itemsize
+    if end > record.size_bytes:
+        raise CheckpointFormatError(
+            f"{where} needs {end} bytes of record '{record.name}', which holds "
+            f"{record.size_bytes}; the file is corrupt"
+        )
+    return Slot(
+        index=index, file=file, rank=rank, kind=kind, name=name, record=record.name,
+        record_offset=archive.data_offset(record), record_size_bytes=record.size_bytes,
+        record_crc32=record.crc32, element_offset=t.storage_offset, numel=t.numel,
+        dtype=t.dtype,
+    )  # fmt: skip
