@@ -27,6 +27,7 @@ import resource
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from zerosafe.cast import output_needs_torch
 from zerosafe.config import PIPELINE_BUFFERS, ConvertOptions
@@ -79,6 +80,10 @@ from zerosafe.stages.streaming import FUSED_STREAM_BYTES, CopyPolicy
 from zerosafe.units import format_bytes
 from zerosafe.verify.output import lowp_report
 from zerosafe.verify.tensors import verify_shard
+
+if TYPE_CHECKING:
+    from zerosafe.formats.crc import IntegrityReport
+    from zerosafe.stages.manifest import Manifest
 
 __all__ = [
     "MergeReadiness",
@@ -621,48 +626,25 @@ def publish_job(
         log.info("%s: already published by this job; nothing to do", destination)
         return published
     try:
-        return _publish_checked(
-            plan, storage, destination, work, options,
-            extracts=extracts, merges=merges, verifies=verifies, stats=stats,
+        source_urls = {f.url for f in plan.files}
+        read_before = storage.counter.bytes_read_from(source_urls)
+        integrity = check_integrity(
+            plan, storage, [e.ledger for e in extracts] + [m.ledger for m in merges],
+            intermediate_url=None if options.direct else work.intermediate,
+        ).report()  # fmt: skip
+        # CRC checks read the few source bytes no copy covered: count them with the rest.
+        stats = _with_gap_bytes(stats, storage.counter.bytes_read_from(source_urls) - read_before)
+        lowp = None
+        if options.check_lowp:  # the optional 16-bit witness: reads the module weights too
+            lowp = lowp_report(storage, plan.source, destination, merges, job_key=plan.job_key)
+        manifest = publish_output(
+            plan, storage, destination, options=options, merges=merges, verifies=verifies,
+            integrity=integrity, stats=stats, lowp=lowp,
         )  # fmt: skip
+        return _result_of(manifest, integrity, stats)
     except (IntegrityError, VerificationError):
         discard_failed_work(storage, destination, plan.job_key, work.root)
         raise
-
-
-def _publish_checked(
-    plan: Plan,
-    storage: Storage,
-    destination: str,
-    work: WorkLayout,
-    options: ConvertOptions,
-    *,
-    extracts: Sequence[ExtractResult],
-    merges: Sequence[MergeResult],
-    verifies: Sequence[VerifyResult],
-    stats: RunStats,
-) -> PublishResult:
-    source_urls = {f.url for f in plan.files}
-    read_before = storage.counter.bytes_read_from(source_urls)
-    integrity = check_integrity(
-        plan, storage, [e.ledger for e in extracts] + [m.ledger for m in merges],
-        intermediate_url=None if options.direct else work.intermediate,
-    ).report()  # fmt: skip
-    # CRC checks read the few source bytes no copy covered: count them with the rest.
-    stats = _with_gap_bytes(stats, storage.counter.bytes_read_from(source_urls) - read_before)
-    lowp = None
-    if options.check_lowp:  # the optional 16-bit witness: reads the module weights too
-        lowp = lowp_report(storage, plan.source, destination, merges, job_key=plan.job_key)
-    manifest = publish_output(
-        plan, storage, destination, options=options, merges=merges, verifies=verifies,
-        integrity=integrity, stats=stats, lowp=lowp,
-    )  # fmt: skip
-    return PublishResult(
-        files=manifest.file_names,
-        num_tensors=len(manifest.tensors),
-        integrity=integrity,
-        stats=stats,
-    )
 
 
 def _already_published(storage: Storage, destination: str, job_key: str) -> PublishResult | None:
@@ -673,11 +655,15 @@ def _already_published(storage: Storage, destination: str, job_key: str) -> Publ
         return None
     if manifest.integrity is None:
         return None
+    return _result_of(manifest, manifest.integrity, manifest.stats)
+
+
+def _result_of(manifest: Manifest, integrity: IntegrityReport, stats: RunStats) -> PublishResult:
     return PublishResult(
         files=manifest.file_names,
         num_tensors=len(manifest.tensors),
-        integrity=manifest.integrity,
-        stats=manifest.stats,
+        integrity=integrity,
+        stats=stats,
     )
 
 

@@ -17,9 +17,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from zerosafe.config import ConvertOptions
 from zerosafe.dtypes import dtype_info
+from zerosafe.errors import CheckpointFormatError, ConfigError
 from zerosafe.io.storage import FileIdentity
 
 if TYPE_CHECKING:
+    from zerosafe.formats.torch_pickle import TensorRecord
+    from zerosafe.formats.torch_zip import TorchZipFile
     from zerosafe.io.storage import ByteSource, Storage
     from zerosafe.plan.model import Plan
 
@@ -431,3 +434,55 @@ class FormatReader(Protocol):
     ) -> SourceLayout:
         """Read the checkpoint's metadata (never its tensor data) into a `SourceLayout`."""
         ...
+
+
+def one_save_tag(url: str, tag: str | None, *, this: str, give: str, depth: int = 1) -> str:
+    """The tag of a folder that is one save (DCP, safetensors, verl...): the folder's name, or
+    with `depth=2` its last two names (verl's `global_step_N/actor`); `--tag` may name it or
+    the folder's own name.
+
+    `this` names the folder (`a PyTorch DCP checkpoint`), `give` what to give instead.
+
+    Raises:
+        ConfigError: If another tag is asked for.
+    """
+    parts = url.rstrip("/").rsplit("/", depth)
+    name = "/".join(parts[-depth:])
+    if tag is not None and tag not in (name, parts[-1]):
+        raise ConfigError(
+            f"{url}: `--tag {tag}` names a DeepSpeed tag folder, but this is {this}, which is "
+            f"one save; give {give} and no --tag"
+        )
+    return name
+
+
+def record_slot(
+    archive: TorchZipFile,
+    t: TensorRecord,
+    *,
+    where: str,
+    index: int,
+    file: int,
+    rank: int,
+    kind: str,
+    name: str,
+) -> Slot:
+    """The slot of a pickled tensor `t`'s elements in its storage record of `archive` (one
+    small read: the record's zip local header); `where` names the tensor in errors.
+
+    Raises:
+        CheckpointFormatError: If the record is shorter than the tensor's elements.
+    """
+    record = archive.storage_record(t.storage.key)
+    end = (t.storage_offset + t.numel) * t.itemsize
+    if end > record.size_bytes:
+        raise CheckpointFormatError(
+            f"{where} needs {end} bytes of record '{record.name}', which holds "
+            f"{record.size_bytes}; the file is corrupt"
+        )
+    return Slot(
+        index=index, file=file, rank=rank, kind=kind, name=name, record=record.name,
+        record_offset=archive.data_offset(record), record_size_bytes=record.size_bytes,
+        record_crc32=record.crc32, element_offset=t.storage_offset, numel=t.numel,
+        dtype=t.dtype,
+    )  # fmt: skip

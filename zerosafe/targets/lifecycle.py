@@ -33,6 +33,7 @@ __all__ = [
     "check_units",
     "files_intact",
     "hold_target",
+    "read_marker",
     "run_target",
 ]
 
@@ -215,6 +216,14 @@ class TargetRun:
         return self.summary
 
 
+def read_marker(storage: Storage, marker_url: str) -> dict[str, Any]:
+    """An output's completion marker (JSON), read within `JSON_MAX_BYTES`."""
+    marker: dict[str, Any] = json.loads(
+        storage.read_small(marker_url, limit_bytes=JSON_MAX_BYTES, what=_MARKER)
+    )
+    return marker
+
+
 def _settle_output(run: TargetRun) -> bool:
     """Step 1 after the lease: True when the output already holds this conversion; else
     another source's complete output is refused (or removed with `--overwrite`) and the
@@ -223,9 +232,7 @@ def _settle_output(run: TargetRun) -> bool:
     marker_url = join_url(out_url, target.marker_name)
     marker: dict[str, Any] | None = None
     if storage.exists(marker_url):
-        marker = json.loads(
-            storage.read_small(marker_url, limit_bytes=JSON_MAX_BYTES, what=_MARKER)
-        )
+        marker = read_marker(storage, marker_url)
         if marker.get("job_key") != target.job_key:
             if not run.options.overwrite:
                 source = marker.get("source")

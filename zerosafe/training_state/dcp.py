@@ -27,7 +27,6 @@ it); then `.metadata`, then `OUT/zerosafe-dcp-complete.json`, last.
 
 from __future__ import annotations
 
-import json
 import pickle
 import struct
 from collections.abc import Iterator, Mapping, Sequence
@@ -41,7 +40,6 @@ from zerosafe.errors import OutputExistsError, VerificationError
 from zerosafe.formats.torch_pickle import TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.storage import (
-    JSON_MAX_BYTES,
     ByteSource,
     Sink,
     Storage,
@@ -53,22 +51,11 @@ from zerosafe.run.unit_records import fingerprint
 from zerosafe.stages.destination import DCP_MARKER_NAME as MARKER_NAME
 from zerosafe.stages.destination import DCP_METADATA_NAME as METADATA_NAME
 from zerosafe.stages.destination import clear_dcp_output
-from zerosafe.targets.base import (
-    StateKwargs,
-    StateOptions,
-    StateSummary,
-    UnitSpec,
-    UnitWork,
-)
-from zerosafe.targets.lifecycle import WORK_DIR_NAME, run_target
+from zerosafe.targets.base import StateKwargs, StateOptions, StateSummary, UnitSpec, UnitWork
+from zerosafe.targets.lifecycle import WORK_DIR_NAME, read_marker, run_target
 from zerosafe.training_state.client_files import carry_client_files, check_carried
 from zerosafe.training_state.dcp_plan import DcpItem, DcpPlan, plan_dcp
-from zerosafe.training_state.streams import (
-    SourcesOfPlan,
-    UnitJob,
-    record_crc,
-    to_float32,
-)
+from zerosafe.training_state.streams import SourcesOfPlan, UnitJob, record_crc, to_float32
 from zerosafe.training_state.torch_save import TensorOut, TorchZipWriter, pickle_bytes
 
 __all__ = [
@@ -80,7 +67,6 @@ __all__ = [
     "verify_dcp_output",
 ]
 
-_MARKER = "a zerosafe completion marker (JSON)"
 DCP_VERSION = "1.0.0"
 DEFAULT_CHUNK_BYTES = 8 << 20
 """The chunk `verify OUT` re-reads an item in."""
@@ -470,8 +456,7 @@ def verify_dcp_output(out_url: str, *, storage: Storage | None = None) -> dict[s
     """
     storage = storage or Storage()
     out_url = normalize_url(out_url)
-    marker_url = join_url(out_url, MARKER_NAME)
-    marker = json.loads(storage.read_small(marker_url, limit_bytes=JSON_MAX_BYTES, what=_MARKER))
+    marker = read_marker(storage, join_url(out_url, MARKER_NAME))
     failures = []
     for folder in marker.get("folders", [""]):
         rel = f"{folder}/{METADATA_NAME}" if folder else METADATA_NAME

@@ -39,7 +39,6 @@ from zerosafe.formats.torch_legacy import open_torch_file
 from zerosafe.formats.torch_pickle import InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 from zerosafe.io.storage import (
-    JSON_MAX_BYTES,
     TAG_NAME_MAX_BYTES,
     Storage,
     is_local,
@@ -52,20 +51,9 @@ from zerosafe.stages.destination import UNIVERSAL_MARKER_NAME as MARKER_NAME
 from zerosafe.stages.destination import clear_universal_output as _clear_universal_output
 from zerosafe.stages.model_files import copy_model_files, sha256_of
 from zerosafe.stages.output import OUTPUT_JSON_MAX_BYTES
-from zerosafe.targets.base import (
-    StateKwargs,
-    StateOptions,
-    StateSummary,
-    UnitSpec,
-    UnitWork,
-)
-from zerosafe.targets.lifecycle import run_target
-from zerosafe.training_state.streams import (
-    SourcesOfPlan,
-    UnitJob,
-    record_crc,
-    to_float32,
-)
+from zerosafe.targets.base import StateKwargs, StateOptions, StateSummary, UnitSpec, UnitWork
+from zerosafe.targets.lifecycle import read_marker, run_target
+from zerosafe.training_state.streams import SourcesOfPlan, UnitJob, record_crc, to_float32
 from zerosafe.training_state.torch_save import TensorOut, TorchZipWriter, pickle_bytes
 from zerosafe.training_state.universal_plan import (
     STATES,
@@ -90,7 +78,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "zerosafe-manifest.json"
-_MARKER = "a zerosafe completion marker (JSON)"
 DEFAULT_CHUNK_BYTES = 8 << 20
 """The chunk `verify OUT` re-reads a file in."""
 
@@ -508,8 +495,7 @@ def verify_universal_output(out_url: str, *, storage: Storage | None = None) -> 
     """
     storage = storage or Storage()
     out_url = normalize_url(out_url)
-    marker_url = join_url(out_url, MARKER_NAME)
-    marker = json.loads(storage.read_small(marker_url, limit_bytes=JSON_MAX_BYTES, what=_MARKER))
+    marker = read_marker(storage, join_url(out_url, MARKER_NAME))
     folder = str(marker["folder"])
     manifest_url = join_url(out_url, folder, MANIFEST_NAME)
     manifest = json.loads(

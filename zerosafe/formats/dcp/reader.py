@@ -22,7 +22,14 @@ from typing import Any
 
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import CheckpointFormatError, ConfigError, UnsupportedCheckpointError
-from zerosafe.formats.base import Fragment, Slot, SourceFile, SourceLayout, SourceTensor
+from zerosafe.formats.base import (
+    Fragment,
+    Slot,
+    SourceFile,
+    SourceLayout,
+    SourceTensor,
+    one_save_tag,
+)
 from zerosafe.formats.dcp.chunks import ChunkBox, ChunkRuns, check_chunk_cover
 from zerosafe.formats.dcp.facts import dcp_facts, dcp_notes, dcp_source_block
 from zerosafe.formats.dcp.metadata import DcpMetadata, StorageInfo, TensorMeta, parse_metadata
@@ -89,19 +96,12 @@ class DcpReader:
 
 
 def _tag_of(url: str, tag: str | None) -> str:
-    """A DCP folder is one save: its tag is the folder's name (`step-1000`).
-
-    Raises:
-        ConfigError: If another tag is asked for.
-    """
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    if tag is not None and tag != name:
-        raise ConfigError(
-            f"{url}: `--tag {tag}` names a DeepSpeed tag folder, but this is a PyTorch DCP "
-            "checkpoint, which is one save; give the folder holding the save's .metadata "
-            f"(e.g. {url.rstrip('/').rsplit('/', 1)[0]}/{tag}) and no --tag"
-        )
-    return name
+    """A DCP folder is one save: its tag is the folder's name (`step-1000`)."""
+    parent = url.rstrip("/").rsplit("/", 1)[0]
+    return one_save_tag(
+        url, tag, this="a PyTorch DCP checkpoint",
+        give=f"the folder holding the save's .metadata (e.g. {parent}/{tag})",
+    )  # fmt: skip
 
 
 def _distcp_names(storage: Storage, url: str) -> list[str]:

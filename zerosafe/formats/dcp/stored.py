@@ -168,16 +168,7 @@ def _zip_chunk(
         raise CheckpointFormatError(
             f"{where}: the archive holds {type(tensor).__name__}, expected one tensor"
         )
-    if tensor.shape != sizes or tensor.dtype != dtype:
-        raise CheckpointFormatError(
-            f"{where}: the stored chunk is {list(tensor.shape)} x {tensor.dtype}, the metadata "
-            f"says {list(sizes)} x {dtype}; the metadata belongs to another save"
-        )
-    if not tensor.is_contiguous():
-        raise UnsupportedCheckpointError(
-            f"{where}: the chunk was saved with strides {list(tensor.stride)} (not row-major); "
-            "zerosafe copies row-major chunks only. Save the state dict with contiguous tensors."
-        )
+    _check_chunk_tensor(where, dtype, sizes, tensor)
     record = archive.storage_record(tensor.storage.key)
     return StoredChunk(
         record=record.name,
@@ -191,16 +182,15 @@ def _zip_chunk(
     )
 
 
-def _raw_chunk(
-    where: str,
-    offset: int,
-    length: int,
-    dtype: str,
-    sizes: tuple[int, ...],
-    tensor: TensorRecord,
-) -> StoredChunk:
-    # ByteCheckpoint writes `storage.nbytes()` bytes of the chunk's storage (its
-    # utilities/serialization.py `_serialize_tensor`), so the storage must fill the range.
+def _check_chunk_tensor(
+    where: str, dtype: str, sizes: tuple[int, ...], tensor: TensorRecord
+) -> None:
+    """A stored chunk's tensor is the metadata's shape and dtype, in row-major order.
+
+    Raises:
+        CheckpointFormatError: If its shape or dtype is not the metadata's.
+        UnsupportedCheckpointError: If it is not row-major.
+    """
     if tensor.shape != sizes or tensor.dtype != dtype:
         raise CheckpointFormatError(
             f"{where}: the stored chunk is {list(tensor.shape)} x {tensor.dtype}, the metadata "
@@ -211,6 +201,19 @@ def _raw_chunk(
             f"{where}: the chunk was saved with strides {list(tensor.stride)} (not row-major); "
             "zerosafe copies row-major chunks only. Save the state dict with contiguous tensors."
         )
+
+
+def _raw_chunk(
+    where: str,
+    offset: int,
+    length: int,
+    dtype: str,
+    sizes: tuple[int, ...],
+    tensor: TensorRecord,
+) -> StoredChunk:
+    # ByteCheckpoint writes `storage.nbytes()` bytes of the chunk's storage (its
+    # utilities/serialization.py `_serialize_tensor`), so the storage must fill the range.
+    _check_chunk_tensor(where, dtype, sizes, tensor)
     storage_bytes = tensor.storage.numel * dtype_info(tensor.storage.dtype).itemsize
     end = tensor.storage_offset + tensor.numel
     if storage_bytes != length or tensor.storage.dtype != dtype or end > tensor.storage.numel:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from zerosafe.errors import CheckpointFormatError
-from zerosafe.formats.base import Fragment, Slot, SourceFile, SourceTensor
+from zerosafe.formats.base import Fragment, Slot, SourceFile, SourceTensor, record_slot
 from zerosafe.formats.deepspeed.layout import GroupParam, Piece, map_runs, zero12_partition_pieces
 from zerosafe.formats.deepspeed.types import LoadedFile, SwapFile, ZeroCheckpoint
 from zerosafe.formats.torch_pickle import TensorRecord
@@ -161,16 +161,7 @@ class SlotBuilder:
                 element_offset=0, numel=swap.numel, dtype=swap.dtype,
             )  # fmt: skip
         loaded, kind, name, t = item
-        record = loaded.zip.storage_record(t.storage.key)
-        end = (t.storage_offset + t.numel) * t.itemsize
-        if end > record.size_bytes:
-            raise CheckpointFormatError(
-                f"{loaded.url}: tensor '{name}' needs {end} bytes of record "
-                f"'{record.name}', which holds {record.size_bytes}; the file is corrupt"
-            )
-        return Slot(
-            index=index, file=self._file_index[loaded.url], rank=loaded.rank, kind=kind,
-            name=name, record=record.name, record_offset=loaded.zip.data_offset(record),
-            record_size_bytes=record.size_bytes, record_crc32=record.crc32,
-            element_offset=t.storage_offset, numel=t.numel, dtype=t.dtype,
+        return record_slot(
+            loaded.zip, t, where=f"{loaded.url}: tensor '{name}'", index=index,
+            file=self._file_index[loaded.url], rank=loaded.rank, kind=kind, name=name,
         )  # fmt: skip

@@ -78,38 +78,21 @@ def scan_tags(
             out.append(TagStatus(tag=name, tag_url=tag_url, destination=dest, state="done"))
             continue
         step = tag_step(name)
+        why = None
         if latest is None:
-            out.append(
-                TagStatus(
-                    tag=name,
-                    tag_url=tag_url,
-                    destination=dest,
-                    state="writing",
-                    why="no 'latest' file yet",
-                )
-            )
-            continue
-        if name != latest and (step is None or latest_step is None or step > latest_step):
-            out.append(
-                TagStatus(
-                    tag=name,
-                    tag_url=tag_url,
-                    destination=dest,
-                    state="writing",
-                    why=f"newer than 'latest' ({latest})",
-                )
-            )
-            continue
-        if check_files:
+            why = "no 'latest' file yet"
+        elif name != latest and (step is None or latest_step is None or step > latest_step):
+            why = f"newer than 'latest' ({latest})"
+        elif check_files:
             try:
                 open_zero_checkpoint(storage, root, tag=name)
             except ConversionError as e:
-                out.append(
-                    TagStatus(
-                        tag=name, tag_url=tag_url, destination=dest, state="writing", why=str(e)
-                    )
-                )
-                continue
+                why = str(e)
+        if why is not None:
+            out.append(
+                TagStatus(tag=name, tag_url=tag_url, destination=dest, state="writing", why=why)
+            )
+            continue
         started = storage.exists(join_url(dest, ".zerosafe-work"))
         out.append(
             TagStatus(

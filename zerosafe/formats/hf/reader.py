@@ -16,8 +16,7 @@ headers and the index are read here, never tensor data.
 from __future__ import annotations
 
 from zerosafe.config import ConvertOptions
-from zerosafe.errors import ConfigError
-from zerosafe.formats.base import Slot, SourceFile, SourceLayout, SourceTensor
+from zerosafe.formats.base import Slot, SourceFile, SourceLayout, SourceTensor, one_save_tag
 from zerosafe.formats.hf.facts import Described, describe
 from zerosafe.formats.hf.folder import INDEX_NAME, SINGLE_NAME, SUFFIX, read_folder, weight_files
 from zerosafe.formats.hf.headers import SafetensorsHeader, read_checked_header
@@ -32,18 +31,8 @@ SHARDED_DIR = "sharded"
 
 
 def _tag_of(url: str, tag: str | None, title: str) -> str:
-    """A safetensors folder is one save; its tag is its own name.
-
-    Raises:
-        ConfigError: If another tag is asked for.
-    """
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    if tag is not None and tag != name:
-        raise ConfigError(
-            f"{url}: `--tag {tag}` names a DeepSpeed tag folder, but this is a {title} folder, "
-            "which is one save; give the folder itself and no --tag"
-        )
-    return name
+    """A safetensors folder is one save; its tag is its own name."""
+    return one_save_tag(url, tag, this=f"a {title} folder", give="the folder itself")
 
 
 def _being_written(names: set[str]) -> bool:

@@ -4,13 +4,13 @@ the `SourceLayout` that carries it: `describe` is the one place the reader's `so
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from zerosafe.formats.base import InspectFacts, ReadLabels, SourceDescription, SourceLayout
+from zerosafe.formats.verl.rank_files import built_fields, shards_layout, shards_source
 from zerosafe.formats.verl.shards import layout_lines, shards_fingerprint, tied_lines
 from zerosafe.units import format_bytes
 
@@ -68,15 +68,8 @@ def describe(
     `safetensors_fingerprint` (the safetensors layout's, from its headers and metadata.pkl)
     stands for the default layout's fingerprint of its zip records' CRC-32s."""
     safetensors = safetensors_fingerprint is not None
-    params = sum(math.prod(t.shape) for t in built.tensors.values())
-    total = sum(f.size_bytes for f in files)
-    source = SourceDescription(
-        format=_FORMAT,
-        checkpoint=url,
-        tag=tag,
-        num_params=params,
-        checkpoint_bytes=total,
-        files=tuple(f.identity for f in files),
+    source = shards_source(
+        fmt=_FORMAT, url=url, tag=tag, files=files, built=built,
         content_sha256=safetensors_fingerprint or _fingerprint(files, built.slots),
         details=TorchCheckpointingSource(
             world_size=len(files),
@@ -84,7 +77,8 @@ def describe(
             other_items=tuple(other_items),
             non_tensor_entries=tuple(built.non_tensor),
         ),
-    )
+    )  # fmt: skip
+    params, total = source.num_params, source.checkpoint_bytes
     dtypes = Counter(t.dtype for t in built.tensors.values())
     others = ", ".join(f"{item} ({n} file(s))" for item, n in other_items.items()) or "none"
     about = [
@@ -102,12 +96,7 @@ def describe(
             "world_size": len(files),
             "tensors": len(built.tensors),
             "other_items": dict(other_items),
-            "placements": dict(built.placements),
-            "uneven": built.uneven,
-            "dtypes": dict(dtypes),
-            "aliases": dict(built.aliases),
-            "copies": dict(built.copies),
-            "non_tensor_entries": list(built.non_tensor),
+            **built_fields(built, dtypes),
             "files": {"model": len(files), "total_bytes": total},
         },
         about=about,
@@ -122,11 +111,9 @@ def describe(
             never="the other items' files (optimizer state, counters) are never read",
         ),
     )
-    return SourceLayout(
-        format=_FORMAT, where=url, tag=tag, files=files, slots=built.slots,
-        tensors=built.tensors, order=built.order, aliases=built.aliases, source=source,
-        facts=facts, metadata_bytes=metadata_bytes,
-        main_slot_kind="chunk" if safetensors else "shard",
+    return shards_layout(
+        fmt=_FORMAT, url=url, tag=tag, files=files, built=built, source=source, facts=facts,
+        metadata_bytes=metadata_bytes, main_slot_kind="chunk" if safetensors else "shard",
         notes=_notes(built), lowp_missing=f"{_FORMAT} saves the sharded model weights only",
     )  # fmt: skip
 

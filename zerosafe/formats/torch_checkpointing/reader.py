@@ -24,14 +24,14 @@ from __future__ import annotations
 import re
 
 from zerosafe.config import ConvertOptions
-from zerosafe.errors import CheckpointFormatError, ConfigError
-from zerosafe.formats.base import SourceFile, SourceLayout
+from zerosafe.errors import CheckpointFormatError
+from zerosafe.formats.base import SourceFile, SourceLayout, one_save_tag
 from zerosafe.formats.torch_checkpointing.facts import describe
 from zerosafe.formats.torch_checkpointing.safetensors_layout import read_safetensors_save
 from zerosafe.formats.torch_pickle import DTensorRecord, InertObject, TensorRecord
-from zerosafe.formats.torch_zip import TorchZipFile
-from zerosafe.formats.verl.shards import RankFile, build_tensors
-from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
+from zerosafe.formats.verl.rank_files import RankFolderReader, build_from_rank_files
+from zerosafe.formats.verl.shards import RankFile
+from zerosafe.io.storage import Storage, join_url, normalize_url
 
 __all__ = ["FORMAT_NAME", "MODEL_ITEM", "TorchCheckpointingReader", "item_files"]
 
@@ -53,10 +53,11 @@ _MODEL_FILE = re.compile(rf"^({MODEL_ITEM}_\d+\.pt|{MODEL_ITEM}_0\.safetensors)$
 `save_state` of several models writes `model.safetensors`, `model_1.safetensors`...)."""
 
 
-class TorchCheckpointingReader:
+class TorchCheckpointingReader(RankFolderReader):
     """torch_checkpointing saves: a folder holding `model_R.pt` (or `model_R.safetensors`)."""
 
     name = "torch_checkpointing"
+    claims = _MODEL_FILE
     title = FORMAT_NAME
     parts_below: tuple[str, ...] = ("torch_checkpointing",)
     tag_folders = False
@@ -66,23 +67,11 @@ class TorchCheckpointingReader:
     )
     selects = False
 
-    def detect(self, storage: Storage, url: str) -> bool:
-        url = normalize_url(url)
-        return storage.isdir(url) and any(_MODEL_FILE.match(n) for n in storage.listdir(url))
-
-    def quick_identities(
-        self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[FileIdentity]]:
-        url = normalize_url(url)
-        resolved = _tag_of(url, tag)
-        names = _model_file_names(storage, url)
-        return resolved, [storage.identity(join_url(url, n)) for n in names]
-
     def read(
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
     ) -> SourceLayout:
         url = normalize_url(url)
-        resolved = _tag_of(url, tag)
+        resolved = self.tag_of(url, tag)
         read_before = storage.counter.bytes_read
         names = _model_file_names(storage, url)
         fingerprint = None
@@ -91,13 +80,10 @@ class TorchCheckpointingReader:
             files, built, fingerprint = save.files, save.built, save.fingerprint
         else:
             files = _source_files(storage, url, names)
-            loaded = _load_ranks(storage, files)
-            try:
-                _check_mesh(url, loaded)
-                built = build_tensors(url, loaded, fallback=_FALLBACK)
-            finally:
-                for rank_file in loaded:
-                    rank_file.zip.source.close()
+            saves = f"{FORMAT_NAME} saves the rank's value of the `{MODEL_ITEM}` item, a state dict"
+            built = build_from_rank_files(
+                storage, url, files, saves=saves, fallback=_FALLBACK, check=_check_mesh
+            )
         layout = describe(
             url=url, tag=resolved, files=files, built=built,
             other_items=_other_items(storage, url),
@@ -113,21 +99,17 @@ class TorchCheckpointingReader:
             )
         return layout
 
+    @staticmethod
+    def tag_of(url: str, tag: str | None) -> str:
+        """A save folder is one save; its tag is the folder's name (`step_4`)."""
+        return one_save_tag(
+            url, tag, this=f"a {FORMAT_NAME} save folder",
+            give="the folder holding its model_R.pt files",
+        )  # fmt: skip
 
-def _tag_of(url: str, tag: str | None) -> str:
-    """A save folder is one save; its tag is the folder's name (`step_4`).
-
-    Raises:
-        ConfigError: If another tag is asked for.
-    """
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    if tag is not None and tag != name:
-        raise ConfigError(
-            f"{url}: `--tag {tag}` names a DeepSpeed tag folder, but this is a "
-            f"{FORMAT_NAME} save folder, which is one save; give the folder holding its "
-            "model_R.pt files and no --tag"
-        )
-    return name
+    @staticmethod
+    def read_names(storage: Storage, url: str) -> list[str]:
+        return _model_file_names(storage, url)
 
 
 def item_files(storage: Storage, url: str) -> dict[str, dict[int, str]]:
@@ -188,26 +170,6 @@ def _source_files(storage: Storage, url: str, names: list[str]) -> list[SourceFi
             )
         )  # fmt: skip
     return files
-
-
-def _load_ranks(storage: Storage, files: list[SourceFile]) -> list[RankFile]:
-    loaded: list[RankFile] = []
-    try:
-        for source in files:
-            archive = TorchZipFile(storage.open_source(source.url))
-            loaded.append(RankFile(rank=source.rank, file=source, zip=archive, state={}))
-            state = archive.load()
-            if not isinstance(state, dict):
-                raise CheckpointFormatError(
-                    f"{source.url}: holds a {type(state).__name__}, where {FORMAT_NAME} saves "
-                    f"the rank's value of the `{MODEL_ITEM}` item, a state dict"
-                )
-            loaded[-1].state = state
-    except BaseException:
-        for rank_file in loaded:
-            rank_file.zip.source.close()
-        raise
-    return loaded
 
 
 def _check_mesh(url: str, ranks: list[RankFile]) -> None:

@@ -4,13 +4,13 @@ are made."""
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from zerosafe.formats.base import InspectFacts, ReadLabels, SourceDescription, SourceLayout
+from zerosafe.formats.verl.rank_files import built_fields, shards_layout, shards_source
 from zerosafe.formats.verl.shards import layout_lines, shards_fingerprint, tied_lines
 from zerosafe.units import format_bytes
 
@@ -72,15 +72,8 @@ def describe(
     """The reader's `SourceLayout`: tensors, slots, and what the manifest and `inspect` say."""
     models = [f for f in files if f.role == "model"]
     fsdp_version = config.get("FSDP_version") if config else None
-    params = sum(math.prod(t.shape) for t in built.tensors.values())
-    total = sum(f.size_bytes for f in files)
-    source = SourceDescription(
-        format=_FORMAT,
-        checkpoint=url,
-        tag=tag,
-        num_params=params,
-        checkpoint_bytes=total,
-        files=tuple(f.identity for f in files),
+    source = shards_source(
+        fmt=_FORMAT, url=url, tag=tag, files=files, built=built,
         content_sha256=_fingerprint(files, built.slots),
         details=VerlSource(
             world_size=len(models),
@@ -89,7 +82,8 @@ def describe(
             non_tensor_entries=tuple(built.non_tensor),
         ),
         model_files=model_files,
-    )
+    )  # fmt: skip
+    params, total = source.num_params, source.checkpoint_bytes
     dtypes = Counter(t.dtype for t in built.tensors.values())
     about = [
         f"Checkpoint  {url}  (verl, {_wrapping(fsdp_version)}, world size {len(models)})",
@@ -106,12 +100,7 @@ def describe(
             "world_size": len(models),
             "fsdp_version": fsdp_version,
             "tensors": len(built.tensors),
-            "placements": dict(built.placements),
-            "uneven": built.uneven,
-            "dtypes": dict(dtypes),
-            "aliases": dict(built.aliases),
-            "copies": dict(built.copies),
-            "non_tensor_entries": list(built.non_tensor),
+            **built_fields(built, dtypes),
             "model_files": model_files,
             "files": {"model": len(models), "total_bytes": total},
         },
@@ -123,10 +112,9 @@ def describe(
             never="optimizer and extra-state files are never read",
         ),
     )
-    return SourceLayout(
-        format=_FORMAT, where=url, tag=tag, files=files, slots=built.slots,
-        tensors=built.tensors, order=built.order, aliases=built.aliases, source=source,
-        facts=facts, metadata_bytes=metadata_bytes, main_slot_kind="shard",
+    return shards_layout(
+        fmt=_FORMAT, url=url, tag=tag, files=files, built=built, source=source, facts=facts,
+        metadata_bytes=metadata_bytes, main_slot_kind="shard",
         notes=_notes(built, config), warnings=_warnings(built),
         lowp_missing="verl saves only the sharded model weights, no second copy",
     )  # fmt: skip

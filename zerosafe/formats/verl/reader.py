@@ -30,15 +30,13 @@ from typing import Any
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import (
     CheckpointFormatError,
-    ConfigError,
     UnsafePickleError,
     UnsupportedCheckpointError,
 )
-from zerosafe.formats.base import SourceFile, SourceLayout
-from zerosafe.formats.torch_zip import TorchZipFile
+from zerosafe.formats.base import SourceFile, SourceLayout, one_save_tag
 from zerosafe.formats.verl.facts import describe
-from zerosafe.formats.verl.shards import RankFile, build_tensors
-from zerosafe.io.storage import FileIdentity, Storage, join_url, normalize_url
+from zerosafe.formats.verl.rank_files import RankFolderReader, build_from_rank_files
+from zerosafe.io.storage import Storage, join_url, normalize_url
 
 __all__ = ["CONFIG_FILE", "FORMAT_NAME", "HF_FOLDER", "VerlReader", "rank_file_names"]
 
@@ -51,10 +49,11 @@ _CONFIG_MAX_BYTES = 1 << 16
 another file, refused before it is read whole."""
 
 
-class VerlReader:
+class VerlReader(RankFolderReader):
     """verl FSDP checkpoints: a folder holding `model_world_size_W_rank_R.pt` files."""
 
     name = "verl"
+    claims = _RANK_FILE
     title = FORMAT_NAME
     looks_like = (
         "a verl actor/critic folder holding `model_world_size_W_rank_R.pt`, "
@@ -64,33 +63,19 @@ class VerlReader:
     parts_below: tuple[str, ...] = ("verl",)
     tag_folders = False
 
-    def detect(self, storage: Storage, url: str) -> bool:
-        url = normalize_url(url)
-        return storage.isdir(url) and any(_RANK_FILE.match(n) for n in storage.listdir(url))
-
-    def quick_identities(
-        self, storage: Storage, url: str, tag: str | None
-    ) -> tuple[str, list[FileIdentity]]:
-        url = normalize_url(url)
-        resolved = _tag_of(url, tag)
-        names = _file_names(storage, url)
-        return resolved, [storage.identity(join_url(url, n)) for n in names]
-
     def read(
         self, storage: Storage, url: str, *, tag: str | None, options: ConvertOptions
     ) -> SourceLayout:
         url = normalize_url(url)
-        resolved = _tag_of(url, tag)
+        resolved = self.tag_of(url, tag)
         read_before = storage.counter.bytes_read
-        world_size, ranks = rank_file_names(storage, url)
+        world_size, _ = rank_file_names(storage, url)
         config = _read_config(storage, url, world_size)
         files = _source_files(storage, url)
-        loaded = _load_ranks(storage, url, ranks, files)
-        try:
-            built = build_tensors(url, loaded)
-        finally:
-            for rank_file in loaded:
-                rank_file.zip.source.close()
+        built = build_from_rank_files(
+            storage, url, [f for f in files if f.role == "model"],
+            saves="verl saves the rank's model state dict", refuse=_fsdp1_refusal,
+        )  # fmt: skip
         hf_url = join_url(url, HF_FOLDER)
         model_files = hf_url if storage.isdir(hf_url) else None
         metadata_bytes = storage.counter.bytes_read - read_before
@@ -99,22 +84,17 @@ class VerlReader:
             model_files=model_files, metadata_bytes=metadata_bytes,
         )  # fmt: skip
 
+    @staticmethod
+    def tag_of(url: str, tag: str | None) -> str:
+        """A verl folder is one save; its tag is `global_step_N/actor` (the last two names)."""
+        return one_save_tag(
+            url, tag, this="a verl FSDP checkpoint folder", depth=2,
+            give="the folder holding the save's model_world_size_W_rank_R.pt files",
+        )  # fmt: skip
 
-def _tag_of(url: str, tag: str | None) -> str:
-    """A verl folder is one save; its tag is `global_step_N/actor` (the last two names).
-
-    Raises:
-        ConfigError: If another tag is asked for.
-    """
-    parts = url.rstrip("/").rsplit("/", 2)
-    name = "/".join(parts[-2:]) if len(parts) >= 2 else parts[-1]
-    if tag is not None and tag not in (name, parts[-1]):
-        raise ConfigError(
-            f"{url}: `--tag {tag}` names a DeepSpeed tag folder, but this is a verl FSDP "
-            "checkpoint folder, which is one save; give the folder holding the save's "
-            "model_world_size_W_rank_R.pt files and no --tag"
-        )
-    return name
+    @staticmethod
+    def read_names(storage: Storage, url: str) -> list[str]:
+        return _file_names(storage, url)
 
 
 def rank_file_names(storage: Storage, url: str) -> tuple[int, list[str]]:
@@ -206,39 +186,12 @@ def _read_config(storage: Storage, url: str, world_size: int) -> dict[str, Any] 
     return config
 
 
-def _fsdp1_refusal(where: str) -> str:
-    return (
+def _fsdp1_refusal(where: str, refused: UnsafePickleError) -> Exception | None:
+    if "torch.distributed._shard." not in str(refused):  # ShardedTensor and its metadata
+        return None
+    return UnsupportedCheckpointError(
         f"{where}: an FSDP1 save of `ShardedTensor`s (FSDP1 wrapped without a device mesh), "
         "which zerosafe does not read (it reads DTensors: FSDP2, and FSDP1 with a device mesh, "
         "as verl wraps it), nor does verl's model_merger (torch.load needs a process group); "
         "load it into the FSDP-wrapped model on its W ranks and save a FULL_STATE_DICT"
     )
-
-
-def _load_ranks(
-    storage: Storage, url: str, names: list[str], files: list[SourceFile]
-) -> list[RankFile]:
-    rank_files = [f for f in files if f.role == "model"]  # in rank order, as `names`
-    loaded: list[RankFile] = []
-    try:
-        for rank, name in enumerate(names):
-            file_url = join_url(url, name)
-            archive = TorchZipFile(storage.open_source(file_url))
-            loaded.append(RankFile(rank=rank, file=rank_files[rank], zip=archive, state={}))
-            try:
-                state = archive.load()
-            except UnsafePickleError as e:
-                if "torch.distributed._shard." in str(e):  # ShardedTensor and its metadata
-                    raise UnsupportedCheckpointError(_fsdp1_refusal(file_url)) from e
-                raise
-            if not isinstance(state, dict):
-                raise CheckpointFormatError(
-                    f"{file_url}: holds a {type(state).__name__}, where verl saves the rank's "
-                    "model state dict"
-                )
-            loaded[-1].state = state
-    except BaseException:
-        for rank_file in loaded:
-            rank_file.zip.source.close()
-        raise
-    return loaded

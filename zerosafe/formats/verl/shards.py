@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerosafe.errors import CheckpointFormatError, UnsupportedCheckpointError
-from zerosafe.formats.base import Fragment, Slot, SourceFile, SourceTensor
+from zerosafe.formats.base import Fragment, Slot, SourceFile, SourceTensor, record_slot
 from zerosafe.formats.torch_pickle import DTensorRecord, InertObject, TensorRecord
 from zerosafe.formats.torch_zip import TorchZipFile
 
@@ -276,19 +276,10 @@ def _resolve_slots(
 
     def one(index: int, item: tuple[RankFile, str, TensorRecord]) -> Slot:
         rank_file, key, t = item
-        record = rank_file.zip.storage_record(t.storage.key)
-        end = (t.storage_offset + t.numel) * t.itemsize
-        if end > record.size_bytes:
-            raise CheckpointFormatError(
-                f"{rank_file.file.url}: '{key}' needs {end} bytes of record '{record.name}', "
-                f"which holds {record.size_bytes}; the file is corrupt"
-            )
-        return Slot(
-            index=index, file=rank_file.file.index, rank=rank_file.rank, kind="shard",
-            name=f"{key}@rank{rank_file.rank}", record=record.name,
-            record_offset=rank_file.zip.data_offset(record),
-            record_size_bytes=record.size_bytes, record_crc32=record.crc32,
-            element_offset=t.storage_offset, numel=t.numel, dtype=t.dtype,
+        return record_slot(
+            rank_file.zip, t, where=f"{rank_file.file.url}: '{key}'", index=index,
+            file=rank_file.file.index, rank=rank_file.rank, kind="shard",
+            name=f"{key}@rank{rank_file.rank}",
         )  # fmt: skip
 
     with ThreadPoolExecutor(max_workers=max_workers) as pool:
