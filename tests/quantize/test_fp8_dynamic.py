@@ -5,6 +5,8 @@ and the `quantization_config` its `ModelCompressor` writes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import compressed_tensors  # a test dependency (the `test` extra): a missing one fails
 import numpy as np
 import torch
@@ -19,6 +21,24 @@ from zerosafe.quantize import COMPRESSED_TENSORS_VERSION, quantize_band
 from zerosafe.verify.quantized import within_rounding_bound
 
 SCHEME = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
+
+
+def written_config(scheme: Any, form: str, ignore: list[str]) -> dict[str, Any]:
+    """The `quantization_config` compressed-tensors' `ModelCompressor.update_config` writes
+    for `scheme` in format `form`, compressed, leaving `ignore` unquantized."""
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format=form,
+        quantization_status="compressed",
+        ignore=ignore,
+    )
+    return {
+        "version": compressed_tensors.__version__,
+        "quant_method": "compressed-tensors",
+        "sparsity_config": {},
+        "transform_config": {},
+        **config.model_dump(exclude=["quant_method"]),  # type: ignore[arg-type]
+    }
 
 
 def reference_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -68,16 +88,5 @@ def test_plan_and_quantization_config_as_compressed_tensors_writes_them() -> Non
         "model.layers.0.self_attn.q_proj.bias": ("bfloat16", (256,)),
     }
     ignore = ["model.embed_tokens", "model.layers.0.mlp.gate", "lm_head"]
-    config = QuantizationConfig(
-        config_groups={"group_0": SCHEME}, format="float-quantized",
-        quantization_status="compressed", ignore=ignore,
-    )  # fmt: skip
-    want = {  # compressed_tensors' ModelCompressor.update_config
-        "version": compressed_tensors.__version__,
-        "quant_method": "compressed-tensors",
-        "sparsity_config": {},
-        "transform_config": {},
-        **config.model_dump(exclude=["quant_method"]),  # type: ignore[arg-type]
-    }
-    assert plan.quantization == want
+    assert plan.quantization == written_config(SCHEME, "float-quantized", ignore)
     assert COMPRESSED_TENSORS_VERSION == compressed_tensors.__version__

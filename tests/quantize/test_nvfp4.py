@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import compressed_tensors  # a test dependency (the `test` extra): a missing one fails
 import pytest
 import torch
 from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
-from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+from compressed_tensors.quantization import preset_name_to_scheme
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
 from tests.plan.test_build import _layout, _slot, _tensor
 from tests.quantize.test_fp8_block import _llama_layout, edge_weight
+from tests.quantize.test_fp8_dynamic import written_config
 from zerosafe.config import ConvertOptions
 from zerosafe.errors import ConfigError
 from zerosafe.plan.build import plan_layout
@@ -91,18 +91,7 @@ def test_plan_and_quantization_config_as_compressed_tensors_writes_them() -> Non
     assert shard[f"{q}.weight_packed"] == shard[f"{q}.weight_global_scale"]
     assert any("3 weight(s) quantized to nvfp4a16 (4.501 bits" in n for n in plan.notes)
     ignore = ["model.embed_tokens", "model.layers.0.mlp.gate", "lm_head"]
-    config = QuantizationConfig(
-        config_groups={"group_0": SCHEME}, format="nvfp4-pack-quantized",
-        quantization_status="compressed", ignore=ignore,
-    )  # fmt: skip
-    want = {  # compressed_tensors' ModelCompressor.update_config
-        "version": compressed_tensors.__version__,
-        "quant_method": "compressed-tensors",
-        "sparsity_config": {},
-        "transform_config": {},
-        **config.model_dump(exclude=["quant_method"]),  # type: ignore[arg-type]
-    }
-    assert plan.quantization == want
+    assert plan.quantization == written_config(SCHEME, "nvfp4-pack-quantized", ignore)
 
 
 def test_in_features_not_divisible_by_16_is_refused_naming_the_weight() -> None:
